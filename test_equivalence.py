@@ -1,0 +1,281 @@
+"""Exact reductions between residual variants (float64), and the model's other contracts."""
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, KVCache, depth_attention, depth_attention_reference
+
+VARIANTS = [
+    dict(residual="standard"),
+    dict(residual="full_attnres"),
+    dict(residual="block_attnres"),
+    dict(residual="rd_attnres"),
+    dict(residual="rd_attnres", rd_mode="tied"),
+    dict(residual="rd_attnres", rd_mode="average"),
+    dict(residual="rd_attnres", rd_mode="frozen_v"),
+]
+IDS = ["-".join(v.values()) for v in VARIANTS]
+
+
+def tiny(seed=0, dtype=torch.float64, **kw):
+    """A 3-layer model: 6 sublayers, so block size 4 gives a full block and a short one."""
+    kw = dict(dict(vocab_size=61, block_size=24, n_layer=3, n_head=2, n_embd=32, attnres_block_size=4), **kw)
+    return GPT(GPTConfig(**kw), seed=seed).to(dtype)
+
+
+def tokens(B=2, T=12, seed=0):
+    return torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def randomize_routing(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.router.parameters():
+        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+
+
+def loss_and_grads(model, idx):
+    model.zero_grad()
+    logits, loss = model(idx, idx.roll(-1, 1))
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_equal(ga, gb, names=None, atol=1e-10):
+    for n in names if names is not None else ga.keys() & gb.keys():
+        torch.testing.assert_close(ga[n], gb[n], rtol=0, atol=atol, msg=f"gradient of {n}")
+
+
+# --- 1. zero pseudo-queries reduce every AttnRes variant to the standard residual ------------------
+
+@pytest.mark.parametrize("variant", VARIANTS[1:], ids=IDS[1:])
+def test_zero_queries_equal_standard(variant):
+    idx = tokens()
+    ref, _ = tiny(residual="standard")(idx)
+    out, _ = tiny(**variant)(idx)  # pseudo-queries are zero at init
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-9)
+
+
+# --- 2. Block AttnRes with S = 1 is Full AttnRes -----------------------------------------------------
+
+def test_block_size_one_is_full_attnres():
+    idx = tokens()
+    full, block = tiny(residual="full_attnres"), tiny(residual="block_attnres", attnres_block_size=1)
+    randomize_routing(full)
+    randomize_routing(block)
+    la, ga = loss_and_grads(full, idx)
+    lb, gb = loss_and_grads(block, idx)
+    torch.testing.assert_close(la, lb, rtol=0, atol=1e-10)
+    assert ga.keys() == gb.keys()
+    assert_grads_equal(ga, gb)
+
+
+# --- 3. RD-AttnRes and its controls ---------------------------------------------------------------
+
+def test_rd_tied_equals_block_attnres():
+    idx = tokens()
+    block, tied = tiny(residual="block_attnres"), tiny(residual="rd_attnres", rd_mode="tied")
+    randomize_routing(block)
+    randomize_routing(tied)
+    la, ga = loss_and_grads(block, idx)
+    lb, gb = loss_and_grads(tied, idx)
+    torch.testing.assert_close(la, lb, rtol=0, atol=1e-10)
+    assert ga.keys() == gb.keys()
+    assert_grads_equal(ga, gb)
+
+
+def _with_value_queries_from_qk(model):
+    """Set w_V of every layer to that attention sublayer's w_QK."""
+    with torch.no_grad():
+        model.router.w_v.copy_(model.router.w[0:-1:2])
+    return model
+
+
+def test_rd_decoupled_with_copied_queries_equals_block_forward():
+    idx = tokens()
+    block, rd = tiny(residual="block_attnres"), tiny(residual="rd_attnres")
+    randomize_routing(block)
+    randomize_routing(rd)
+    _with_value_queries_from_qk(rd)
+    torch.testing.assert_close(rd(idx)[0], block(idx)[0], rtol=0, atol=1e-10)
+    with torch.no_grad():
+        rd.router.w_v.add_(0.5)
+    assert (rd(idx)[0] - block(idx)[0]).abs().max() > 1e-4  # the V route matters
+
+
+def test_rd_frozen_v_stays_zero_without_gradient():
+    model = tiny(residual="rd_attnres", rd_mode="frozen_v")
+    randomize_routing(model)
+    with torch.no_grad():
+        model.router.w_v.zero_()
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-2)
+    for step in range(2):
+        loss_and_grads(model, tokens(seed=step))
+        opt.step()
+    assert not model.router.w_v.requires_grad and model.router.w_v.grad is None
+    assert torch.count_nonzero(model.router.w_v) == 0
+    assert all(model.router.w_v is not p for g in model.param_groups(0.1) for p in g["params"])
+
+
+def test_rd_average_differs_from_block_once_queries_differ():
+    idx = tokens()
+    block, avg = tiny(residual="block_attnres"), tiny(residual="rd_attnres", rd_mode="average")
+    randomize_routing(block)
+    randomize_routing(avg)
+    _with_value_queries_from_qk(avg)
+    torch.testing.assert_close(avg(idx)[0], block(idx)[0], rtol=0, atol=1e-10)  # same queries: same
+    with torch.no_grad():
+        avg.router.w_v.mul_(-1.0)
+    assert (avg(idx)[0] - block(idx)[0]).abs().max() > 1e-4
+
+
+# --- 4. parameter count --------------------------------------------------------------------------
+
+def test_rd_adds_one_vector_per_layer():
+    cfg = dict(n_layer=3, n_embd=32)
+    block = tiny(residual="block_attnres").num_params()
+    assert tiny(residual="rd_attnres", rd_mode="tied").num_params() == block
+    for mode in ("decoupled", "average", "frozen_v"):
+        assert tiny(residual="rd_attnres", rd_mode=mode).num_params() == block + cfg["n_layer"] * cfg["n_embd"]
+    assert tiny(residual="rd_attnres", rd_mode="frozen_v").num_params(trainable_only=True) == block
+
+
+# --- 5. paired init -------------------------------------------------------------------------------
+
+def test_paired_init_shares_every_common_weight():
+    models = [tiny(seed=7, dtype=torch.float32, **v) for v in VARIANTS]
+    ref = dict(models[0].named_parameters())
+    for m in models[1:]:
+        shared = [(n, p) for n, p in m.named_parameters() if n in ref]
+        assert len(shared) == len(ref)
+        for n, p in shared:
+            assert torch.equal(p, ref[n]), n
+    other = dict(tiny(seed=8, dtype=torch.float32).named_parameters())
+    assert all(not torch.equal(other[n], p) for n, p in ref.items())
+
+
+# --- 6. causality ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_causal(variant):
+    model = tiny(**variant)
+    randomize_routing(model)
+    idx = tokens(B=1, T=10)
+    t = 5
+    changed = idx.clone()
+    changed[0, t + 1] = (idx[0, t + 1] + 1) % 61
+    a, b = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(a[:, :t + 1], b[:, :t + 1], rtol=0, atol=0)
+    assert (a[:, t + 1] - b[:, t + 1]).abs().max() > 0
+
+
+# --- 7. the first sublayer reads the embedding; every parameter learns -------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_first_input_is_embedding_and_all_params_get_grads(variant):
+    model = tiny(**variant)
+    seen = []
+    model.blocks[0].attn.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    idx = tokens()
+    loss_and_grads(model, idx)
+    h0 = seen[0] if not isinstance(seen[0], tuple) else seen[0][0]
+    assert torch.equal(h0, model.wte(idx))
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), n
+            assert p.grad.abs().max() > 0, f"{n} has an all-zero gradient at init"
+
+
+# --- 8. impossible configs -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(residual="resnet"), "unknown residual 'resnet'"),
+    (dict(residual="block_attnres", rd_mode="tied"), "rd_mode='tied' only applies to residual='rd_attnres'"),
+    (dict(residual="rd_attnres", rd_mode="shared"), "unknown rd_mode 'shared'"),
+    (dict(residual="block_attnres", attnres_block_size=0), "attnres_block_size counts sublayers and must be >= 1"),
+    (dict(n_embd=30, n_head=4), "n_embd=30 is not divisible by n_head=4"),
+    (dict(n_embd=24, n_head=8), "head dim .* must be even"),
+    (dict(n_layer=0), "n_layer must be >= 1"),
+    (dict(depth_impl="triton"), "unknown depth_impl 'triton'"),
+])
+def test_bad_config_raises_clear_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**kw)
+
+
+# --- the lean depth attention is the reference math ---------------------------------------------------
+
+@pytest.mark.parametrize("case", ["one-query", "two-queries", "separate-values"])
+def test_lean_depth_attention_matches_reference(case):
+    g = torch.Generator().manual_seed(0)
+    B, T, d, n = 2, 3, 8, 4
+    keys = [torch.randn(B, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n)]
+    values = [torch.randn(B, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n)] \
+        if case == "separate-values" else None
+    w_shape = (2, 1, 1, d) if case == "two-queries" else (d,)
+    w = torch.randn(w_shape, generator=g, dtype=torch.float64, requires_grad=True)
+    inputs = [w, *keys, *(values or [])]
+
+    def run(impl):
+        h, a = depth_attention(w, keys, values, impl=impl)
+        gh = torch.randn(h.shape, generator=torch.Generator().manual_seed(1), dtype=h.dtype)
+        return (h, a, *torch.autograd.grad((h * gh).sum(), inputs))
+
+    for lean, ref in zip(run("lean"), run("reference")):
+        torch.testing.assert_close(lean, ref, rtol=0, atol=1e-12)
+    torch.autograd.gradcheck(lambda w, *kv: depth_attention(w, list(kv[:n]), list(kv[n:]) or None)[0], inputs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:], ids=IDS[1:])
+def test_lean_model_matches_reference_model(variant):
+    idx = tokens()
+    lean, ref = tiny(**variant), tiny(depth_impl="reference", **variant)
+    randomize_routing(lean)
+    randomize_routing(ref)
+    la, ga = loss_and_grads(lean, idx)
+    lb, gb = loss_and_grads(ref, idx)
+    torch.testing.assert_close(la, lb, rtol=0, atol=1e-10)
+    assert_grads_equal(ga, gb)
+
+
+def saved_activation_bytes(model, idx):
+    """Bytes autograd keeps for backward, each storage counted once (several ops save one tensor)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, idx)[1].backward()
+    return sum(storages.values())
+
+
+def test_full_attnres_keeps_no_quadratic_copies_of_sources():
+    """Full AttnRes routes over all previous outputs at every site; the lean path must save only
+    references to them. 8 layers: the reference path saves a normalised copy per (site, source)."""
+    kw = dict(n_layer=8, dtype=torch.float32)
+    B, T, d, L = 4, 24, 32, 16
+    idx = tokens(B=B, T=T)
+    std = saved_activation_bytes(tiny(residual="standard", **kw), idx)
+    lean = saved_activation_bytes(tiny(residual="full_attnres", **kw), idx)
+    ref = saved_activation_bytes(tiny(residual="full_attnres", depth_impl="reference", **kw), idx)
+    source = B * T * d * 4  # bytes of one float32 source
+    # lean: the L sublayer outputs it routes over (linear in depth) plus [n, B, T] routing statistics
+    assert lean - std < 2 * (L + 1) * source
+    # reference: a normalised copy per (site, source) pair, L (L + 1) / 2 of them
+    assert ref - std > 0.75 * L * (L + 1) / 2 * source
+
+
+# --- the key/value cache (incremental decoding) -------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_kv_cache_matches_full_forward(variant):
+    model = tiny(**variant)
+    randomize_routing(model)
+    idx = tokens(B=2, T=12)
+    full, _ = model(idx)
+    cache = KVCache(model.cfg, batch_size=2, dtype=torch.float64)
+    steps = [model(idx[:, :5], kv_cache=cache)[0]]  # prefill 5, then one token at a time
+    steps += [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
