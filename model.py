@@ -9,8 +9,10 @@ themselves never change. The math contract is VARIANTS.md; section numbers below
     full_attnres   h_j = depth attention over [x0, y_0, .., y_{j-1}]          (section 2, AttnRes Eq. 1-4)
     block_attnres  h_j = depth attention over block sums [x0, b_1, .., partial]  (section 3, Eq. 5-6)
     rd_attnres     Block AttnRes, but attention reads Q/K and V through two routes (section 4)
+    dar            two streams; each retrieves its history with keys from the other (section 5)
+    hc, mhc        n streams mixed by (manifold-constrained) Hyper-Connections (section 6)
 
-One primitive, `depth_attention`, carries all of them.
+One primitive, `depth_attention`, carries AttnRes, RD-AttnRes and DAR.
 """
 
 import hashlib
@@ -21,8 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-RESIDUALS = ("standard", "full_attnres", "block_attnres", "rd_attnres")
+RESIDUALS = ("standard", "full_attnres", "block_attnres", "rd_attnres", "dar", "hc", "mhc")
 RD_MODES = ("decoupled", "tied", "average", "frozen_v")
+DAR_ROUTINGS = ("cross", "self_kv", "cross_v", "fixed_kv", "sep_v")
 DEPTH_IMPLS = ("lean", "reference")
 
 
@@ -40,6 +43,10 @@ class GPTConfig:
     residual: str = "standard"  # one of RESIDUALS
     attnres_block_size: int = 4  # S, in sublayers (4 = two transformer layers); block_attnres, rd_attnres
     rd_mode: str | None = None  # rd_attnres only; None means "decoupled"
+    dar_block_size: int = 4  # K, in sublayers; 1 is Full DAR
+    dar_include_partial: bool = True  # the current in-block state is a candidate source
+    dar_routing: str | None = None  # dar only; None means "cross"
+    hc_streams: int = 4  # n, for hc and mhc (mhc with 2 is the DAR paper's mHC-2 baseline)
     depth_impl: str = "lean"  # "lean" (custom autograd, no copies saved) or "reference" (plain autograd)
 
     def __post_init__(self):
@@ -52,6 +59,12 @@ class GPTConfig:
              f"rd_mode={self.rd_mode!r} only applies to residual='rd_attnres' (got residual={self.residual!r}); drop rd_mode")
         need(self.rd_mode is None or self.rd_mode in RD_MODES,
              f"unknown rd_mode {self.rd_mode!r}; choose one of {', '.join(RD_MODES)}")
+        need(self.dar_routing is None or self.residual == "dar",
+             f"dar_routing={self.dar_routing!r} only applies to residual='dar' (got residual={self.residual!r}); drop dar_routing")
+        need(self.dar_routing is None or self.dar_routing in DAR_ROUTINGS,
+             f"unknown dar_routing {self.dar_routing!r}; choose one of {', '.join(DAR_ROUTINGS)}")
+        need(self.dar_block_size >= 1, f"dar_block_size counts sublayers and must be >= 1, got {self.dar_block_size}")
+        need(self.hc_streams >= 1, f"hc_streams must be >= 1, got {self.hc_streams}")
         need(self.attnres_block_size >= 1, f"attnres_block_size counts sublayers and must be >= 1, got {self.attnres_block_size}")
         need(self.depth_impl in DEPTH_IMPLS, f"unknown depth_impl {self.depth_impl!r}; choose one of {', '.join(DEPTH_IMPLS)}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
@@ -154,7 +167,7 @@ def depth_attention(w, keys, values=None, impl="lean"):
 class StandardResidual(nn.Module):
     """Section 1: h_{j+1} = h_j + y_j, h_0 = x0."""
 
-    def reset_parameters(self):
+    def reset_parameters(self, rng):
         pass
 
     def start(self, x0, record=None):
@@ -175,6 +188,10 @@ class _SumStream:
         return self.h
 
 
+def _site_name(j):
+    return f"{'attn' if j % 2 == 0 else 'mlp'}.{j // 2}"
+
+
 class AttnRes(nn.Module):
     """Sections 2-4: Full (S = 1), Block (S > 1) and Role-Decoupled Attention Residuals.
 
@@ -193,7 +210,7 @@ class AttnRes(nn.Module):
             self.w_v = nn.Parameter(torch.zeros(cfg.n_layer, d), requires_grad=self.rd_mode != "frozen_v")
 
     @torch.no_grad()
-    def reset_parameters(self):
+    def reset_parameters(self, rng):
         for p in self.parameters():
             p.zero_()  # zero queries: uniform routing at init, what makes these variants train stably
 
@@ -218,7 +235,7 @@ class _AttnResStream:
         if j > 0 and j % m.S == 0:  # Eq. 5: a block boundary closes the partial sum
             self.completed.append(self.partial)
             self.partial = None
-        site = f"{'attn' if j % 2 == 0 else 'mlp'}.{j // 2}"
+        site = _site_name(j)
         if m.rd_mode is None or m.rd_mode == "tied" or j % 2 == 1:
             return self._attend(m.w[j], site)
         # RD-AttnRes at an attention sublayer: both routes in one pass over the same normalised keys
@@ -235,6 +252,245 @@ class _AttnResStream:
         self.completed.append(self.partial)
         self.partial = None
         return self._attend(self.m.w[-1], "readout")
+
+
+# ----------------------------------------------------------------------------------------------
+# Dual Attention Residuals (section 5): two streams, each with its own block history and partial
+# sum P_m. Target stream m retrieves with its own query; by default its keys come from the
+# opposite stream and its values from its own history (reciprocal cross-stream addressing).
+
+# dar_routing -> (key stream, value stream) for targets m = 0 and m = 1
+DAR_ROUTES = {
+    "cross": ((1, 0), (0, 1)),  # keys from the opposite stream, values from the target's own
+    "self_kv": ((0, 1), (0, 1)),  # two independent retrievers
+    "cross_v": ((0, 1), (1, 0)),  # keys own, values opposite
+    "fixed_kv": ((0, 0), (1, 1)),  # stream 0 supplies every key, stream 1 every value
+    "sep_v": ((0, 1), (0, 1)),  # self_kv plus a learned value projection per stream
+}
+
+
+class DualAttnRes(nn.Module):
+    """Per site j (sublayers 0..L-1, readout L), all scalars per site [our reading, section 5]:
+        w[j, m]            pseudo-query of target stream m, zero-init
+        alpha_j = softmax(theta_alpha[j])      fusion of the two retrievals, init 0.6 for stream
+                                               j mod 2 and 0.4 for the other
+        rho_j   = sigmoid(theta_rho[j])        doubly-stochastic transport, init 0.982 (near identity);
+                                               absent in Full DAR (K = 1), which has no in-block state
+        beta_jm = 2 sigmoid(theta_beta[j, m])  gated write, init 1 into stream j mod 2 and 0.24 into
+                                               the other
+        v_proj[m]          (sep_v only) d x d value projection per stream, identity-init
+    Symmetry: both streams start as x0. The beta init makes their states differ; the alpha init
+    makes their gradients differ (with alpha = 1/2 and zero queries both streams would get equal
+    gradients, and rho none). Without both the streams could stay equal forever.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        L, d = 2 * cfg.n_layer, cfg.n_embd
+        self.K, self.include_partial, self.impl = cfg.dar_block_size, cfg.dar_include_partial, cfg.depth_impl
+        self.routing = cfg.dar_routing or "cross"
+        self.key_of, self.value_of = DAR_ROUTES[self.routing]
+        self.w = nn.Parameter(torch.zeros(L + 1, 2, d))
+        self.theta_alpha = nn.Parameter(torch.zeros(L + 1, 2))
+        if self.K > 1:  # Full DAR (K = 1) starts a new block at every sublayer: nothing to transport
+            self.theta_rho = nn.Parameter(torch.zeros(L))
+        self.theta_beta = nn.Parameter(torch.zeros(L, 2))
+        if self.routing == "sep_v":
+            self.v_proj = nn.Parameter(torch.zeros(2, d, d))
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        self.w.zero_()
+        mine = torch.arange(self.theta_alpha.size(0)) % 2  # stream j mod 2: attention 0, MLP 1 (readout 0)
+        half = 0.5 * math.log(0.6 / 0.4)
+        self.theta_alpha.fill_(-half)
+        self.theta_alpha[torch.arange(len(mine)), mine] = half
+        if self.K > 1:
+            self.theta_rho.fill_(4.0)
+        self.theta_beta.fill_(-2.0)
+        self.theta_beta[torch.arange(len(mine) - 1), mine[:-1]] = 0.0
+        if self.routing == "sep_v":
+            self.v_proj.copy_(torch.eye(self.v_proj.size(-1)).expand_as(self.v_proj))
+
+    def start(self, x0, record=None):
+        return _DARStream(self, x0, record)
+
+
+class _DARStream:
+    def __init__(self, mod, x0, record):
+        self.m, self.record = mod, record
+        self.history = ([x0], [x0])  # completed block states of each stream, both starting at x0
+        self.P = [None, None]  # in-block partial states
+
+    def _close_block(self):
+        for s in (0, 1):
+            self.history[s].append(self.P[s])
+        self.P = [None, None]
+
+    def _retrieve(self, j, site):
+        """h = alpha_0 r_0 + alpha_1 r_1,  r_m = sum softmax(w_m . RMSNorm(keys)) values."""
+        m = self.m
+        S = [self.history[s] + ([self.P[s]] if m.include_partial and self.P[s] is not None else []) for s in (0, 1)]
+        r, a = [], []
+        for t in (0, 1):
+            keys, values = S[m.key_of[t]], S[m.value_of[t]]
+            r_t, a_t = depth_attention(m.w[j, t], keys, None if keys is values else values, impl=m.impl)
+            r.append(r_t @ m.v_proj[t].T if m.routing == "sep_v" else r_t)
+            a.append(a_t)
+        alpha = m.theta_alpha[j].softmax(0)
+        if self.record is not None:
+            self.record[site] = torch.stack(a).detach()  # [2 targets, n, B, T]
+            self.record[site + "/alpha"] = alpha.detach()
+        return alpha[0] * r[0] + alpha[1] * r[1]
+
+    def read(self, j):
+        if j > 0 and j % self.m.K == 0:
+            self._close_block()
+        return self._retrieve(j, _site_name(j))
+
+    def write(self, j, y):
+        beta = 2 * torch.sigmoid(self.m.theta_beta[j])
+        P0, P1 = self.P
+        if P0 is None:  # first sublayer of a block
+            self.P = [beta[0] * y, beta[1] * y]
+        else:
+            rho = torch.sigmoid(self.m.theta_rho[j])
+            self.P = [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
+        if self.record is not None:
+            self.record[f"state.{j}"] = torch.stack(self.P).detach()  # [2, B, T, d] per-stream states
+
+    def readout(self):
+        self._close_block()
+        return self._retrieve(-1, "readout")
+
+
+# ----------------------------------------------------------------------------------------------
+# Hyper-Connections (section 6): n parallel residual streams H [B, T, n, d], each starting as x0,
+# mixed by per-token matrices; summed before the final norm.
+
+
+class HyperConnections(nn.Module):
+    """Dynamic Hyper-Connections (Zhu et al.), per sublayer j:
+        h = sum_i Am_i H_i;   H_i <- sum_k Ar_{k,i} H_k + B_i y
+    each coefficient static + s * tanh(RMSNorm(H_k) . W): Am, B from W[..., 0], W[..., -1] with
+    scale s_beta for B; Ar from W[..., 1:n+1] with scale s_alpha.
+    Init: W = 0, s = 0.01, B = 1, Am one-hot at j mod n, Ar = I: exactly the pre-norm residual.
+    (So s_alpha and s_beta start with a zero gradient: tanh(0) = 0; W's gradient is non-zero.)"""
+
+    def __init__(self, cfg):
+        super().__init__()
+        L, d, n = 2 * cfg.n_layer, cfg.n_embd, cfg.hc_streams
+        self.n = n
+        self.Am = nn.Parameter(torch.zeros(L, n))
+        self.Ar = nn.Parameter(torch.zeros(L, n, n))
+        self.B = nn.Parameter(torch.zeros(L, n))
+        self.W = nn.Parameter(torch.zeros(L, d, n + 2))
+        self.s_alpha = nn.Parameter(torch.zeros(L))
+        self.s_beta = nn.Parameter(torch.zeros(L))
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        L, n = self.Am.shape
+        self.Am.zero_()
+        self.Am[torch.arange(L), torch.arange(L) % n] = 1.0
+        self.Ar.copy_(torch.eye(n).expand_as(self.Ar))
+        self.B.fill_(1.0)
+        self.W.zero_()
+        self.s_alpha.fill_(0.01)
+        self.s_beta.fill_(0.01)
+
+    def start(self, x0, record=None):
+        return _MultiStream(self, x0, record)
+
+    def coefficients(self, j, H):
+        """(pre [B, T, n], res [B, T, n_target, n_source], post [B, T, n]) for sublayer j."""
+        n = self.n
+        dyn = norm(H) @ self.W[j].to(H.dtype)  # [B, T, n, n + 2], row k from stream k
+        pre = self.Am[j] + self.s_alpha[j] * torch.tanh(dyn[..., 0])
+        res = self.Ar[j] + self.s_alpha[j] * torch.tanh(dyn[..., 1:n + 1])  # [B, T, k, i]
+        post = self.B[j] + self.s_beta[j] * torch.tanh(dyn[..., -1])
+        return pre, res.transpose(-1, -2), post
+
+
+class ManifoldHC(nn.Module):
+    """Manifold-constrained Hyper-Connections (DeepSeek mHC), per sublayer j, from x = RMSNorm of
+    the flattened n*d state and one projection phi[j] [n*d, 2n + n^2], all in float32:
+        H_pre  = sigmoid(a_pre z_pre + b_pre)              [n]
+        H_post = 2 sigmoid(a_post z_post + b_post)         [n]
+        H_res  = SinkhornKnopp(exp(a_res z_res + b_res))   [n, n], doubly stochastic
+    h = sum_i H_pre_i H_i;  H_i <- sum_k H_res[i, k] H_k + H_post_i y.
+    Init [our reading]: phi ~ normal(0, 0.02) and a = 0.01 (a small dynamic part whose gains all
+    have gradients); b_pre = +3 at stream j mod n, -3 elsewhere (one-hot-ish reads that break the
+    symmetry of streams all starting at x0); b_post = 0 (every stream gets y); b_res = 2 I, so
+    H_res starts near the identity (diagonal 0.88 for n = 2, 0.71 for n = 4) with logits far from
+    exp's underflow. 20 Sinkhorn-Knopp iterations make rows and columns sum to 1 within 1e-5 while
+    the logits' spread stays moderate; a larger diagonal would converge too slowly for that."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        L, d, n = 2 * cfg.n_layer, cfg.n_embd, cfg.hc_streams
+        self.n = n
+        self.phi = nn.Parameter(torch.zeros(L, n * d, 2 * n + n * n))
+        self.a = nn.Parameter(torch.zeros(L, 3))  # gains of (pre, post, res)
+        self.b_pre = nn.Parameter(torch.zeros(L, n))
+        self.b_post = nn.Parameter(torch.zeros(L, n))
+        self.b_res = nn.Parameter(torch.zeros(L, n, n))
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        L, n = self.b_pre.shape
+        self.phi.copy_(torch.empty(self.phi.shape).normal_(0.0, 0.02, generator=rng("phi")))
+        self.a.fill_(0.01)
+        self.b_pre.fill_(-3.0)
+        self.b_pre[torch.arange(L), torch.arange(L) % n] = 3.0
+        self.b_post.zero_()
+        self.b_res.copy_(2.0 * torch.eye(n).expand_as(self.b_res))
+
+    def start(self, x0, record=None):
+        return _MultiStream(self, x0, record)
+
+    def coefficients(self, j, H):
+        n, dt = self.n, _compute_dtype(H)
+        x = norm(H.flatten(-2).to(dt))  # [B, T, n*d]
+        z = x @ self.phi[j].to(dt)
+        a = self.a[j].to(dt)
+        pre = torch.sigmoid(a[0] * z[..., :n] + self.b_pre[j])
+        post = 2 * torch.sigmoid(a[1] * z[..., n:2 * n] + self.b_post[j])
+        res = sinkhorn_knopp(a[2] * z[..., 2 * n:].unflatten(-1, (n, n)) + self.b_res[j])
+        return pre.to(H.dtype), res.to(H.dtype), post.to(H.dtype)
+
+
+def sinkhorn_knopp(logits, iters=20):
+    """Project exp(logits) onto the doubly-stochastic matrices: alternate row and column scaling."""
+    M = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        M = M / M.sum(-1, keepdim=True)
+        M = M / M.sum(-2, keepdim=True)
+    return M
+
+
+class _MultiStream:
+    """The stream state shared by HC and mHC: H [B, T, n, d]."""
+
+    def __init__(self, mod, x0, record):
+        self.m, self.record = mod, record
+        self.H = x0.unsqueeze(-2).expand(*x0.shape[:-1], mod.n, x0.size(-1))
+
+    def read(self, j):
+        pre, self.res, self.post = self.m.coefficients(j, self.H)
+        if self.record is not None:
+            site = _site_name(j)
+            self.record[site + "/pre"], self.record[site + "/res"] = pre.detach(), self.res.detach()
+            self.record[site + "/post"] = self.post.detach()
+        return torch.einsum("btn,btnd->btd", pre, self.H)
+
+    def write(self, j, y):
+        self.H = torch.einsum("btik,btkd->btid", self.res, self.H) + self.post.unsqueeze(-1) * y.unsqueeze(-2)
+        if self.record is not None:
+            self.record[f"state.{j}"] = self.H.detach()
+
+    def readout(self):
+        return self.H.sum(-2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,6 +576,12 @@ class Block(nn.Module):
 def make_residual(cfg):
     if cfg.residual == "standard":
         return StandardResidual()
+    if cfg.residual == "dar":
+        return DualAttnRes(cfg)
+    if cfg.residual == "hc":
+        return HyperConnections(cfg)
+    if cfg.residual == "mhc":
+        return ManifoldHC(cfg)
     return AttnRes(cfg)
 
 
@@ -346,16 +608,17 @@ class GPT(nn.Module):
         two variants built with one seed share every common weight bit for bit (section 8).
             wte, c_q, c_k, c_v, c_fc, lm_head   normal(0, 0.02)                    (GPT-2)
             attn.c_proj, mlp.c_proj             normal(0, 0.02 / sqrt(2 n_layer))  (GPT-2's scaled residual init)
-            router.*                            the variant's own, deterministic (pseudo-queries zero)
+            router.*                            the variant's own: see its reset_parameters (pseudo-queries zero)
         """
         std_out = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        def rng(name):
+            return torch.Generator().manual_seed(param_seed(seed, name))
+
         for name, p in self.named_parameters():
-            if name.startswith("router."):
-                continue
-            g = torch.Generator().manual_seed(param_seed(seed, name))
-            std = std_out if name.endswith("c_proj.weight") else 0.02
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
-        self.router.reset_parameters()
+            if not name.startswith("router."):
+                std = std_out if name.endswith("c_proj.weight") else 0.02
+                p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=rng(name)))
+        self.router.reset_parameters(lambda name: rng("router." + name))
 
     def param_groups(self, weight_decay):
         """AdamW groups: matrices decay; depth-routing parameters (pseudo-queries, gates) never do."""
