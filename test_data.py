@@ -1,0 +1,353 @@
+"""Tests of prepare_data.py: shards, splits, tokenizers, loaders and bad input."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import prepare_data
+from prepare_data import (SPLITS, DataError, GPT2Tokenizer, TokenLoader, eval_batches, get_tokenizer,
+                          load_meta, main, open_shard, split_of, write_shard)
+
+ROOT = Path(__file__).resolve().parent
+_rng = random.Random(0)
+# 60 documents of random numbered words (so windows differ), non-ASCII text, and one empty document
+DOCS = [" ".join(_rng.choice(["to", "be", "or", "thee", "été", "naïve", "日本", "😀", "\n"]) + str(_rng.randrange(1000))
+                 for _ in range(_rng.randint(5, 80))) for _ in range(60)]
+DOCS[7] = ""
+
+
+def write_jsonl(path, texts, key="text"):
+    path.write_text("".join(json.dumps({key: t}) + "\n" for t in texts))
+    return str(path)
+
+
+def prep(src, out, *args):
+    """Run the CLI in-process on local files with the byte tokenizer; returns the exit code."""
+    return main(["--data_files", str(src), "--out_dir", str(out), "--tokenizer", "byte", *map(str, args)])
+
+
+def split_stream(out, split):
+    files = load_meta(out)["splits"][split]["files"]
+    return np.concatenate([open_shard(out / f) for f in files]).tolist()
+
+
+def expected_stream(tok, docs, split, val_fraction, test_fraction):
+    ids = []
+    for i, text in enumerate(docs):
+        if text and split_of(i, val_fraction, test_fraction) == split:
+            ids += [tok.eot] + tok.encode(text)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A byte-level corpus in several shards per split."""
+    tmp = tmp_path_factory.mktemp("data")
+    assert prep(write_jsonl(tmp / "c.jsonl", DOCS), tmp / "out", "--shard_tokens", "1e3",
+                "--val_fraction", 0.2, "--test_fraction", 0.1, "--streaming") == 0
+    return tmp / "out"
+
+
+def files_of(d):
+    return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir())}
+
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+def test_gpt2_known_ids():
+    tok = get_tokenizer("gpt2")
+    assert tok.encode("Hello world, this is a test.") == [15496, 995, 11, 428, 318, 257, 1332, 13]
+    assert (tok.eot, tok.vocab_size, tok.name) == (50256, 50257, "gpt2")
+    text = "naïve 日本 <|endoftext|>  spaces\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eot not in tok.encode(text)  # special tokens inside a document are plain text
+
+
+def test_byte_tokenizer():
+    tok = get_tokenizer("byte")
+    assert (tok.eot, tok.vocab_size) == (256, 257)
+    assert tok.encode("aé") == [97, 0xC3, 0xA9]
+    assert tok.decode([97, 256, 98]) == "a<|endoftext|>b"
+
+
+def test_gpt2_vocabulary_checksum(tmp_path):
+    bad = tmp_path / "gpt2.tiktoken"
+    bad.write_bytes(prepare_data.GPT2_RANKS.read_bytes()[:-10])
+    with pytest.raises(DataError, match="sha256"):
+        GPT2Tokenizer(bad)
+    with pytest.raises(DataError, match="not found"):
+        GPT2Tokenizer(tmp_path / "missing.tiktoken")
+
+
+# -----------------------------------------------------------------------------
+# preparing
+
+def test_round_trip(data_dir):
+    tok, meta = get_tokenizer("byte"), load_meta(data_dir)
+    for split in SPLITS:
+        expected = expected_stream(tok, DOCS, split, 0.2, 0.1)
+        info = meta["splits"][split]
+        assert split_stream(data_dir, split) == expected
+        assert info["tokens"] == len(expected) > 0
+        assert info["docs"] == sum(1 for i, t in enumerate(DOCS) if t and split_of(i, 0.2, 0.1) == split)
+        assert info["shards"] == len(info["files"]) == -(-len(expected) // 1000)
+    assert sum(meta["splits"][s]["docs"] for s in SPLITS) == len(DOCS) - 1
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eot"]) == ("byte", 257, 256)
+    assert 0 < meta["unigram_baseline_nats"] < np.log(257)
+
+
+def test_gpt2_through_shards(tmp_path):
+    (tmp_path / "a.txt").write_text("Hello world, this is a test.")
+    (tmp_path / "b.txt").write_text("Hello world")
+    out = tmp_path / "out"
+    assert main(["--data_files", str(tmp_path / "*.txt"), "--out_dir", str(out),
+                 "--val_fraction", "0", "--test_fraction", "0"]) == 0
+    # each .txt file is one document, EOT before each; files in sorted order
+    assert split_stream(out, "train") == [50256, 15496, 995, 11, 428, 318, 257, 1332, 13, 50256, 15496, 995]
+
+
+def test_split_independent_of_num_proc(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_data, "CHUNK_CHARS", 200)  # many tokenizer tasks
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    for n in (1, 2):
+        assert main(["--data_files", src, "--out_dir", str(tmp_path / f"out{n}"), "--num_proc", str(n),
+                     "--shard_tokens", "300", "--val_fraction", "0.2"]) == 0
+    assert files_of(tmp_path / "out1") == files_of(tmp_path / "out2")
+
+
+def test_default_corpus_split():
+    splits = [split_of(i, 0.05, 0.05) for i in range(42)]
+    assert (splits.count("val"), splits.count("test")) == (2, 2)
+    assert [split_of(i, 0.3, 0.2) for i in range(1000)].count("val") == 300
+
+
+def test_parquet_source_streaming_or_not(tmp_path, data_dir):
+    from datasets import Dataset
+    parquet = tmp_path / "c.parquet"
+    Dataset.from_dict({"id": list(range(len(DOCS))), "body": DOCS}).to_parquet(str(parquet))
+    for streaming in ([], ["--streaming"]):
+        out = tmp_path / f"out{len(streaming)}"
+        assert main(["--dataset", "parquet", "--data_files", str(parquet), "--text_column", "body", *streaming,
+                     "--tokenizer", "byte", "--out_dir", str(out), "--shard_tokens", "1e3",
+                     "--val_fraction", "0.2", "--test_fraction", "0.1"]) == 0
+        shards = {k: v for k, v in files_of(out).items() if k != "meta.json"}
+        assert shards == {k: v for k, v in files_of(data_dir).items() if k != "meta.json"}
+
+
+def test_rerun_is_up_to_date_or_refused(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    assert prep(src, out, "--streaming") == 0
+    before = files_of(out)
+    assert prep(src, out) == 0
+    assert "already prepared" in capsys.readouterr().out
+    assert prep(src, out, "--val_fraction", 0.5) == 2
+    assert "other settings (val_fraction)" in capsys.readouterr().err
+    assert files_of(out) == before
+
+
+def test_interrupted_run_leaves_no_valid_output(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    replace, calls = os.replace, []
+
+    def interrupt_third(a, b):
+        calls.append(b)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        replace(a, b)
+    monkeypatch.setattr(os, "replace", interrupt_third)
+    with pytest.raises(KeyboardInterrupt):
+        prep(src, out, "--shard_tokens", 500)
+    monkeypatch.setattr(os, "replace", replace)
+    assert sorted(p.name for p in out.iterdir()) == ["train_000000.bin", "train_000001.bin"]  # no .tmp
+    with pytest.raises(DataError, match="prepare_data.py"):
+        load_meta(out)
+    assert prep(src, out, "--shard_tokens", 500) == 0  # the leftovers are replaced without --overwrite
+    assert prep(src, tmp_path / "clean", "--shard_tokens", 500) == 0
+    assert files_of(out).keys() == files_of(tmp_path / "clean").keys()
+
+
+# -----------------------------------------------------------------------------
+# loaders
+
+def windows_of(data_dir, split, T):
+    shards = [open_shard(data_dir / f) for f in load_meta(data_dir)["splits"][split]["files"]]
+    return sorted(tuple(s[j * T:j * T + T + 1]) for s in shards for j in range((len(s) - 1) // T))
+
+
+def rows(x, y):
+    return [tuple(r) for r in torch.cat([x, y[:, -1:]], 1).tolist()]
+
+
+def test_loader_epoch_covers_every_window(data_dir):
+    T = 16
+    loader = TokenLoader(data_dir, "train", batch_size=1, seq_len=T, seed=1)
+    seen = []
+    for _ in range(loader.n_windows):
+        x, y = loader.next_batch()
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (1, T)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        seen += rows(x, y)
+    assert sorted(seen) == windows_of(data_dir, "train", T)
+    assert (loader.epoch, loader.pos) == (1, 0)
+
+
+def test_ranks_and_micro_steps_see_the_same_windows(data_dir):
+    B, T, seed = 3, 16, 5
+    single = TokenLoader(data_dir, "train", 2 * B, T, seed=seed)
+    accum = TokenLoader(data_dir, "train", B, T, seed=seed)
+    ranks = [TokenLoader(data_dir, "train", B, T, rank=r, world_size=2, seed=seed) for r in range(2)]
+    first_epoch = single.n_windows // (2 * B)
+    seen = set()
+    for step in range(first_epoch * 2 + 3):  # past two epoch boundaries
+        x, y = single.next_batch()
+        micro = [accum.next_batch() for _ in range(2)]
+        per_rank = [loader.next_batch() for loader in ranks]
+        for batches in (micro, per_rank):
+            assert torch.equal(x, torch.cat([b[0] for b in batches]))
+            assert torch.equal(y, torch.cat([b[1] for b in batches]))
+        if step < first_epoch:  # ranks read disjoint windows, and nothing repeats within an epoch
+            rank_rows = [set(rows(*b)) for b in per_rank]
+            assert not rank_rows[0] & rank_rows[1] and not seen & (rank_rows[0] | rank_rows[1])
+            seen |= rank_rows[0] | rank_rows[1]
+    first = [TokenLoader(data_dir, "train", 2 * B, T, seed=s).next_batch()[0] for s in (seed, seed + 1)]
+    assert not torch.equal(*first)
+
+
+def test_loader_resumes_exactly(data_dir):
+    kwargs = dict(batch_size=4, seq_len=16, rank=1, world_size=2, seed=7)
+    loader = TokenLoader(data_dir, "train", **kwargs)
+    for _ in range(loader.n_windows // 8 - 2):
+        loader.next_batch()
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = [loader.next_batch() for _ in range(6)]  # crosses into the next epoch
+    resumed = TokenLoader(data_dir, "train", **kwargs)
+    resumed.load_state_dict(state)
+    for (x, y), (rx, ry) in zip(expected, (resumed.next_batch() for _ in range(6))):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+    for key, value in (("seed", 8), ("seq_len", 32)):
+        other = TokenLoader(data_dir, "train", **{**kwargs, key: value})
+        with pytest.raises(DataError, match=key):
+            other.load_state_dict(state)
+
+
+def test_eval_batches(data_dir):
+    T, stream = 8, split_stream(data_dir, "val")
+    full = list(eval_batches(data_dir, "val", 4, T, max_tokens=100))
+    x, y = torch.cat([b[0] for b in full]), torch.cat([b[1] for b in full])
+    assert x.shape == (100 // T, T) and [len(b[0]) for b in full] == [4, 4, 4]
+    assert x.flatten().tolist() == stream[:len(x) * T] and y.flatten().tolist() == stream[1:len(x) * T + 1]
+    per_rank = [torch.cat([b[0] for b in eval_batches(data_dir, "val", 4, T, 100, rank=r, world_size=2)])
+                for r in range(2)]
+    assert torch.equal(per_rank[0], x[0::2]) and torch.equal(per_rank[1], x[1::2])
+    everything = torch.cat([b[1] for b in eval_batches(data_dir, "val", 64, T, max_tokens=None)])
+    assert everything.numel() == (len(stream) - 1) // T * T
+    with pytest.raises(DataError, match="too few"):
+        eval_batches(data_dir, "val", 4, len(stream), max_tokens=None)
+
+
+# -----------------------------------------------------------------------------
+# bad input: one clear message, nothing lost
+
+def test_missing_or_empty_source(tmp_path, capsys):
+    assert prep(tmp_path / "missing.jsonl", tmp_path / "out") == 2
+    assert "missing.jsonl not found" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert prep(tmp_path / "empty.jsonl", tmp_path / "out") == 2
+    assert "is empty" in capsys.readouterr().err
+    assert prep(write_jsonl(tmp_path / "blank.jsonl", ["", ""]), tmp_path / "out", "--streaming") == 2
+    assert "no documents" in capsys.readouterr().err
+    assert prep(write_jsonl(tmp_path / "body.jsonl", ["x"], key="body"), tmp_path / "out") == 2
+    assert "--text_column" in capsys.readouterr().err
+    (tmp_path / "c.csv").write_text("text\nx\n")
+    assert prep(tmp_path / "c.csv", tmp_path / "out") == 2
+    assert "--dataset json, parquet or text" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_out_dir_of_another_tokenizer(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", ["Hello world"])
+    out = tmp_path / "out"
+    assert prep(src, out, "--streaming") == 0
+    before = files_of(out)
+    gpt2 = ["--data_files", src, "--out_dir", str(out), "--streaming"]
+    assert main(gpt2) == 2
+    assert "holds shards from tokenizer 'byte', not 'gpt2'" in capsys.readouterr().err
+    assert files_of(out) == before
+    assert main(gpt2 + ["--overwrite"]) == 0
+    assert load_meta(out)["tokenizer"] == "gpt2"
+
+
+def test_bad_shards(data_dir, tmp_path):
+    shard = tmp_path / "train_000000.bin"
+    good = (data_dir / "train_000000.bin").read_bytes()
+    for content, message in ((good[:-1], "truncated"), (good[:20], "truncated"),
+                             (b"NOTASHRD" + good[8:], "wrong magic"), (good[:8] + b"\x09" + good[9:], "version")):
+        shard.write_bytes(content)
+        with pytest.raises(DataError, match=message) as e:
+            open_shard(shard)
+        assert str(shard) in str(e.value) and "--overwrite" in str(e.value)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in data_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "train_000001.bin").write_bytes(good[:-2])
+    with pytest.raises(DataError, match="train_000001.bin is truncated"):
+        TokenLoader(broken, "train", 2, 8)
+
+
+def test_vocabulary_too_large_for_uint16(tmp_path, monkeypatch, capsys):
+    big = SimpleNamespace(name="big", vocab_size=100277, eot=100276, fingerprint="00" * 8)
+    with pytest.raises(DataError, match="uint16"):
+        write_shard(tmp_path / "x.bin", [1, 2, 3], big)
+    assert not (tmp_path / "x.bin").exists()
+    monkeypatch.setitem(prepare_data.TOKENIZERS, "big", lambda: big)
+    monkeypatch.setattr(prepare_data, "get_tokenizer", lru_cache(prepare_data.get_tokenizer.__wrapped__))
+    src = write_jsonl(tmp_path / "c.jsonl", ["Hello"])
+    assert main(["--data_files", src, "--out_dir", str(tmp_path / "out"), "--tokenizer", "big"]) == 2
+    assert "uint16" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_missing_data_or_split(data_dir, tmp_path):
+    with pytest.raises(DataError, match="python prepare_data.py"):
+        TokenLoader(tmp_path / "nothing", "train", 2, 8)
+    with pytest.raises(DataError, match="no split 'validation'"):
+        TokenLoader(data_dir, "validation", 2, 8)
+    with pytest.raises(DataError, match="no split 'validation'"):
+        eval_batches(data_dir, "validation", 2, 8, 100)
+    out = tmp_path / "no_test"
+    assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), out, "--test_fraction", 0, "--streaming") == 0
+    with pytest.raises(DataError, match="'test' .* is empty"):
+        TokenLoader(out, "test", 2, 8)
+
+
+# -----------------------------------------------------------------------------
+# the command line
+
+def test_cli_default_corpus(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "prepare_data.py"), "--tokenizer", "byte", "--out_dir", str(out),
+           "--num_proc", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    splits = load_meta(out)["splits"]
+    assert [splits[s]["docs"] for s in SPLITS] == [38, 2, 2]
+    assert sum(splits[s]["tokens"] for s in SPLITS) > 5_000_000
+
+
+def test_cli_error_is_one_line(tmp_path):
+    cmd = [sys.executable, str(ROOT / "prepare_data.py"), "--data_files", str(tmp_path / "nope.jsonl")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: source file") and "Traceback" not in run.stderr
