@@ -85,9 +85,9 @@ class GPTConfig:
 #     a       = softmax_r(logit)      over the depth axis                     (w.(g*k) = (w*g).k, so a
 #     h       = sum_r a_r * v_r       values are the raw sources              gain would be redundant)
 #
-# Keys and values are lists of n tensors [..., d] (usually the same list). The query w broadcasts
-# against a key: w [d] gives one route; w [Q, 1, 1, d] routes Q queries over the same sources in one
-# pass (RD-AttnRes' two routes). Everything runs in float32 (float64 for float64 models).
+# Keys and values are lists of n tensors [..., d] (usually the same list). The query w is [d], or
+# [Q, d] to route Q queries over the same sources in one pass (RD-AttnRes' two routes); the outputs
+# then get a leading Q axis. Everything runs in float32 (float64 for float64 models).
 
 
 def _compute_dtype(t):
@@ -98,65 +98,67 @@ def depth_attention_reference(w, keys, values=None):
     """The math above in plain autograd. Readable, but it saves a float copy of every normalised key
     at every site: Full AttnRes then keeps O(L^2) source-sized tensors alive for backward."""
     values = keys if values is None else values
-    dt = _compute_dtype(keys[0])
-    d = w.shape[-1]
-    logits = torch.stack([(F.rms_norm(k.to(dt), (d,), eps=torch.finfo(dt).eps) * w.to(dt)).sum(-1) for k in keys])
-    a = logits.softmax(0)  # [n, ...]
-    h = sum(a_r.unsqueeze(-1) * v.to(dt) for a_r, v in zip(a, values))
-    return h.to(values[0].dtype), a
+    dt, d = _compute_dtype(keys[0]), w.shape[-1]
+    W = w.reshape(-1, d).to(dt)  # [Q, d]
+    logits = torch.stack([F.rms_norm(k.to(dt), (d,), eps=torch.finfo(dt).eps) @ W.T for k in keys])  # [n, ..., Q]
+    a = logits.softmax(0)
+    h = sum(a_r.unsqueeze(-1) * v.to(dt).unsqueeze(-2) for a_r, v in zip(a, values))  # [..., Q, d]
+    h, a = h.movedim(-2, 0).to(values[0].dtype), a.movedim(-1, 1)  # [Q, ..., d], [n, Q, ...]
+    return (h, a) if w.dim() == 2 else (h[0], a[:, 0])
 
 
 class _DepthAttention(torch.autograd.Function):
     """The same math with a hand-written backward. It saves only the inputs themselves (references
-    to source tensors that already exist, never copies), the [n, ...] softmax and the per-source norm
-    factors; backward recomputes the rest. So every site of Full AttnRes adds O(n * B * T) floats,
-    not O(n * B * T * d), and no float32 copies of bf16 sources outlive the forward pass."""
+    to source tensors that already exist, never copies), the softmax and the per-source norm factors
+    ([n, ...] each); backward recomputes the rest. So every site of Full AttnRes adds O(n B T) floats,
+    not O(n B T d), and no float32 copies of bf16 sources outlive the forward pass. Each source is
+    read once per pass through a matmul or a fused reduction, never through a product temporary."""
 
     @staticmethod
-    def forward(ctx, w, n, *kv):
+    def forward(ctx, W, n, *kv):  # W [Q, d]
         keys, values = kv[:n], (kv[n:] or kv[:n])
-        dt = _compute_dtype(keys[0])
-        eps, d = torch.finfo(dt).eps, w.shape[-1]
-        wf = w.to(dt)
-        inv = torch.stack([torch.rsqrt(k.to(dt).pow(2).mean(-1) + eps) for k in keys])  # 1 / rms(k_r)
-        logits = torch.stack([(k.to(dt) * wf).sum(-1) * inv_r for k, inv_r in zip(keys, inv)])  # [n, ...]
+        dt, d = _compute_dtype(keys[0]), W.shape[-1]
+        Wf = W.to(dt)
+        inv = torch.stack([torch.rsqrt(torch.linalg.vector_norm(k.to(dt), dim=-1).square() / d + torch.finfo(dt).eps)
+                           for k in keys])  # [n, ...] 1 / rms(k_r)
+        logits = torch.stack([(k.to(dt) @ Wf.T).movedim(-1, 0) * inv_r for k, inv_r in zip(keys, inv)])  # [n, Q, ...]
         a = logits.softmax(0)
-        h = sum(a_r.unsqueeze(-1) * v.to(dt) for a_r, v in zip(a, values))
+        h = a[0].unsqueeze(-1) * values[0].to(dt)
+        for a_r, v in zip(a[1:], values[1:]):
+            h.addcmul_(a_r.unsqueeze(-1), v.to(dt))  # [Q, ..., d]
         ctx.n, ctx.d, ctx.shared = n, d, len(kv) == n
-        ctx.save_for_backward(w, a, logits, inv, *kv)
+        ctx.save_for_backward(W, a, logits, inv, *kv)
         return h.to(values[0].dtype), a
 
     @staticmethod
     def backward(ctx, g, _ga):
-        w, a, logits, inv, *kv = ctx.saved_tensors
+        W, a, logits, inv, *kv = ctx.saved_tensors
         n, d = ctx.n, ctx.d
-        keys, values = kv[:n], (kv if ctx.shared else kv[n:])
+        keys, values = kv[:n], (kv[:n] if ctx.shared else kv[n:])
         dt = a.dtype
-        g, wf = g.to(dt), w.to(dt)
-        da = torch.stack([(g * v.to(dt)).sum(-1) for v in values])  # dL/da_r = g . v_r
+        g, Wf = g.to(dt), W.to(dt)
+        da = torch.stack([(g * v.to(dt)).sum(-1) for v in values])  # dL/da_r = g . v_r  [n, Q, ...]
         dl = a * (da - (a * da).sum(0, keepdim=True))  # softmax backward
-        gw = torch.zeros_like(wf)
-        grads = []
+        c = dl * inv.unsqueeze(1)  # dL/d(W k_r): the norm factor folded in
+        coef = (dl * logits).sum(1) * inv.square() / d  # logit_r = inv_r (W k_r), d inv_r/d k_r = -inv_r^3 k_r / d
+        gW = torch.zeros_like(Wf)
+        gk, gv = [], []
         for r in range(n):
             k = keys[r].to(dt)
-            c = (dl[r] * inv[r]).unsqueeze(-1)  # dL/d(w . k_r) before the norm factor
-            gw = gw + (c * k).sum_to_size(wf.shape)
-            # logit_r = inv_r (w . k_r), d inv_r / d k_r = -inv_r^3 k_r / d
-            gk = c * wf - (dl[r] * logits[r] * inv[r].pow(2) / d).unsqueeze(-1) * k
-            grads.append(gk.sum_to_size(k.shape))
-        gv = [(a_r.unsqueeze(-1) * g).sum_to_size(v.shape) for a_r, v in zip(a, values)]
-        if ctx.shared:
-            grads = [gk + gvr for gk, gvr in zip(grads, gv)]
-        else:
-            grads = grads + gv
-        return (gw.to(w.dtype), None, *[gr.to(t.dtype) for gr, t in zip(grads, kv)])
+            gW += c[r].reshape(len(Wf), -1) @ k.reshape(-1, d)
+            gk.append((c[r].movedim(0, -1) @ Wf).addcmul_(coef[r].unsqueeze(-1), k, value=-1))
+            gv.append((a[r].unsqueeze(-1) * g).sum(0))  # sum over the Q routes
+        grads = [x + y for x, y in zip(gk, gv)] if ctx.shared else gk + gv
+        return (gW.to(W.dtype), None, *[gr.to(t.dtype) for gr, t in zip(grads, kv)])
 
 
 def depth_attention(w, keys, values=None, impl="lean"):
-    """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r. Returns (h, a) with a the [n, ...] routing weights."""
+    """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r. Returns (h, a): h [..., d] and the routing weights
+    a [n, ...] for w [d]; h [Q, ..., d] and a [n, Q, ...] for w [Q, d]."""
     if impl == "reference":
         return depth_attention_reference(w, keys, values)
-    return _DepthAttention.apply(w, len(keys), *keys, *([] if values is None else values))
+    h, a = _DepthAttention.apply(w.reshape(-1, w.shape[-1]), len(keys), *keys, *([] if values is None else values))
+    return (h, a) if w.dim() == 2 else (h[0], a[:, 0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,8 +241,7 @@ class _AttnResStream:
         if m.rd_mode is None or m.rd_mode == "tied" or j % 2 == 1:
             return self._attend(m.w[j], site)
         # RD-AttnRes at an attention sublayer: both routes in one pass over the same normalised keys
-        W = torch.stack([m.w[j], m.w_v[j // 2]]).view(2, 1, 1, -1)  # [2, 1, 1, d] against [B, T, d]
-        h_qk, h_v = self._attend(W, site)
+        h_qk, h_v = self._attend(torch.stack([m.w[j], m.w_v[j // 2]]), site)
         if m.rd_mode == "average":
             return 0.5 * (h_qk + h_v)  # control: two routes, no role separation
         return h_qk, h_v  # (Q/K input, V input)
@@ -319,7 +320,9 @@ class DualAttnRes(nn.Module):
 class _DARStream:
     def __init__(self, mod, x0, record):
         self.m, self.record = mod, record
-        self.history = ([x0], [x0])  # completed block states of each stream, both starting at x0
+        # completed block states of each stream, both starting at x0 (a view: torch.compile cannot trace
+        # one tensor passed twice to the depth-attention Function, as cross routing would)
+        self.history = ([x0], [x0.view_as(x0)])
         self.P = [None, None]  # in-block partial states
 
     def _close_block(self):

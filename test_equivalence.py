@@ -243,7 +243,7 @@ def test_lean_depth_attention_matches_reference(case):
     keys = [torch.randn(B, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n)]
     values = [torch.randn(B, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n)] \
         if case == "separate-values" else None
-    w_shape = (2, 1, 1, d) if case == "two-queries" else (d,)
+    w_shape = (2, d) if case == "two-queries" else (d,)
     w = torch.randn(w_shape, generator=g, dtype=torch.float64, requires_grad=True)
     inputs = [w, *keys, *(values or [])]
 
