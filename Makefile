@@ -11,7 +11,9 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -c "import torch, model; m = model.GPT(model.GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_embd=64, n_head=2, residual='block_attnres')); x = torch.randint(0, 256, (2, 64)); loss = m(x, x)[1]; loss.backward(); print(f'smoke check: loss {loss.item():.3f}')"
+	test -f data/shakespeare/meta.json || $(PY) prepare_data.py
+	$(PY) train.py configs/demo.py
+	$(PY) sample.py --ckpt runs/demo --prompt "ROMEO:" --max_new_tokens 100
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
