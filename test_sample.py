@@ -1,0 +1,264 @@
+"""sample.py: cached decoding equals full forward passes for every variant (float64), the sampling
+filters, streamed text, and the command line on a tiny fake checkpoint."""
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, RD_MODES, RESIDUALS
+from prepare_data import get_tokenizer
+from sample import TextStream, Window, filter_logits, generate, main, sample_logits
+
+VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]
+VARIANTS += [dict(residual="rd_attnres", rd_mode=m) for m in RD_MODES]
+IDS = ["-".join(v.values()) for v in VARIANTS]
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread: more only add synchronisation (5x slower on a busy CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def randomize_routing(model):
+    """Random routing parameters, so that depth routing differs from its uniform start."""
+    g = torch.Generator().manual_seed(1)
+    for p in model.router.parameters():
+        p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def tiny(block_size=16, **kw):
+    """3 layers: 6 sublayers, so AttnRes block size 4 gives a full block and a short one."""
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=3, n_head=2, n_embd=32, **kw)
+    model = GPT(cfg).to(torch.float64)
+    randomize_routing(model)
+    return model
+
+
+def tokens(n):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+# --- the window and its cache ----------------------------------------------------------------------
+
+def test_window_crops_the_prompt_and_slides_to_half_the_context():
+    model = tiny(block_size=8)
+    assert Window(model, list(range(20))).tokens == list(range(12, 20))
+    window = Window(model, list(range(5)))
+    lengths = []
+    for t in range(5, 16):
+        window.append(t)
+        lengths.append(len(window.tokens))
+    assert lengths == [6, 7, 8, 4, 5, 6, 7, 8, 4, 5, 6]
+    assert window.tokens == list(range(10, 16))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_cached_logits_equal_a_full_forward_pass(variant):
+    model = tiny(**variant)
+    seq = tokens(45)
+    window, slides = Window(model, seq[:5]), 0
+    for t in seq[5:]:  # 40 steps through a context of 16: the window slides four times
+        with torch.no_grad():
+            full, _ = model(torch.tensor([window.tokens]))
+        torch.testing.assert_close(window.next_logits(), full[0, -1], rtol=0, atol=1e-10)
+        window.append(t)
+        slides += window.cache is None
+    assert slides == 4
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_greedy_gives_the_same_tokens_with_and_without_the_cache(variant):
+    model = tiny(**variant)
+    cached = list(generate(model, tokens(3), 40, temperature=0))
+    full = list(generate(model, tokens(3), 40, temperature=0, use_cache=False))
+    assert cached == full
+
+
+# --- sampling ----------------------------------------------------------------------------------------
+
+def test_a_fixed_seed_reproduces_the_sample():
+    model = tiny(residual="block_attnres")
+
+    def draw(seed, use_cache=True):
+        g = torch.Generator().manual_seed(seed)
+        return list(generate(model, tokens(3), 40, temperature=1.0, top_k=20, top_p=0.9,
+                             generator=g, use_cache=use_cache))
+
+    first = draw(0)
+    assert draw(0) == first
+    assert draw(0, use_cache=False) == first
+    assert draw(1) != first
+
+
+PROBS = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("top_k, top_p, kept", [
+    (None, None, {0, 1, 2, 3, 4}),
+    (2, None, {1, 3}),
+    (9, None, {0, 1, 2, 3, 4}),  # k past the vocabulary keeps everything
+    (None, 1.0, {0, 1, 2, 3, 4}),
+    (None, 0.6, {1, 3}),  # 0.4 + 0.3 reaches 0.6
+    (None, 0.75, {1, 3, 4}),  # 0.4 + 0.3 does not reach 0.75; + 0.15 does
+    (None, 0.2, {1}),  # the most likely token alone already reaches it
+    (3, 0.45, {1}),  # after top_k: 0.4 / 0.85 = 0.47 reaches 0.45 (without top_k, 3 would stay)
+])
+def test_filter_keeps_exactly_the_top_k_and_the_nucleus(top_k, top_p, kept):
+    logits = PROBS.log()
+    out = filter_logits(logits, top_k, top_p)
+    assert {i for i in range(5) if out[i] > float("-inf")} == kept
+    assert all(out[i] == logits[i] for i in kept)
+
+
+def test_samples_follow_the_filtered_distribution():
+    logits, g = PROBS.log(), torch.Generator().manual_seed(0)
+    assert sample_logits(logits, temperature=0) == 1
+    draws = torch.tensor([sample_logits(logits, 1.0, top_k=2, generator=g) for _ in range(4000)])
+    assert set(draws.tolist()) == {1, 3}
+    assert abs((draws == 1).double().mean().item() - 0.4 / 0.7) < 0.03
+
+
+def test_generate_draws_only_below_vocab_size():
+    model = tiny()
+    g = torch.Generator().manual_seed(0)
+    assert max(generate(model, tokens(3), 50, generator=g, vocab_size=7)) < 7
+
+
+# --- streamed text -----------------------------------------------------------------------------------
+
+class PieceTokenizer:
+    """Token i is the byte string pieces[i]; broken UTF-8 decodes to U+FFFD, as in the real tokenizers."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class Recorder:
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5])
+def test_text_stream_writes_split_characters_whole(piece):
+    text = "a€b — 日本語 ok 🙂!"
+    data = text.encode()
+    tokenizer = PieceTokenizer([data[i:i + piece] for i in range(0, len(data), piece)])
+    out = Recorder()
+    stream = TextStream(tokenizer, out)
+    for i in range(len(tokenizer.pieces)):
+        stream.write(i)
+    stream.close()
+    assert "".join(out.writes) == text
+    assert not any("\ufffd" in w for w in out.writes)
+    assert len(out.writes) > 3  # streamed, not written at the end
+
+
+def test_text_stream_passes_broken_bytes_through():
+    tokenizer = PieceTokenizer([b"\xff", b"x", b"\xe2\x82"])  # a stray byte; a character never finished
+    out = Recorder()
+    stream = TextStream(tokenizer, out)
+    for i in range(3):
+        stream.write(i)
+    assert "".join(out.writes) == "\ufffdx"
+    stream.close()
+    assert "".join(out.writes) == "\ufffdx\ufffd"
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+CONFIG = dict(vocab_size=260, block_size=16, n_layer=2, n_head=2, n_embd=32, residual="rd_attnres")
+
+
+def save_checkpoint(path, model):
+    torch.save({"format": "depthres-ckpt-1", "model_config": CONFIG, "model": model.state_dict(),
+                "tokenizer": "byte", "step": 0, "train_config": {}, "optimizer": {}, "loader": {}, "rng": {}},
+               path)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    model = GPT(GPTConfig(**CONFIG))
+    randomize_routing(model)
+    save_checkpoint(tmp_path / "ckpt.pt", model)
+    return tmp_path
+
+
+def cli(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_greedy_text_is_the_same_with_and_without_the_cache(run_dir, capsys):
+    args = ("--ckpt", run_dir, "--prompt", "To be, or", "--temperature", 0, "--max_new_tokens", 40)
+    rc, cached, err = cli(capsys, *args)
+    assert rc == 0 and cached.startswith("To be, or") and "kv cache" in err
+    rc, full, err = cli(capsys, *args, "--no_cache")
+    assert rc == 0 and full == cached and "no cache" in err
+
+
+def test_cli_a_fixed_seed_reproduces_the_samples(run_dir, capsys):
+    args = ("--ckpt", run_dir / "ckpt.pt", "--num_samples", 2, "--max_new_tokens", 30, "--top_k", 50, "--top_p", 0.9)
+    rc, first, _ = cli(capsys, *args, "--seed", 7)
+    assert rc == 0 and first.count("-" * 40 + "\n") == 1
+    assert cli(capsys, *args, "--seed", 7)[1] == first
+    assert cli(capsys, *args, "--seed", 8)[1] != first
+
+
+def test_cli_crops_a_long_prompt_with_a_warning(run_dir, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("x" * 40)
+    rc, out, err = cli(capsys, "--ckpt", run_dir, "--prompt_file", prompt, "--max_new_tokens", 5)
+    assert rc == 0 and out.startswith("x" * 40)
+    assert "warning: the prompt has 40 tokens" in err and "its last 16" in err
+
+
+@torch.no_grad()
+def test_cli_a_sample_ends_at_end_of_text(tmp_path, capsys):
+    model = GPT(GPTConfig(**CONFIG))
+    for p in model.parameters():
+        p.zero_()
+    model.wte.weight.fill_(1.0)  # sublayer outputs are zero: the final state is the embedding
+    model.lm_head.weight[get_tokenizer("byte").eot] = 1.0  # whose only positive logit is EOT
+    save_checkpoint(tmp_path / "ckpt.pt", model)
+    rc, out, _ = cli(capsys, "--ckpt", tmp_path, "--prompt", "hi", "--temperature", 0)
+    assert rc == 0 and out == "hi\n"
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing", "no checkpoint at"),
+    ("not_a_checkpoint", "is not a readable checkpoint"),
+    ("no_format", "is not a train.py checkpoint"),
+    ("wrong_format", "has format 'someone-else-1'"),
+    ("empty_prompt", "the prompt is empty"),
+    ("empty_prompt_file", "is empty"),
+    ("top_k", "--top_k must be at least 1"),
+    ("top_p_zero", "--top_p must be in (0, 1]"),
+    ("top_p_above_one", "--top_p must be in (0, 1]"),
+])
+def test_cli_bad_input_gives_one_clear_error(case, match, run_dir, tmp_path, capsys):
+    (tmp_path / "junk.pt").write_bytes(b"this is not a checkpoint")
+    torch.save({"model": {}}, tmp_path / "untagged.pt")
+    torch.save({"format": "someone-else-1", "model": {}}, tmp_path / "other.pt")
+    (tmp_path / "empty.txt").write_text("")
+    ckpt = {"missing": tmp_path / "nowhere", "not_a_checkpoint": tmp_path / "junk.pt",
+            "no_format": tmp_path / "untagged.pt", "wrong_format": tmp_path / "other.pt"}.get(case, run_dir)
+    extra = {"empty_prompt": ["--prompt", ""], "empty_prompt_file": ["--prompt_file", tmp_path / "empty.txt"],
+             "top_k": ["--top_k", 0], "top_p_zero": ["--top_p", 0], "top_p_above_one": ["--top_p", 1.5]}
+    rc, out, err = cli(capsys, "--ckpt", ckpt, *extra.get(case, []))
+    assert rc == 2 and out == ""
+    assert err.startswith("error: ") and match in err and "Traceback" not in err
