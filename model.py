@@ -298,6 +298,7 @@ class DualAttnRes(nn.Module):
         self.theta_beta = nn.Parameter(torch.zeros(L, 2))
         if self.routing == "sep_v":
             self.v_proj = nn.Parameter(torch.zeros(2, d, d))
+        self.ablate = {}  # diagnostics only: {sublayer j: streams whose retrieval r_m is replaced by its token mean}
 
     @torch.no_grad()
     def reset_parameters(self, rng):
@@ -338,7 +339,10 @@ class _DARStream:
         for t in (0, 1):
             keys, values = S[m.key_of[t]], S[m.value_of[t]]
             r_t, a_t = depth_attention(m.w[j, t], keys, None if keys is values else values, impl=m.impl)
-            r.append(r_t @ m.v_proj[t].T if m.routing == "sep_v" else r_t)
+            r_t = r_t @ m.v_proj[t].T if m.routing == "sep_v" else r_t
+            if t in m.ablate.get(j, ()):
+                r_t = r_t.mean(dim=(0, 1), keepdim=True).expand_as(r_t)
+            r.append(r_t)
             a.append(a_t)
         alpha = m.theta_alpha[j].softmax(0)
         if self.record is not None:
@@ -359,8 +363,8 @@ class _DARStream:
         else:
             rho = torch.sigmoid(self.m.theta_rho[j])
             self.P = [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
-        if self.record is not None:
-            self.record[f"state.{j}"] = torch.stack(self.P).detach()  # [2, B, T, d] per-stream states
+        if self.record is not None:  # each stream's state: everything it holds, x0 + its blocks + P_m
+            self.record[f"state.{j}"] = torch.stack([sum(self.history[s]) + self.P[s] for s in (0, 1)]).detach()
 
     def readout(self):
         self._close_block()

@@ -1,0 +1,260 @@
+"""
+What did a model's depth routing learn? Diagnostics from a checkpoint, on held-out tokens.
+
+    python diagnose.py --ckpt runs/demo                  # routing maps, and per variant:
+        rd_attnres   Jensen-Shannon divergence between the QK and V routes, per layer and mean
+        dar          linear CKA between the two streams per layer, and each stream's rescue gain
+        hc, mhc      the mean residual mixing matrices
+    python diagnose.py --curves runs/sweep/*/            # validation-loss curves across runs
+
+Writes diagnostics.json and PNG plots into --out (default: the run directory). Plots need
+matplotlib (optional: `pip install matplotlib`); without it the numbers are still written.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig
+
+
+# --- the measures ---------------------------------------------------------------------------------
+
+def js_divergence(p, q, dim=0):
+    """Jensen-Shannon divergence between distributions along `dim`, natural log (at most ln 2)."""
+    m = 0.5 * (p + q)
+
+    def kl(a, b):
+        return torch.where(a > 0, a * (a.clamp_min(1e-30).log() - b.clamp_min(1e-30).log()), 0.0).sum(dim)
+
+    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+
+
+def linear_cka(X, Y):
+    """Linear CKA of two feature matrices [N, d]: ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F), centred."""
+    X, Y = X.double() - X.double().mean(0), Y.double() - Y.double().mean(0)
+    return ((Y.T @ X).square().sum() / (torch.linalg.matrix_norm(X.T @ X) * torch.linalg.matrix_norm(Y.T @ Y))).item()
+
+
+def rescue_gain(d_none, d_kept):
+    """1 - D_m / D_none: the share of the loss increase that keeping stream m intact avoids."""
+    return 1.0 - d_kept / d_none
+
+
+# --- running a model over held-out batches ---------------------------------------------------------
+
+@torch.no_grad()
+def collect(model, batches):
+    """Mean loss, and the routing record of every batch (held on CPU)."""
+    losses, records = [], []
+    for x, y in batches:
+        rec = {}
+        losses.append(model(x, y, routing=rec)[1].item())
+        records.append({k: v.cpu() for k, v in rec.items()})
+    return sum(losses) / len(losses), records
+
+
+def site_names(n_layer):
+    return [f"{kind}.{i}" for i in range(n_layer) for kind in ("attn", "mlp")] + ["readout"]
+
+
+def routing_maps(records, n_layer):
+    """{site: mean routing weights over held-out tokens, [n_sources] (RD attention sites: [n, 2])}.
+    DAR sites give [2 targets, n]."""
+    maps = {}
+    for site in site_names(n_layer):
+        if site in records[0]:
+            a = torch.cat([r[site].flatten(start_dim=r[site].dim() - 2) for r in records], -1)  # tokens last
+            maps[site] = a.mean(-1)
+    return maps
+
+
+def rd_js_per_layer(records, n_layer):
+    """JS divergence between a_QK and a_V at each attention sublayer, per token, then averaged."""
+    out = []
+    for i in range(n_layer):
+        a = torch.cat([r[f"attn.{i}"].flatten(start_dim=2) for r in records], -1)  # [n, 2, tokens]
+        out.append(js_divergence(a[:, 0], a[:, 1], dim=0).mean().item())
+    return out
+
+
+def dar_cka_per_layer(records, n_layer):
+    """CKA between the two streams' states after each layer (section 5)."""
+    out = []
+    for i in range(n_layer):
+        s = torch.cat([r[f"state.{2 * i + 1}"].flatten(1, 2) for r in records], 1)  # [2, tokens, d]
+        out.append(linear_cka(s[0], s[1]))
+    return out
+
+
+@torch.no_grad()
+def dar_rescue_gains(model, batches, base_loss):
+    """Per layer: replace both streams' retrievals at the layer's sublayers with their token means
+    (D_none = loss increase), then keep stream m intact (D_m); gain_m = 1 - D_m / D_none."""
+    router, gains = model.router, []
+    for i in range(model.cfg.n_layer):
+        d = {}
+        for kept, ablated in (("none", (0, 1)), (0, (1,)), (1, (0,))):
+            router.ablate = {2 * i: ablated, 2 * i + 1: ablated}
+            d[kept] = collect(model, batches)[0] - base_loss
+        router.ablate = {}
+        gains.append([rescue_gain(d["none"], d[0]), rescue_gain(d["none"], d[1]), d["none"]])
+    return gains
+
+
+def mixing_matrices(records, n_layer):
+    """{site: mean H_res (mhc) / Ar (hc) over tokens, [n, n]}."""
+    return {site: torch.cat([r[site + "/res"].flatten(0, 1) for r in records]).mean(0)
+            for site in site_names(n_layer)[:-1]}
+
+
+# --- plots (optional matplotlib) ----------------------------------------------------------------------
+
+def pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("matplotlib is not installed: skipping plots (pip install matplotlib)")
+        return None
+
+
+def plot_routing_maps(maps, path, title, residual):
+    """One heatmap per route: rows are sites in depth order, columns are sources (0 = embedding).
+    RD-AttnRes: the QK and V routes (MLP sites and readout appear in both); DAR: one per stream."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    names = {"rd_attnres": ("QK route", "V route"), "dar": ("stream 0", "stream 1")}.get(residual, ("routing weights",))
+    routes = {name: {} for name in names}
+    for site, m in maps.items():
+        for r, name in enumerate(names):
+            if m.dim() == 1:
+                routes[name][site] = m
+            else:  # RD attention sites [n, 2 routes]; DAR sites [2 targets, n]
+                routes[name][site] = m[:, r] if residual == "rd_attnres" else m[r]
+    fig, axes = plt.subplots(1, len(routes), figsize=(4.5 * len(routes), 6), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], routes.items()):
+        width = max(len(v) for v in rows.values())
+        grid = torch.full((len(rows), width), float("nan"))
+        for r, v in enumerate(rows.values()):
+            grid[r, :len(v)] = v
+        im = ax.imshow(grid.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        ax.set_yticks(range(len(rows)), list(rows), fontsize=6)
+        ax.set_xlabel("source (0 = embedding)")
+        ax.set_title(name or "routing weights", fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.6)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def val_curve(run):
+    """[(step, val loss)] from a run's log.jsonl."""
+    rows = [json.loads(line) for line in open(os.path.join(run, "log.jsonl"))]
+    return [(r["step"], r["loss"]) for r in rows if r.get("kind") == "eval" and r.get("split") == "val"]
+
+
+def plot_curves(groups, path):
+    """Validation loss against step, one line per group of runs ({label: [run_dir, ...]}): the mean
+    over the group's runs at the steps they all evaluated."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, runs in groups.items():
+        curves = [dict(val_curve(run)) for run in runs]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], label=f"{label} ({len(runs)})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu"):
+    from prepare_data import eval_batches
+    from train import load_checkpoint
+
+    ckpt = load_checkpoint(ckpt_path, map_location=device)
+    cfg = GPTConfig(**ckpt["model_config"])
+    model = GPT(cfg).to(device)
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    tc = ckpt["train_config"]
+    batches = [(x.to(device), y.to(device)) for x, y in
+               eval_batches(tc["data_dir"], "val", batch_size, cfg.block_size, tokens)]
+    loss, records = collect(model, batches)
+    out = dict(checkpoint=ckpt_path, residual=cfg.residual, step=ckpt["step"], val_loss=loss)
+    n = cfg.n_layer
+    if cfg.residual != "standard" and cfg.residual not in ("hc", "mhc"):
+        out["routing_maps"] = {k: v.tolist() for k, v in routing_maps(records, n).items()}
+    if cfg.residual == "rd_attnres" and (cfg.rd_mode or "decoupled") != "tied":
+        js = rd_js_per_layer(records, n)
+        out["js_qk_v_per_layer"], out["js_qk_v_mean"] = js, sum(js) / n
+    if cfg.residual == "dar":
+        out["cka_per_layer"] = dar_cka_per_layer(records, n)
+        out["rescue_gain_per_layer"] = [dict(stream0=g0, stream1=g1, d_none=dn)
+                                        for g0, g1, dn in dar_rescue_gains(model, batches, loss)]
+    if cfg.residual in ("hc", "mhc"):
+        out["mixing_matrices"] = {k: v.tolist() for k, v in mixing_matrices(records, n).items()}
+
+    out_dir = out_dir or (ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(ckpt_path))
+    os.makedirs(out_dir, exist_ok=True)
+    if "routing_maps" in out:
+        maps = {k: torch.tensor(v) for k, v in out["routing_maps"].items()}
+        out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
+                                                f"{cfg.residual}, step {ckpt['step']}", cfg.residual)
+    with open(os.path.join(out_dir, "diagnostics.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
+def summary(d):
+    lines = [f"{d['residual']} at step {d['step']}: val loss {d['val_loss']:.4f} (ppl {math.exp(d['val_loss']):.2f})"]
+    if "js_qk_v_mean" in d:
+        lines.append("JS(QK || V) per layer: " + " ".join(f"{x:.3f}" for x in d["js_qk_v_per_layer"])
+                     + f"  mean {d['js_qk_v_mean']:.3f} (max ln 2 = 0.693)")
+    if "cka_per_layer" in d:
+        lines.append("stream CKA per layer: " + " ".join(f"{x:.3f}" for x in d["cka_per_layer"]))
+        lines.append("rescue gain per layer (stream 0 / stream 1): " +
+                     " ".join(f"{g['stream0']:.2f}/{g['stream1']:.2f}" for g in d["rescue_gain_per_layer"]))
+    if "mixing_matrices" in d:
+        last = list(d["mixing_matrices"])[-1]
+        lines.append(f"mean mixing matrix at {last}: " + str([[round(x, 3) for x in row] for row in d["mixing_matrices"][last]]))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", help="run directory or checkpoint file")
+    p.add_argument("--curves", nargs="+", metavar="RUN_DIR", help="plot validation curves of these runs")
+    p.add_argument("--out", help="output directory (default: the run directory) or, with --curves, the PNG path")
+    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens to average over")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    if not args.ckpt and not args.curves:
+        p.error("give --ckpt or --curves")
+    if args.curves:
+        print("wrote", plot_curves({os.path.basename(r.rstrip("/")): [r] for r in args.curves}, args.out or "curves.png"))
+    if args.ckpt:
+        print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device)))
+
+
+if __name__ == "__main__":
+    main()

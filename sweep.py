@@ -1,0 +1,170 @@
+"""
+Paired comparisons: every variant with every seed, and a table of what came out.
+
+    python sweep.py configs/sweep_cpu.py                          # one run after another, on this machine
+    python sweep.py configs/sweep_cpu.py --launcher "torchrun --nproc_per_node=8"
+    python sweep.py configs/sweep_cpu.py --table_only             # just the table, from finished runs
+
+A sweep file is Python that sets:
+    base       a train.py config file
+    variants   {name: "key=value key=value"}, train.py overrides per variant ("" for the base itself)
+    seeds      [0, 1, 2]: run s uses seed=s and data_seed=s for every variant, so partners share
+               their initial weights, their batches and their schedule
+    reference  the variant the others are compared with
+    overrides  (optional) "key=value ..." for every run
+    out_dir    (optional) where runs go: out_dir/<variant>/seed<s>; default runs/<sweep file name>
+
+A finished run (its summary.json exists) is skipped, a run with a checkpoint is resumed, so an
+interrupted sweep continues where it stopped. At the end the table is printed and saved as
+results.json and results.csv in out_dir, with curves.png (validation loss, mean over seeds) when
+matplotlib is installed.
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def load_sweep(path):
+    spec = {}
+    exec(Path(path).read_text(), {}, spec)
+    missing = [k for k in ("base", "variants", "seeds", "reference") if k not in spec]
+    if missing:
+        raise SystemExit(f"error: sweep file {path} must set {', '.join(missing)}")
+    if spec["reference"] not in spec["variants"]:
+        raise SystemExit(f"error: reference {spec['reference']!r} is not one of the variants {list(spec['variants'])}")
+    spec.setdefault("overrides", "")
+    spec.setdefault("out_dir", str(Path("runs") / Path(path).stem))
+    return spec
+
+
+def run_dir(spec, variant, seed):
+    return Path(spec["out_dir"]) / variant / f"seed{seed}"
+
+
+def train_command(spec, variant, seed, launcher):
+    d = run_dir(spec, variant, seed)
+    args = [str(HERE / "train.py"), spec["base"], f"--out_dir={d.parent}", f"--run_name={d.name}",
+            f"--seed={seed}", f"--data_seed={seed}"]
+    args += [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(spec["variants"][variant])]
+    if (d / "ckpt.pt").exists():
+        args.append("--resume=true")
+    return shlex.split(launcher) + args if launcher else [sys.executable] + args
+
+
+def run_all(spec, launcher):
+    for seed in spec["seeds"]:  # seed-major: a partial sweep already holds complete paired sets
+        for variant in spec["variants"]:
+            if (run_dir(spec, variant, seed) / "summary.json").exists():
+                continue
+            cmd = train_command(spec, variant, seed, launcher)
+            print(f"\n=== {variant}, seed {seed}: {' '.join(cmd)}", flush=True)
+            if subprocess.run(cmd).returncode != 0:
+                raise SystemExit(f"error: run {variant} seed {seed} failed; fix it and run the sweep again to resume")
+
+
+def collect(spec):
+    runs = []
+    for variant in spec["variants"]:
+        for seed in spec["seeds"]:
+            path = run_dir(spec, variant, seed) / "summary.json"
+            if path.exists():
+                runs.append(dict(variant=variant, seed=seed, **json.loads(path.read_text())))
+    return runs
+
+
+def summarize(runs, reference):
+    """Per variant: val NLL over seeds, the paired difference with the reference (per seed, mean,
+    spread), wins (seeds where the variant's loss is lower), the perplexity change exp(mean diff) - 1,
+    and tokens/s and peak-memory ratios. Only seeds the reference also finished are paired."""
+    by = {}
+    for r in runs:
+        by.setdefault(r["variant"], {})[r["seed"]] = r
+    ref = by[reference]
+    rows = []
+    for variant, seeds in by.items():
+        losses = [seeds[s]["val_loss"] for s in sorted(seeds)]
+        paired = {s: seeds[s]["val_loss"] - ref[s]["val_loss"] for s in sorted(seeds) if s in ref}
+        mean_delta = statistics.fmean(paired.values()) if paired else float("nan")
+
+        def ratio(key):
+            mine = [seeds[s][key] for s in paired if seeds[s].get(key) and ref[s].get(key)]
+            theirs = [ref[s][key] for s in paired if seeds[s].get(key) and ref[s].get(key)]
+            return statistics.fmean(mine) / statistics.fmean(theirs) if mine else None
+
+        rows.append(dict(
+            variant=variant, seeds=len(losses),
+            val_loss_mean=statistics.fmean(losses), val_loss_std=statistics.stdev(losses) if len(losses) > 1 else 0.0,
+            delta_mean=mean_delta,
+            delta_std=statistics.stdev(paired.values()) if len(paired) > 1 else 0.0,
+            deltas={str(s): d for s, d in paired.items()},
+            wins=sum(d < 0 for d in paired.values()), paired_seeds=len(paired),
+            ppl_change_pct=100 * (math.exp(mean_delta) - 1),
+            tokens_per_s_ratio=ratio("tokens_per_s"), memory_ratio=ratio("peak_memory_bytes")))
+    return rows
+
+
+def table(rows, reference):
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    out = [f"| variant | seeds | val NLL (mean ± sd) | Δ vs `{reference}` (mean ± sd) | per seed | wins | ppl change | tokens/s | peak memory |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        per_seed = " ".join(f"{d:+.4f}" for d in r["deltas"].values())
+        out.append(f"| `{r['variant']}` | {r['seeds']} | {r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f} | "
+                   f"{r['delta_mean']:+.4f} ± {r['delta_std']:.4f} | {per_seed} | {r['wins']}/{r['paired_seeds']} | "
+                   f"{r['ppl_change_pct']:+.2f}% | {num(r['tokens_per_s_ratio'], '.3f')} | {num(r['memory_ratio'], '.3f')} |")
+    return "\n".join(out)
+
+
+def report(spec):
+    runs = collect(spec)
+    if not any(r["variant"] == spec["reference"] for r in runs):
+        raise SystemExit(f"error: no finished run of the reference {spec['reference']!r} yet")
+    rows = summarize(runs, spec["reference"])
+    text = table(rows, spec["reference"])
+    print(text)
+    out = Path(spec["out_dir"])
+    (out / "results.json").write_text(json.dumps(dict(reference=spec["reference"], rows=rows, runs=runs), indent=1))
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["variant", "seed", "val_loss", "test_loss", "delta_vs_reference", "tokens_per_s", "peak_memory_bytes"])
+        ref = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == spec["reference"]}
+        for r in runs:
+            delta = r["val_loss"] - ref[r["seed"]] if r["seed"] in ref else ""
+            w.writerow([r["variant"], r["seed"], r["val_loss"], r.get("test_loss"), delta,
+                        r.get("tokens_per_s"), r.get("peak_memory_bytes")])
+    from diagnose import plot_curves
+    groups = {v: [run_dir(spec, v, s) for s in spec["seeds"] if (run_dir(spec, v, s) / "log.jsonl").exists()]
+              for v in spec["variants"]}
+    plot_curves({v: d for v, d in groups.items() if d}, out / "curves.png")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", help="sweep file (see above)")
+    p.add_argument("--launcher", default="", help='command prefix for each run, e.g. "torchrun --nproc_per_node=8"')
+    p.add_argument("--table_only", action="store_true", help="skip training; tabulate the finished runs")
+    p.add_argument("--out_dir", help="override the sweep file's out_dir")
+    args = p.parse_args(argv)
+    spec = load_sweep(args.sweep)
+    if args.out_dir:
+        spec["out_dir"] = args.out_dir
+    if not args.table_only:
+        run_all(spec, args.launcher)
+    return report(spec)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The experiment tools: the sweep table's arithmetic, the diagnostics' measures, a tiny sweep."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import diagnose
+import sweep
+from model import GPT, GPTConfig
+
+
+# --- the paired-comparison table --------------------------------------------------------------------
+
+def fake_runs():
+    val = {("base", 0): 3.00, ("base", 1): 3.10, ("base", 2): 2.90,
+           ("new", 0): 2.95, ("new", 1): 3.12, ("new", 2): 2.80}
+    return [dict(variant=v, seed=s, val_loss=loss, tokens_per_s=1000.0 if v == "base" else 900.0,
+                 peak_memory_bytes=100 if v == "base" else 120) for (v, s), loss in val.items()]
+
+
+def test_summary_arithmetic():
+    rows = {r["variant"]: r for r in sweep.summarize(fake_runs(), "base")}
+    new, base = rows["new"], rows["base"]
+    assert new["deltas"] == pytest.approx({"0": -0.05, "1": 0.02, "2": -0.10})
+    assert new["delta_mean"] == pytest.approx(-0.13 / 3)
+    assert new["delta_std"] == pytest.approx(math.sqrt(((-0.05 + 0.13 / 3) ** 2 + (0.02 + 0.13 / 3) ** 2
+                                                        + (-0.10 + 0.13 / 3) ** 2) / 2))
+    assert new["wins"] == 2 and new["paired_seeds"] == 3
+    assert new["ppl_change_pct"] == pytest.approx(100 * (math.exp(-0.13 / 3) - 1))
+    assert new["val_loss_mean"] == pytest.approx((2.95 + 3.12 + 2.80) / 3)
+    assert new["tokens_per_s_ratio"] == pytest.approx(0.9) and new["memory_ratio"] == pytest.approx(1.2)
+    assert base["delta_mean"] == 0 and base["wins"] == 0 and base["ppl_change_pct"] == 0
+
+
+def test_summary_pairs_only_seeds_the_reference_finished():
+    runs = [r for r in fake_runs() if not (r["variant"] == "base" and r["seed"] == 2)]
+    new = {r["variant"]: r for r in sweep.summarize(runs, "base")}["new"]
+    assert new["paired_seeds"] == 2 and new["seeds"] == 3
+    assert new["delta_mean"] == pytest.approx((-0.05 + 0.02) / 2)
+
+
+# --- the diagnostics' measures --------------------------------------------------------------------
+
+def test_js_divergence_known_values():
+    p = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    q = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    assert diagnose.js_divergence(p, p).item() == 0.0
+    assert diagnose.js_divergence(q, torch.tensor([0.0, 1.0], dtype=torch.float64)).item() == pytest.approx(math.log(2))
+    # m = (0.75, 0.25): KL(p||m) = 0.5 ln(2/3) + 0.5 ln 2, KL(q||m) = ln(4/3)
+    expected = 0.5 * (0.5 * math.log(2 / 3) + 0.5 * math.log(2)) + 0.5 * math.log(4 / 3)
+    assert diagnose.js_divergence(p, q).item() == pytest.approx(expected, abs=1e-12)
+    assert diagnose.js_divergence(q, p).item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_linear_cka_known_values():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(200, 8, generator=g, dtype=torch.float64)
+    Q, _ = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=torch.float64))
+    assert diagnose.linear_cka(X, X) == pytest.approx(1.0)
+    assert diagnose.linear_cka(X, 3 * X @ Q + 1) == pytest.approx(1.0)  # invariant to rotation, scale, shift
+    # one feature: CKA is the squared correlation; centred x = (-1, 0, 1), y = (-1, 1, 0): (1 / 2)^2
+    x, y = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[1.0], [3.0], [2.0]])
+    assert diagnose.linear_cka(x, y) == pytest.approx(0.25)
+
+
+def test_rescue_gain():
+    assert diagnose.rescue_gain(0.4, 0.1) == pytest.approx(0.75)
+    assert diagnose.rescue_gain(0.4, 0.4) == 0.0
+
+
+def test_diagnostics_on_every_variant_family():
+    """The records each variant exposes are enough for its measures, at any routing."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 50, (2, 12), generator=g),) * 2 for _ in range(2)]
+    for kw in (dict(residual="rd_attnres"), dict(residual="dar"), dict(residual="mhc", hc_streams=2)):
+        model = GPT(GPTConfig(vocab_size=50, block_size=12, n_layer=2, n_head=2, n_embd=16, **kw))
+        with torch.no_grad():
+            for p in model.router.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+        loss, records = diagnose.collect(model, batches)
+        if kw["residual"] == "rd_attnres":
+            js = diagnose.rd_js_per_layer(records, 2)
+            assert js[0] == 0 and 0 < js[1] < math.log(2)  # layer 0 routes over x0 alone
+            maps = diagnose.routing_maps(records, 2)
+            assert maps["attn.1"].shape == (2, 2)  # sources [x0, partial] by 2 routes
+            assert torch.allclose(maps["attn.1"].sum(0), torch.ones(2))
+        elif kw["residual"] == "dar":
+            assert all(0 < c < 1 for c in diagnose.dar_cka_per_layer(records, 2))
+            gains = diagnose.dar_rescue_gains(model, batches, loss)
+            assert len(gains) == 2 and model.router.ablate == {}
+            assert all(g[2] != 0 for g in gains)  # ablating both streams changes the loss
+        else:
+            mix = diagnose.mixing_matrices(records, 2)
+            assert mix["mlp.1"].shape == (2, 2)
+            assert torch.allclose(mix["mlp.1"].sum(-2), torch.ones(2), atol=1e-5)  # Sinkhorn ends on columns
+
+
+# --- a tiny sweep, end to end -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def byte_data(tmp_path_factory):
+    from prepare_data import main as prepare
+    out = tmp_path_factory.mktemp("data") / "bytes"
+    src = tmp_path_factory.mktemp("src") / "docs.jsonl"
+    text = "To be, or not to be, that is the question. " * 40
+    src.write_text("\n".join(json.dumps({"text": f"{i}: {text}"}) for i in range(30)))
+    assert prepare(["--data_files", str(src), "--tokenizer", "byte", "--out_dir", str(out),
+                    "--val_fraction", "0.2", "--test_fraction", "0.1"]) == 0
+    return out
+
+
+def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
+    spec = tmp_path / "sweep.py"
+    spec.write_text(f'base = "configs/test.py"\n'
+                    f'variants = {{"block": "", "tied": "residual=rd_attnres rd_mode=tied"}}\n'
+                    f'seeds = [0, 1]\nreference = "block"\n'
+                    f'overrides = "data_dir={byte_data} max_steps=4 eval_interval=2 ckpt_interval=2"\n'
+                    f'out_dir = "{tmp_path / "runs"}"\n')
+    cmd = [sys.executable, "sweep.py", str(spec)]
+    first = subprocess.run(cmd, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    rows = json.loads((tmp_path / "runs" / "results.json").read_text())["rows"]
+    tied = {r["variant"]: r for r in rows}["tied"]
+    # rd_attnres with tied queries is exactly block_attnres: paired runs agree to rounding
+    assert tied["paired_seeds"] == 2 and abs(tied["delta_mean"]) < 1e-5
+    assert (tmp_path / "runs" / "results.csv").read_text().count("\n") == 5
+    again = subprocess.run(cmd, capture_output=True, text=True)  # everything finished: nothing reruns
+    assert again.returncode == 0 and "===" not in again.stdout
