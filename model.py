@@ -17,7 +17,7 @@ One primitive, `depth_attention`, carries AttnRes, RD-AttnRes and DAR.
 
 import hashlib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -72,10 +72,6 @@ class GPTConfig:
         need(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         need((self.n_embd // self.n_head) % 2 == 0, f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
         need(self.logit_softcap >= 0, f"logit_softcap must be >= 0, got {self.logit_softcap}")
-
-    @classmethod
-    def keys(cls):
-        return [f.name for f in fields(cls)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ Paired comparisons: every variant with every seed, and a table of what came out.
     python sweep.py configs/sweep_cpu.py                          # one run after another, on this machine
     python sweep.py configs/sweep_cpu.py --launcher "torchrun --nproc_per_node=8"
     python sweep.py configs/sweep_cpu.py --table_only             # just the table, from finished runs
+    python sweep.py configs/sweep_cpu.py --table_only --reference block_attnres
 
 A sweep file is Python that sets:
     base       a train.py config file
@@ -34,9 +35,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def load_sweep(path):
+def load_sweep(path, reference=None):
     spec = {}
     exec(Path(path).read_text(), {}, spec)
+    if reference:
+        spec["reference"] = reference
     missing = [k for k in ("base", "variants", "seeds", "reference") if k not in spec]
     if missing:
         raise SystemExit(f"error: sweep file {path} must set {', '.join(missing)}")
@@ -157,10 +160,11 @@ def main(argv=None):
     p.add_argument("--launcher", default="", help='command prefix for each run, e.g. "torchrun --nproc_per_node=8"')
     p.add_argument("--table_only", action="store_true", help="skip training; tabulate the finished runs")
     p.add_argument("--out_dir", help="override the sweep file's out_dir")
+    p.add_argument("--reference", help="override the sweep file's reference variant")
+    p.add_argument("--base", help="override the sweep file's base config (e.g. another model size)")
     args = p.parse_args(argv)
-    spec = load_sweep(args.sweep)
-    if args.out_dir:
-        spec["out_dir"] = args.out_dir
+    spec = load_sweep(args.sweep, args.reference)
+    spec.update({k: v for k, v in (("out_dir", args.out_dir), ("base", args.base)) if v})
     if not args.table_only:
         run_all(spec, args.launcher)
     return report(spec)

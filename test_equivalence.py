@@ -75,30 +75,26 @@ def test_zero_queries_equal_standard(variant):
 
 # --- 2. Block AttnRes with S = 1 is Full AttnRes -----------------------------------------------------
 
-def test_block_size_one_is_full_attnres():
+def assert_same_function(a, b):
+    """Two variants with the same random routing parameters: same logits, same gradient everywhere."""
     idx = tokens()
-    full, block = tiny(residual="full_attnres"), tiny(residual="block_attnres", attnres_block_size=1)
-    randomize_routing(full)
-    randomize_routing(block)
-    la, ga = loss_and_grads(full, idx)
-    lb, gb = loss_and_grads(block, idx)
+    randomize_routing(a)
+    randomize_routing(b)
+    la, ga = loss_and_grads(a, idx)
+    lb, gb = loss_and_grads(b, idx)
     torch.testing.assert_close(la, lb, rtol=0, atol=1e-10)
     assert ga.keys() == gb.keys()
     assert_grads_equal(ga, gb)
+
+
+def test_block_size_one_is_full_attnres():
+    assert_same_function(tiny(residual="full_attnres"), tiny(residual="block_attnres", attnres_block_size=1))
 
 
 # --- 3. RD-AttnRes and its controls ---------------------------------------------------------------
 
 def test_rd_tied_equals_block_attnres():
-    idx = tokens()
-    block, tied = tiny(residual="block_attnres"), tiny(residual="rd_attnres", rd_mode="tied")
-    randomize_routing(block)
-    randomize_routing(tied)
-    la, ga = loss_and_grads(block, idx)
-    lb, gb = loss_and_grads(tied, idx)
-    torch.testing.assert_close(la, lb, rtol=0, atol=1e-10)
-    assert ga.keys() == gb.keys()
-    assert_grads_equal(ga, gb)
+    assert_same_function(tiny(residual="block_attnres"), tiny(residual="rd_attnres", rd_mode="tied"))
 
 
 def _with_value_queries_from_qk(model):
