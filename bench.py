@@ -79,16 +79,23 @@ class Runner:
             base = torch.cuda.memory_allocated()
             self.step()
             return torch.cuda.max_memory_allocated() - base, None
-        storages = {}
+        rss0 = reset_peak_rss()
+        saved = saved_activation_bytes(self.step)
+        return saved, peak_rss() - rss0
 
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            rss0 = reset_peak_rss()
-            self.step()
-        return sum(storages.values()), peak_rss() - rss0
+def saved_activation_bytes(fn):
+    """Run fn(); return the bytes autograd saved for backward meanwhile, each storage counted once
+    (several ops often save the same tensor)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
 
 
 def reset_peak_rss():

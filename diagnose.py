@@ -20,7 +20,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, _site_name
 
 
 # --- the measures ---------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def collect(model, batches):
 
 
 def site_names(n_layer):
-    return [f"{kind}.{i}" for i in range(n_layer) for kind in ("attn", "mlp")] + ["readout"]
+    return [_site_name(j) for j in range(2 * n_layer)] + ["readout"]
 
 
 def routing_maps(records, n_layer):

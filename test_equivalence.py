@@ -1,10 +1,11 @@
 """Exact reductions between residual variants (float64), and the model's other contracts."""
 
+import math
+
 import pytest
 import torch
 
-import math
-
+import bench
 from model import GPT, GPTConfig, KVCache, depth_attention, depth_attention_reference, norm
 
 VARIANTS = [
@@ -266,16 +267,7 @@ def test_lean_model_matches_reference_model(variant):
 
 
 def saved_activation_bytes(model, idx):
-    """Bytes autograd keeps for backward, each storage counted once (several ops save one tensor)."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(idx, idx)[1].backward()
-    return sum(storages.values())
+    return bench.saved_activation_bytes(lambda: model(idx, idx)[1].backward())
 
 
 def test_full_attnres_keeps_no_quadratic_copies_of_sources():
