@@ -22,6 +22,7 @@ finished, summary.json (final val and test loss, median tokens/s, peak memory).
 """
 
 import difflib
+import gc
 import json
 import math
 import os
@@ -482,9 +483,15 @@ def main(argv=None):
         check_resumable(ckpt, source, mc, meta["tokenizer"])
     dist = setup_distributed(tc.device)
     try:
-        return train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, argv[0])
+        summary = train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, argv[0])
+        if dist.world_size > 1:
+            torch_dist.barrier()  # every rank is done with the group before any rank takes it down
+        return summary
     finally:
         if dist.world_size > 1:
+            # DDP's reducer sits in reference cycles; collect it while its process group still exists,
+            # or its gloo threads are torn down at interpreter exit and abort the process
+            gc.collect()
             torch_dist.destroy_process_group()
 
 
