@@ -323,6 +323,52 @@ def test_dar_self_kv_with_saturated_gates_is_block_attnres():
     torch.testing.assert_close(gb["router.w"][:, 0], ga["router.w"], rtol=0, atol=1e-10)
 
 
+def dar_textbook_logits(model, idx):
+    """VARIANTS.md section 5 spelled out target by target, stream by stream, with the model's weights:
+    the specification the batched DAR stream must match."""
+    R, cfg = model.router, model.cfg
+    key_of, value_of = {"cross": ((1, 0), (0, 1)), "self_kv": ((0, 1), (0, 1)), "cross_v": ((0, 1), (1, 0)),
+                        "fixed_kv": ((0, 0), (1, 1)), "sep_v": ((0, 1), (0, 1))}[cfg.dar_routing or "cross"]
+    x0 = model.wte(idx)
+    history, P = [[x0], [x0]], [None, None]
+    cos, sin = model.cos[:idx.size(1)], model.sin[:idx.size(1)]
+
+    def retrieve(j):
+        S = [history[s] + ([P[s]] if cfg.dar_include_partial and P[s] is not None else []) for s in (0, 1)]
+        alpha, h = R.theta_alpha[j].softmax(0), 0
+        for m in (0, 1):
+            logits = torch.stack([norm(k) @ R.w[j, m] for k in S[key_of[m]]])
+            r_m = sum(a * v for a, v in zip(logits.softmax(0).unsqueeze(-1), S[value_of[m]]))
+            h = h + alpha[m] * (r_m @ R.v_proj[m].T if cfg.dar_routing == "sep_v" else r_m)
+        return h
+
+    for j in range(2 * cfg.n_layer):
+        if j > 0 and j % cfg.dar_block_size == 0:
+            history, P = [history[0] + [P[0]], history[1] + [P[1]]], [None, None]
+        block = model.blocks[j // 2]
+        y = block.attn(retrieve(j), cos, sin, j // 2) if j % 2 == 0 else block.mlp(retrieve(j))
+        beta = 2 * torch.sigmoid(R.theta_beta[j])
+        if P[0] is None:
+            P = [beta[0] * y, beta[1] * y]
+        else:
+            rho = torch.sigmoid(R.theta_rho[j])
+            P = [rho * P[0] + (1 - rho) * P[1] + beta[0] * y, (1 - rho) * P[0] + rho * P[1] + beta[1] * y]
+    history = [history[0] + [P[0]], history[1] + [P[1]]]
+    P = [None, None]
+    return model.lm_head(norm(retrieve(-1)))
+
+
+@pytest.mark.parametrize("variant", DAR, ids=lambda v: "-".join(map(str, v.values())))
+def test_dar_matches_its_textbook_definition(variant):
+    model = tiny(**variant)
+    randomize_routing(model)
+    if variant.get("dar_routing") == "sep_v":
+        with torch.no_grad():
+            model.router.v_proj.mul_(0.2)  # random projections, at a scale that keeps activations sane
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], dar_textbook_logits(model, idx), rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("variant", DAR, ids=lambda v: "-".join(map(str, v.values())))
 def test_dar_streams_differ_at_init(variant):
     model = tiny(**variant)
