@@ -12,7 +12,8 @@ themselves never change. The math contract is VARIANTS.md; section numbers below
     dar            two streams; each retrieves its history with keys from the other (section 5)
     hc, mhc        n streams mixed by (manifold-constrained) Hyper-Connections (section 6)
 
-One primitive, `depth_attention`, carries AttnRes, RD-AttnRes and DAR.
+One primitive, `depth_attention` (routing weights, then the weighted sum), carries AttnRes, RD-AttnRes
+and DAR.
 """
 
 import hashlib
@@ -82,78 +83,137 @@ class GPTConfig:
 #     h       = sum_r a_r * v_r       values are the raw sources              gain would be redundant)
 #
 # Keys and values are lists of n tensors [..., d] (usually the same list). The query w is [d], or
-# [Q, d] to route Q queries over the same sources in one pass (RD-AttnRes' two routes); the outputs
-# then get a leading Q axis. Everything runs in float32 (float64 for float64 models).
+# [Q, d] to route Q queries over the same sources in one pass (RD-AttnRes' two routes). With
+# per_query=True each source is [Q, ..., d] and query q reads slice q (DAR's two streams in one pass).
+# RMSNorm(k_r) = k_r * inv_r with inv_r = 1 / rms(k_r): a source's norm factor does not depend on
+# the query, so the residual streams compute it once per source (_rms_inv) and pass it to every site
+# that reads the source. Everything runs in float32 (float64 for float64 models), also inside bf16
+# autocast regions, where only the sources stay bf16.
 
 
 def _compute_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def depth_attention_reference(w, keys, values=None):
-    """The math above in plain autograd. Readable, but it saves a float copy of every normalised key
-    at every site: Full AttnRes then keeps O(L^2) source-sized tensors alive for backward."""
-    values = keys if values is None else values
-    dt, d = _compute_dtype(keys[0]), w.shape[-1]
-    W = w.reshape(-1, d).to(dt)  # [Q, d]
-    logits = torch.stack([F.rms_norm(k.to(dt), (d,), eps=torch.finfo(dt).eps) @ W.T for k in keys])  # [n, ..., Q]
-    a = logits.softmax(0)
-    h = sum(a_r.unsqueeze(-1) * v.to(dt).unsqueeze(-2) for a_r, v in zip(a, values))  # [..., Q, d]
-    h, a = h.movedim(-2, 0).to(values[0].dtype), a.movedim(-1, 1)  # [Q, ..., d], [n, Q, ...]
-    return (h, a) if w.dim() == 2 else (h[0], a[:, 0])
+def _float32_routing(t):
+    """Autocast off: the routing math must not drop to bf16 (the sources themselves may be bf16)."""
+    return torch.autocast(t.device.type, enabled=False)
 
 
-class _DepthAttention(torch.autograd.Function):
-    """The same math with a hand-written backward. It saves only the inputs themselves (references
-    to source tensors that already exist, never copies), the softmax and the per-source norm factors
-    ([n, ...] each); backward recomputes the rest. So every site of Full AttnRes adds O(n B T) floats,
-    not O(n B T d), and no float32 copies of bf16 sources outlive the forward pass. Each source is
-    read once per pass through a matmul or a fused reduction, never through a product temporary."""
+def _rms_inv(k):
+    """inv = 1 / rms(k) over channels, [...] for k [..., d]: RMSNorm(k) = k * inv."""
+    dt = _compute_dtype(k)
+    with _float32_routing(k):
+        return torch.rsqrt(torch.linalg.vector_norm(k, dim=-1, dtype=dt).square() / k.size(-1) + torch.finfo(dt).eps)
+
+
+def _dots(k, W, per_query):
+    """k . W_q: [Q, ...] for keys k [..., d] shared by the Q queries, or [Q, ..., d] one slice per query."""
+    if per_query:
+        return (k.reshape(len(W), -1, W.size(1)) @ W.unsqueeze(-1)).view(k.shape[:-1])
+    return (k @ W.T).movedim(-1, 0)
+
+
+class _DepthWeights(torch.autograd.Function):
+    """a = softmax_r(inv_r (W k_r)), [n, Q, ...], with a hand-written backward. It saves the queries,
+    [n, Q, ...]-sized tensors and references to the keys, never copies: every site of Full AttnRes
+    adds O(n B T) floats for backward, not O(n B T d), and no float32 copy of a bf16 source outlives
+    the forward pass. The norm factors arrive as an input and get their gradient here; autograd
+    takes it once per source, through the _rms_inv that made them."""
 
     @staticmethod
-    def forward(ctx, W, n, *kv):  # W [Q, d]
-        keys, values = kv[:n], (kv[n:] or kv[:n])
-        dt, d = _compute_dtype(keys[0]), W.shape[-1]
-        Wf = W.to(dt)
-        inv = torch.stack([torch.rsqrt(torch.linalg.vector_norm(k.to(dt), dim=-1).square() / d + torch.finfo(dt).eps)
-                           for k in keys])  # [n, ...] 1 / rms(k_r)
-        logits = torch.stack([(k.to(dt) @ Wf.T).movedim(-1, 0) * inv_r for k, inv_r in zip(keys, inv)])  # [n, Q, ...]
-        a = logits.softmax(0)
-        h = a[0].unsqueeze(-1) * values[0].to(dt)
+    def forward(ctx, W, inv, per_query, *keys):  # W [Q, d]; inv [n, ...] ([n, Q, ...] per query)
+        Wf = W.to(inv.dtype)
+        dots = torch.stack([_dots(k.to(inv.dtype), Wf, per_query) for k in keys])  # [n, Q, ...]
+        a = (dots * (inv if per_query else inv.unsqueeze(1))).softmax(0)
+        ctx.per_query = per_query
+        ctx.save_for_backward(W, inv, a, dots, *keys)
+        return a
+
+    @staticmethod
+    def backward(ctx, ga):
+        W, inv, a, dots, *keys = ctx.saved_tensors
+        Q, d = W.shape
+        Wf = W.to(a.dtype)
+        dl = a * (ga - (a * ga).sum(0, keepdim=True))  # softmax backward: dL/dlogit
+        if ctx.per_query:
+            g_inv, c = dl * dots, dl * inv  # c = dL/d(W k_r)
+        else:
+            g_inv, c = (dl * dots).sum(1), dl * inv.unsqueeze(1)
+        gW, gk = torch.zeros_like(Wf), []
+        for c_r, k in zip(c, keys):
+            k = k.to(a.dtype)
+            if ctx.per_query:
+                gW += (c_r.reshape(Q, 1, -1) @ k.reshape(Q, -1, d)).squeeze(1)
+                gk.append(c_r.unsqueeze(-1) * Wf.view(Q, *[1] * (k.dim() - 2), d))
+            else:
+                gW += c_r.reshape(Q, -1) @ k.reshape(-1, d)
+                gk.append(c_r.movedim(0, -1) @ Wf)
+        return gW.to(W.dtype), g_inv, None, *[g.to(k.dtype) for g, k in zip(gk, keys)]
+
+
+class _DepthMix(torch.autograd.Function):
+    """h = sum_r a_r v_r, [Q, ..., d]: each source read once, accumulated in place; saves a and
+    references to the values."""
+
+    @staticmethod
+    def forward(ctx, a, *values):  # a [n, Q, ...]; values [..., d] or [Q, ..., d]
+        h = a[0].unsqueeze(-1) * values[0].to(a.dtype)
         for a_r, v in zip(a[1:], values[1:]):
-            h.addcmul_(a_r.unsqueeze(-1), v.to(dt))  # [Q, ..., d]
-        ctx.n, ctx.d, ctx.shared = n, d, len(kv) == n
-        ctx.save_for_backward(W, a, logits, inv, *kv)
-        return h.to(values[0].dtype), a
+            h.addcmul_(a_r.unsqueeze(-1), v.to(a.dtype))
+        ctx.save_for_backward(a, *values)
+        return h.to(values[0].dtype)
 
     @staticmethod
-    def backward(ctx, g, _ga):
-        W, a, logits, inv, *kv = ctx.saved_tensors
-        n, d = ctx.n, ctx.d
-        keys, values = kv[:n], (kv[:n] if ctx.shared else kv[n:])
-        dt = a.dtype
-        g, Wf = g.to(dt), W.to(dt)
-        da = torch.stack([(g * v.to(dt)).sum(-1) for v in values])  # dL/da_r = g . v_r  [n, Q, ...]
-        dl = a * (da - (a * da).sum(0, keepdim=True))  # softmax backward
-        c = dl * inv.unsqueeze(1)  # dL/d(W k_r): the norm factor folded in
-        coef = (dl * logits).sum(1) * inv.square() / d  # logit_r = inv_r (W k_r), d inv_r/d k_r = -inv_r^3 k_r / d
-        gW = torch.zeros_like(Wf)
-        gk, gv = [], []
-        for r in range(n):
-            k = keys[r].to(dt)
-            gW += c[r].reshape(len(Wf), -1) @ k.reshape(-1, d)
-            gk.append((c[r].movedim(0, -1) @ Wf).addcmul_(coef[r].unsqueeze(-1), k, value=-1))
-            gv.append((a[r].unsqueeze(-1) * g).sum(0))  # sum over the Q routes
-        grads = [x + y for x, y in zip(gk, gv)] if ctx.shared else gk + gv
-        return (gW.to(W.dtype), None, *[gr.to(t.dtype) for gr, t in zip(grads, kv)])
+    def backward(ctx, g):
+        a, *values = ctx.saved_tensors
+        g = g.to(a.dtype)
+        ga = torch.stack([(g * v.to(a.dtype)).sum(-1) for v in values])  # dL/da_r = g . v_r
+        gv = []
+        for a_r, v in zip(a, values):
+            g_r = a_r.unsqueeze(-1) * g  # [Q, ..., d]; a shared value sums over the Q routes
+            gv.append((g_r.view(v.shape) if g_r.numel() == v.numel() else g_r.sum_to_size(v.shape)).to(v.dtype))
+        return ga, *gv
 
 
-def depth_attention(w, keys, values=None, impl="lean"):
+def depth_weights_reference(W, keys, per_query=False):
+    """The weights in plain autograd. Readable, but it saves a float copy of every normalised key at
+    every site: Full AttnRes then keeps O(L^2) source-sized tensors alive for backward."""
+    dt, (Q, d) = _compute_dtype(keys[0]), W.shape
+    W = W.to(dt)
+
+    def logit(k):
+        k = F.rms_norm(k.to(dt), (d,), eps=torch.finfo(dt).eps)
+        return (k * W.view(Q, *[1] * (k.dim() - 2), d)).sum(-1) if per_query else (k @ W.T).movedim(-1, 0)
+
+    return torch.stack([logit(k) for k in keys]).softmax(0)
+
+
+def depth_mix_reference(a, values):
+    return sum(a_r.unsqueeze(-1) * v.to(a.dtype) for a_r, v in zip(a, values)).to(values[0].dtype)
+
+
+def depth_weights(W, keys, inv=None, per_query=False, impl="lean"):
+    """Routing weights a [n, Q, ...] of the queries W [Q, d]. inv: the keys' norm factors (_rms_inv),
+    when the caller keeps them; the reference recomputes the norm at every call, like a naive port."""
+    with _float32_routing(W):
+        if impl == "reference":
+            return depth_weights_reference(W, keys, per_query)
+        inv = torch.stack(inv if inv is not None else [_rms_inv(k) for k in keys])
+        return _DepthWeights.apply(W, inv, per_query, *keys)
+
+
+def depth_mix(a, values, impl="lean"):
+    """h = sum_r a_r v_r: [Q, ..., d] for a [n, Q, ...]."""
+    with _float32_routing(a):
+        return depth_mix_reference(a, values) if impl == "reference" else _DepthMix.apply(a, *values)
+
+
+def depth_attention(w, keys, values=None, inv=None, per_query=False, impl="lean"):
     """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r. Returns (h, a): h [..., d] and the routing weights
     a [n, ...] for w [d]; h [Q, ..., d] and a [n, Q, ...] for w [Q, d]."""
-    if impl == "reference":
-        return depth_attention_reference(w, keys, values)
-    h, a = _DepthAttention.apply(w.reshape(-1, w.shape[-1]), len(keys), *keys, *([] if values is None else values))
+    a = depth_weights(w.reshape(-1, w.shape[-1]), keys, inv, per_query, impl)
+    h = depth_mix(a, keys if values is None else values, impl)
     return (h, a) if w.dim() == 2 else (h[0], a[:, 0])
 
 
@@ -220,10 +280,13 @@ class _AttnResStream:
     def __init__(self, mod, x0, record):
         self.m, self.record = mod, record
         self.completed, self.partial = [x0], None  # block representations b_0 = x0, b_1, ..; partial sum
+        self.inv = [_rms_inv(x0)]  # each completed block's norm factor, computed once for all later sites
 
     def _attend(self, w, site):
-        sources = self.completed + ([self.partial] if self.partial is not None else [])
-        h, a = depth_attention(w, sources, impl=self.m.impl)
+        sources, inv = self.completed, self.inv
+        if self.partial is not None:
+            sources, inv = sources + [self.partial], inv + [_rms_inv(self.partial)]
+        h, a = depth_attention(w, sources, inv=inv, impl=self.m.impl)
         if self.record is not None:
             self.record[site] = a.detach()
         return h
@@ -231,8 +294,7 @@ class _AttnResStream:
     def read(self, j):
         m = self.m
         if j > 0 and j % m.S == 0:  # Eq. 5: a block boundary closes the partial sum
-            self.completed.append(self.partial)
-            self.partial = None
+            self._close_block()
         site = _site_name(j)
         if m.rd_mode is None or m.rd_mode == "tied" or j % 2 == 1:
             return self._attend(m.w[j], site)
@@ -245,9 +307,13 @@ class _AttnResStream:
     def write(self, j, y):
         self.partial = y if self.partial is None else self.partial + y
 
-    def readout(self):
+    def _close_block(self):
         self.completed.append(self.partial)
+        self.inv.append(_rms_inv(self.partial))
         self.partial = None
+
+    def readout(self):
+        self._close_block()
         return self._attend(self.m.w[-1], "readout")
 
 
@@ -286,7 +352,10 @@ class DualAttnRes(nn.Module):
         L, d = 2 * cfg.n_layer, cfg.n_embd
         self.K, self.include_partial, self.impl = cfg.dar_block_size, cfg.dar_include_partial, cfg.depth_impl
         self.routing = cfg.dar_routing or "cross"
-        self.key_of, self.value_of = DAR_ROUTES[self.routing]
+        self.key_of, self.value_of = map(list, DAR_ROUTES[self.routing])  # stream of target t's keys, of its values
+        if self.routing != "fixed_kv":  # permutations: the target reading stream s's keys, its values
+            self.key_reader = [self.key_of.index(s) for s in (0, 1)]
+            self.value_reader = [self.value_of.index(s) for s in (0, 1)]
         self.w = nn.Parameter(torch.zeros(L + 1, 2, d))
         self.theta_alpha = nn.Parameter(torch.zeros(L + 1, 2))
         if self.K > 1:  # Full DAR (K = 1) starts a new block at every sublayer: nothing to transport
@@ -314,36 +383,49 @@ class DualAttnRes(nn.Module):
         return _DARStream(self, x0, record)
 
 
+def _reorder(a, order):
+    """a[:, order] for weights [n, 2, B, T]; the identity order costs no copy."""
+    return a if order == [0, 1] else a[:, order]
+
+
 class _DARStream:
+    """Every state holds both streams in one tensor [2, B, T, d], stream m at index m, so that one
+    depth-attention pass retrieves for both targets."""
+
     def __init__(self, mod, x0, record):
         self.m, self.record = mod, record
-        # completed block states of each stream, both starting at x0 (a view: torch.compile cannot trace
-        # one tensor passed twice to the depth-attention Function, as cross routing would)
-        self.history = ([x0], [x0.view_as(x0)])
-        self.P = [None, None]  # in-block partial states
+        self.history = [x0.expand(2, *x0.shape)]  # completed block states; both streams start as x0 (a view)
+        self.inv = [_rms_inv(x0).expand(2, *x0.shape[:-1])]  # their norm factors, computed once
+        self.P = None  # in-block partial states [2, B, T, d]
 
     def _close_block(self):
-        for s in (0, 1):
-            self.history[s].append(self.P[s])
-        self.P = [None, None]
+        self.history.append(self.P)
+        self.inv.append(_rms_inv(self.P))
+        self.P = None
 
     def _retrieve(self, j, site):
-        """h = alpha_0 r_0 + alpha_1 r_1,  r_m = sum softmax(w_m . RMSNorm(keys)) values."""
+        """h = alpha_0 r_0 + alpha_1 r_1,  r_t = sum softmax(w_t . RMSNorm(keys of t)) values of t."""
         m = self.m
-        S = [self.history[s] + ([self.P[s]] if m.include_partial and self.P[s] is not None else []) for s in (0, 1)]
-        r, a = [], []
-        for t in (0, 1):
-            keys, values = S[m.key_of[t]], S[m.value_of[t]]
-            r_t, a_t = depth_attention(m.w[j, t], keys, None if keys is values else values, impl=m.impl)
-            r_t = r_t @ m.v_proj[t].T if m.routing == "sep_v" else r_t
-            if t in m.ablate.get(j, ()):
-                r_t = r_t.mean(dim=(0, 1), keepdim=True).expand_as(r_t)
-            r.append(r_t)
-            a.append(a_t)
-        alpha = m.theta_alpha[j].softmax(0)
+        S, inv = self.history, self.inv
+        if m.include_partial and self.P is not None:
+            S, inv = S + [self.P], inv + [_rms_inv(self.P)]
+        if m.routing == "fixed_kv":  # both targets read stream 0's keys and stream 1's values: two queries
+            a = depth_weights(m.w[j], [s[0] for s in S], [i[0] for i in inv], impl=m.impl)  # [n, target, B, T]
+            r, reader = depth_mix(a, [s[1] for s in S], impl=m.impl), [0, 1]  # r[t]: target t's retrieval
+        else:  # slice s of every source is read by the target whose keys (values) live in stream s
+            a = _reorder(depth_weights(m.w[j, m.key_reader], S, inv, per_query=True, impl=m.impl), m.key_of)
+            reader = m.value_reader  # a: [n, target, B, T]
+            r = depth_mix(_reorder(a, reader), S, impl=m.impl)  # r[s]: the retrieval of target reader[s]
+        if m.routing == "sep_v":
+            r = r @ m.v_proj[reader].mT.unsqueeze(1)  # [2, 1, d, d] against r [2, B, T, d]
+        if j in m.ablate:  # diagnostics: a target's retrieval replaced by its token mean
+            lost = torch.tensor([t in m.ablate[j] for t in reader], device=r.device).view(2, 1, 1, 1)
+            r = torch.where(lost, r.mean(dim=(1, 2), keepdim=True), r)
+        alpha = m.theta_alpha[j].softmax(0)  # per target
         if self.record is not None:
-            self.record[site] = torch.stack(a).detach()  # [2 targets, n, B, T]
+            self.record[site] = a.movedim(1, 0).detach()  # [2 targets, n, B, T]
             self.record[site + "/alpha"] = alpha.detach()
+        alpha = alpha[reader]
         return alpha[0] * r[0] + alpha[1] * r[1]
 
     def read(self, j):
@@ -352,15 +434,16 @@ class _DARStream:
         return self._retrieve(j, _site_name(j))
 
     def write(self, j, y):
-        beta = 2 * torch.sigmoid(self.m.theta_beta[j])
-        P0, P1 = self.P
-        if P0 is None:  # first sublayer of a block
-            self.P = [beta[0] * y, beta[1] * y]
-        else:
+        beta = 2 * torch.sigmoid(self.m.theta_beta[j]).view(2, 1, 1, 1)
+        if self.P is None:  # first sublayer of a block
+            self.P = beta * y
+        else:  # P_m <- rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams
             rho = torch.sigmoid(self.m.theta_rho[j])
-            self.P = [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
+            M = torch.stack([torch.stack([rho, 1 - rho]), torch.stack([1 - rho, rho])])
+            with _float32_routing(y):  # a matmul over the stream axis: saves no new source-sized tensor
+                self.P = (M.to(self.P.dtype) @ self.P.flatten(1)).view_as(self.P) + beta * y
         if self.record is not None:  # each stream's state: everything it holds, x0 + its blocks + P_m
-            self.record[f"state.{j}"] = torch.stack([sum(self.history[s]) + self.P[s] for s in (0, 1)]).detach()
+            self.record[f"state.{j}"] = (sum(self.history) + self.P).detach()
 
     def readout(self):
         self._close_block()

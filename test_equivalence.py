@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bench
-from model import GPT, GPTConfig, KVCache, depth_attention, depth_attention_reference, norm
+from model import GPT, GPTConfig, KVCache, _rms_inv, depth_attention, norm
 
 VARIANTS = [
     dict(residual="standard"),
@@ -233,25 +233,51 @@ def test_bad_config_raises_clear_error(kw, match):
 
 # --- the lean depth attention is the reference math ---------------------------------------------------
 
-@pytest.mark.parametrize("case", ["one-query", "two-queries", "separate-values"])
-def test_lean_depth_attention_matches_reference(case):
+DEPTH_CASES = ["one-query", "two-queries", "separate-values", "cached-norms", "per-query", "per-query-separate-values"]
+
+
+def depth_case(case, dtype=torch.float64):
+    """(w, keys, values, per_query) for one way of calling depth_attention; every tensor is a leaf."""
     g = torch.Generator().manual_seed(0)
     B, T, d, n = 2, 3, 8, 4
-    keys = [torch.randn(B, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n)]
-    values = [torch.randn(B, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n)] \
-        if case == "separate-values" else None
-    w_shape = (2, d) if case == "two-queries" else (d,)
-    w = torch.randn(w_shape, generator=g, dtype=torch.float64, requires_grad=True)
-    inputs = [w, *keys, *(values or [])]
+    per_query = case.startswith("per-query")
+    Q = 2 if per_query or case == "two-queries" else 1
+    lead = (Q, B, T) if per_query else (B, T)
+    keys = [torch.randn(*lead, d, generator=g, dtype=dtype).requires_grad_() for _ in range(n)]
+    values = [torch.randn(*lead, d, generator=g, dtype=dtype).requires_grad_() for _ in range(n)] \
+        if case.endswith("separate-values") else None
+    w = torch.randn((Q, d) if Q > 1 else (d,), generator=g, dtype=dtype).requires_grad_()
+    return w, keys, values, per_query
+
+
+@pytest.mark.parametrize("case", DEPTH_CASES)
+def test_lean_depth_attention_matches_reference(case):
+    w, keys, values, per_query = depth_case(case)
+    inputs, n = [w, *keys, *(values or [])], len(keys)
+
+    def attend(w, keys, values, impl):
+        inv = [_rms_inv(k) for k in keys] if case == "cached-norms" else None  # the streams' way: norms made outside
+        return depth_attention(w, keys, values, inv=inv, per_query=per_query, impl=impl)
 
     def run(impl):
-        h, a = depth_attention(w, keys, values, impl=impl)
+        h, a = attend(w, keys, values, impl)
         gh = torch.randn(h.shape, generator=torch.Generator().manual_seed(1), dtype=h.dtype)
         return (h, a, *torch.autograd.grad((h * gh).sum(), inputs))
 
-    for lean, ref in zip(run("lean"), run("reference")):
+    for lean, ref in zip(run("lean"), run("reference"), strict=True):
         torch.testing.assert_close(lean, ref, rtol=0, atol=1e-12)
-    torch.autograd.gradcheck(lambda w, *kv: depth_attention(w, list(kv[:n]), list(kv[n:]) or None)[0], inputs)
+    torch.autograd.gradcheck(lambda w, *kv: attend(w, list(kv[:n]), list(kv[n:]) or None, "lean")[0], inputs)
+
+
+@pytest.mark.parametrize("impl", ["lean", "reference"])
+def test_depth_attention_stays_float32_under_bf16_autocast(impl):
+    w, keys, values, _ = depth_case("two-queries", torch.float32)
+    plain = depth_attention(w, keys, impl=impl)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = depth_attention(w, keys, impl=impl)
+    for p, m in zip(plain, mixed):
+        assert m.dtype == torch.float32
+        torch.testing.assert_close(m, p, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("variant", ATTNRES + DAR, ids=lambda v: "-".join(map(str, v.values())))
