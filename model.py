@@ -153,14 +153,16 @@ class _DepthWeights(torch.autograd.Function):
 
 
 class _DepthMix(torch.autograd.Function):
-    """h = sum_r a_r v_r, [Q, ..., d]: each source read once, accumulated in place; saves a and
-    references to the values."""
+    """h = sum_r a_r v_r, [Q, ..., d]; with fuse, values [Q, ..., d] and h = sum_q sum_r a_rq v_rq,
+    [..., d] (DAR's fused retrieval: the per-target retrievals are never materialised). Each source
+    is read once, accumulated in place; saves a and references to the values."""
 
     @staticmethod
-    def forward(ctx, a, *values):  # a [n, Q, ...]; values [..., d] or [Q, ..., d]
-        h = a[0].unsqueeze(-1) * values[0].to(a.dtype)
-        for a_r, v in zip(a[1:], values[1:]):
-            h.addcmul_(a_r.unsqueeze(-1), v.to(a.dtype))
+    def forward(ctx, a, fuse, *values):  # a [n, Q, ...]; values [..., d] or [Q, ..., d]
+        terms = [(a_r[q], v[q]) for a_r, v in zip(a, values) for q in range(len(a_r))] if fuse else zip(a, values)
+        h = None
+        for a_r, v in terms:
+            h = a_r.unsqueeze(-1) * v.to(a.dtype) if h is None else h.addcmul_(a_r.unsqueeze(-1), v.to(a.dtype))
         ctx.save_for_backward(a, *values)
         return h.to(values[0].dtype)
 
@@ -168,12 +170,12 @@ class _DepthMix(torch.autograd.Function):
     def backward(ctx, g):
         a, *values = ctx.saved_tensors
         g = g.to(a.dtype)
-        ga = torch.stack([(g * v.to(a.dtype)).sum(-1) for v in values])  # dL/da_r = g . v_r
+        ga = torch.stack([(g * v.to(a.dtype)).sum(-1) for v in values])  # dL/da_r = g . v_r (g [..., d] when fused)
         gv = []
         for a_r, v in zip(a, values):
             g_r = a_r.unsqueeze(-1) * g  # [Q, ..., d]; a shared value sums over the Q routes
             gv.append((g_r.view(v.shape) if g_r.numel() == v.numel() else g_r.sum_to_size(v.shape)).to(v.dtype))
-        return ga, *gv
+        return ga, None, *gv
 
 
 def depth_weights_reference(W, keys, per_query=False):
@@ -189,8 +191,9 @@ def depth_weights_reference(W, keys, per_query=False):
     return torch.stack([logit(k) for k in keys]).softmax(0)
 
 
-def depth_mix_reference(a, values):
-    return sum(a_r.unsqueeze(-1) * v.to(a.dtype) for a_r, v in zip(a, values)).to(values[0].dtype)
+def depth_mix_reference(a, values, fuse=False):
+    h = sum(a_r.unsqueeze(-1) * v.to(a.dtype) for a_r, v in zip(a, values))
+    return (h.sum(0) if fuse else h).to(values[0].dtype)
 
 
 def depth_weights(W, keys, inv=None, per_query=False, impl="lean"):
@@ -203,17 +206,17 @@ def depth_weights(W, keys, inv=None, per_query=False, impl="lean"):
         return _DepthWeights.apply(W, inv, per_query, *keys)
 
 
-def depth_mix(a, values, impl="lean"):
-    """h = sum_r a_r v_r: [Q, ..., d] for a [n, Q, ...]."""
+def depth_mix(a, values, fuse=False, impl="lean"):
+    """h = sum_r a_r v_r: [Q, ..., d] for a [n, Q, ...]; fuse (values [Q, ..., d]): summed over Q too."""
     with _float32_routing(a):
-        return depth_mix_reference(a, values) if impl == "reference" else _DepthMix.apply(a, *values)
+        return depth_mix_reference(a, values, fuse) if impl == "reference" else _DepthMix.apply(a, fuse, *values)
 
 
 def depth_attention(w, keys, values=None, inv=None, per_query=False, impl="lean"):
     """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r. Returns (h, a): h [..., d] and the routing weights
     a [n, ...] for w [d]; h [Q, ..., d] and a [n, Q, ...] for w [Q, d]."""
     a = depth_weights(w.reshape(-1, w.shape[-1]), keys, inv, per_query, impl)
-    h = depth_mix(a, keys if values is None else values, impl)
+    h = depth_mix(a, keys if values is None else values, impl=impl)
     return (h, a) if w.dim() == 2 else (h[0], a[:, 0])
 
 
@@ -411,21 +414,26 @@ class _DARStream:
             S, inv = S + [self.P], inv + [_rms_inv(self.P)]
         if m.routing == "fixed_kv":  # both targets read stream 0's keys and stream 1's values: two queries
             a = depth_weights(m.w[j], [s[0] for s in S], [i[0] for i in inv], impl=m.impl)  # [n, target, B, T]
-            r, reader = depth_mix(a, [s[1] for s in S], impl=m.impl), [0, 1]  # r[t]: target t's retrieval
+            values, reader = [s[1] for s in S], [0, 1]
         else:  # slice s of every source is read by the target whose keys (values) live in stream s
             a = _reorder(depth_weights(m.w[j, m.key_reader], S, inv, per_query=True, impl=m.impl), m.key_of)
-            reader = m.value_reader  # a: [n, target, B, T]
-            r = depth_mix(_reorder(a, reader), S, impl=m.impl)  # r[s]: the retrieval of target reader[s]
+            values, reader = S, m.value_reader  # a: [n, target, B, T]
+        alpha = m.theta_alpha[j].softmax(0)  # per target
+        if self.record is not None:
+            self.record[site] = a.movedim(1, 0).detach()  # [2 targets, n, B, T]
+            self.record[site + "/alpha"] = alpha.detach()
+        a, alpha = _reorder(a, reader), alpha[reader]  # ordered as the values: slice s for target reader[s]
+        if m.routing != "sep_v" and j not in m.ablate:  # alpha folded into the weights: one weighted sum
+            a = a * alpha.view(1, 2, 1, 1)
+            if m.routing == "fixed_kv":
+                return depth_mix(a.sum(1, keepdim=True), values, impl=m.impl)[0]
+            return depth_mix(a, values, fuse=True, impl=m.impl)
+        r = depth_mix(a, values, impl=m.impl)  # r[s]: the retrieval of target reader[s]
         if m.routing == "sep_v":
             r = r @ m.v_proj[reader].mT.unsqueeze(1)  # [2, 1, d, d] against r [2, B, T, d]
         if j in m.ablate:  # diagnostics: a target's retrieval replaced by its token mean
             lost = torch.tensor([t in m.ablate[j] for t in reader], device=r.device).view(2, 1, 1, 1)
             r = torch.where(lost, r.mean(dim=(1, 2), keepdim=True), r)
-        alpha = m.theta_alpha[j].softmax(0)  # per target
-        if self.record is not None:
-            self.record[site] = a.movedim(1, 0).detach()  # [2 targets, n, B, T]
-            self.record[site + "/alpha"] = alpha.detach()
-        alpha = alpha[reader]
         return alpha[0] * r[0] + alpha[1] * r[1]
 
     def read(self, j):

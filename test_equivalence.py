@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bench
-from model import GPT, GPTConfig, KVCache, _rms_inv, depth_attention, norm
+from model import GPT, GPTConfig, KVCache, _rms_inv, depth_attention, depth_mix, depth_weights, norm
 
 VARIANTS = [
     dict(residual="standard"),
@@ -233,7 +233,8 @@ def test_bad_config_raises_clear_error(kw, match):
 
 # --- the lean depth attention is the reference math ---------------------------------------------------
 
-DEPTH_CASES = ["one-query", "two-queries", "separate-values", "cached-norms", "per-query", "per-query-separate-values"]
+DEPTH_CASES = ["one-query", "two-queries", "separate-values", "cached-norms", "per-query", "per-query-separate-values",
+               "per-query-fused"]
 
 
 def depth_case(case, dtype=torch.float64):
@@ -257,6 +258,9 @@ def test_lean_depth_attention_matches_reference(case):
 
     def attend(w, keys, values, impl):
         inv = [_rms_inv(k) for k in keys] if case == "cached-norms" else None  # the streams' way: norms made outside
+        if case == "per-query-fused":  # DAR's fused retrieval: both queries' retrievals summed in one pass
+            a = depth_weights(w, keys, inv, per_query=True, impl=impl)
+            return depth_mix(a, keys, fuse=True, impl=impl), a
         return depth_attention(w, keys, values, inv=inv, per_query=per_query, impl=impl)
 
     def run(impl):
@@ -392,7 +396,10 @@ def test_dar_matches_its_textbook_definition(variant):
         with torch.no_grad():
             model.router.v_proj.mul_(0.2)  # random projections, at a scale that keeps activations sane
     idx = tokens()
-    torch.testing.assert_close(model(idx)[0], dar_textbook_logits(model, idx), rtol=0, atol=1e-10)
+    textbook = dar_textbook_logits(model, idx)
+    torch.testing.assert_close(model(idx)[0], textbook, rtol=0, atol=1e-10)
+    model.router.ablate = {j: () for j in range(-1, 2 * model.cfg.n_layer)}  # nothing ablated: the unfused path
+    torch.testing.assert_close(model(idx)[0], textbook, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("variant", DAR, ids=lambda v: "-".join(map(str, v.values())))
