@@ -13,7 +13,7 @@ themselves never change. The math contract is VARIANTS.md; section numbers below
     hc, mhc        n streams mixed by (manifold-constrained) Hyper-Connections (section 6)
 
 One primitive, `depth_attention` (routing weights, then the weighted sum), carries AttnRes, RD-AttnRes
-and DAR.
+and DAR; routing.py computes it fast (two-phase, block-wise) and is tested equal to it.
 """
 
 import hashlib
@@ -21,13 +21,16 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch._functorch.config
 import torch.nn as nn
 import torch.nn.functional as F
+
+from routing import TwoPhaseRouter, compute_dtype, float32_routing, rms_inv
 
 RESIDUALS = ("standard", "full_attnres", "block_attnres", "rd_attnres", "dar", "hc", "mhc")
 RD_MODES = ("decoupled", "tied", "average", "frozen_v")
 DAR_ROUTINGS = ("cross", "self_kv", "cross_v", "fixed_kv", "sep_v")
-DEPTH_IMPLS = ("lean", "reference")
+DEPTH_IMPLS = ("two_phase", "reference")
 
 
 @dataclass
@@ -44,11 +47,12 @@ class GPTConfig:
     residual: str = "standard"  # one of RESIDUALS
     attnres_block_size: int = 4  # S, in sublayers (4 = two transformer layers); block_attnres, rd_attnres
     rd_mode: str | None = None  # rd_attnres only; None means "decoupled"
-    dar_block_size: int = 4  # K, in sublayers; 1 is Full DAR
+    dar_block_size: int = 2  # K, in transformer layers (2K sublayers); 1 is Full DAR
     dar_include_partial: bool = True  # the current in-block state is a candidate source
     dar_routing: str | None = None  # dar only; None means "cross"
     hc_streams: int = 4  # n, for hc and mhc (mhc with 2 is the DAR paper's mHC-2 baseline)
-    depth_impl: str = "lean"  # "lean" (custom autograd, no copies saved) or "reference" (plain autograd)
+    depth_impl: str = "two_phase"  # "two_phase" (routing.py) or "reference" (plain autograd, site by site)
+    depth_chunk: int = 4  # two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)
 
     def __post_init__(self):
         def need(ok, msg):
@@ -64,7 +68,8 @@ class GPTConfig:
              f"dar_routing={self.dar_routing!r} only applies to residual='dar' (got residual={self.residual!r}); drop dar_routing")
         need(self.dar_routing is None or self.dar_routing in DAR_ROUTINGS,
              f"unknown dar_routing {self.dar_routing!r}; choose one of {', '.join(DAR_ROUTINGS)}")
-        need(self.dar_block_size >= 1, f"dar_block_size counts sublayers and must be >= 1, got {self.dar_block_size}")
+        need(self.dar_block_size >= 1, f"dar_block_size counts transformer layers and must be >= 1, got {self.dar_block_size}")
+        need(self.depth_chunk >= 1, f"depth_chunk counts sublayers and must be >= 1, got {self.depth_chunk}")
         need(self.hc_streams >= 1, f"hc_streams must be >= 1, got {self.hc_streams}")
         need(self.attnres_block_size >= 1, f"attnres_block_size counts sublayers and must be >= 1, got {self.attnres_block_size}")
         need(self.depth_impl in DEPTH_IMPLS, f"unknown depth_impl {self.depth_impl!r}; choose one of {', '.join(DEPTH_IMPLS)}")
@@ -82,142 +87,51 @@ class GPTConfig:
 #     a       = softmax_r(logit)      over the depth axis                     (w.(g*k) = (w*g).k, so a
 #     h       = sum_r a_r * v_r       values are the raw sources              gain would be redundant)
 #
-# Keys and values are lists of n tensors [..., d] (usually the same list). The query w is [d], or
-# [Q, d] to route Q queries over the same sources in one pass (RD-AttnRes' two routes). With
-# per_query=True each source is [Q, ..., d] and query q reads slice q (DAR's two streams in one pass).
-# RMSNorm(k_r) = k_r * inv_r with inv_r = 1 / rms(k_r): a source's norm factor does not depend on
-# the query, so the residual streams compute it once per source (_rms_inv) and pass it to every site
-# that reads the source. Everything runs in float32 (float64 for float64 models), also inside bf16
-# autocast regions, where only the sources stay bf16.
+# computed in float32 (float64 for float64 models), also inside bf16 autocast regions, where only the
+# sources stay bf16. This is the math; routing.py computes the same numbers fast (depth_impl).
 
 
-def _compute_dtype(t):
-    return torch.promote_types(t.dtype, torch.float32)
+def depth_attention(w, keys, values=None):
+    """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r for sources k_r, v_r [..., d] (values: the keys if
+    None). Returns h [..., d] and the routing weights a [n, ...]."""
+    values = keys if values is None else values
+    dt = compute_dtype(keys[0])
+    with float32_routing(w):
+        logits = torch.stack([F.rms_norm(k.to(dt), (k.size(-1),), eps=torch.finfo(dt).eps) @ w.to(dt) for k in keys])
+        a = logits.softmax(0)
+        h = sum(a_r.unsqueeze(-1) * v.to(dt) for a_r, v in zip(a, values))
+    return h.to(values[0].dtype), a
 
 
-def _float32_routing(t):
-    """Autocast off: the routing math must not drop to bf16 (the sources themselves may be bf16)."""
-    return torch.autocast(t.device.type, enabled=False)
+class ReferenceRouter:
+    """depth_impl="reference": depth attention site by site, in plain autograd. The residual streams
+    route their sites in chunks: a router serves one chunk, whose query rows W [Q, d] are known when
+    it opens, over the sources completed by then; each read adds the sources that arrived since.
+    routing.TwoPhaseRouter has the same interface and must give the same numbers. streams: None for
+    one stream of sources [*, d]; DAR: per target (key stream, value stream) of its sources [2, *, d],
+    with the rows target-major. The norm factors `inv` are for the two-phase path, unused here."""
+
+    def __init__(self, W, completed, inv=None, streams=None):
+        self.W, self.completed, self.streams = W, completed, streams
+        self.Qt = len(W) // (1 if streams is None else len(streams))
+
+    def attend(self, q, recent=()):
+        """(h, a) for query row q over the completed sources and `recent`."""
+        sources = self.completed + list(recent)
+        if self.streams is None:
+            return depth_attention(self.W[q], sources)
+        ks, vs = self.streams[q // self.Qt]
+        return depth_attention(self.W[q], [s[ks] for s in sources], [s[vs] for s in sources])
+
+    def read(self, q, recent=(), inv=()):
+        return self.attend(q, recent)[0]
+
+    def read_fused(self, rows, alpha, recent=(), inv=()):
+        """DAR: h = alpha_0 r_0 + alpha_1 r_1 for one site's query rows (target 0's, target 1's)."""
+        return alpha[0] * self.read(rows[0], recent) + alpha[1] * self.read(rows[1], recent)
 
 
-def _rms_inv(k):
-    """inv = 1 / rms(k) over channels, [...] for k [..., d]: RMSNorm(k) = k * inv."""
-    dt = _compute_dtype(k)
-    with _float32_routing(k):
-        return torch.rsqrt(torch.linalg.vector_norm(k, dim=-1, dtype=dt).square() / k.size(-1) + torch.finfo(dt).eps)
-
-
-def _dots(k, W, per_query):
-    """k . W_q: [Q, ...] for keys k [..., d] shared by the Q queries, or [Q, ..., d] one slice per query."""
-    if per_query:
-        return (k.reshape(len(W), -1, W.size(1)) @ W.unsqueeze(-1)).view(k.shape[:-1])
-    return (k @ W.T).movedim(-1, 0)
-
-
-class _DepthWeights(torch.autograd.Function):
-    """a = softmax_r(inv_r (W k_r)), [n, Q, ...], with a hand-written backward. It saves the queries,
-    [n, Q, ...]-sized tensors and references to the keys, never copies: every site of Full AttnRes
-    adds O(n B T) floats for backward, not O(n B T d), and no float32 copy of a bf16 source outlives
-    the forward pass. The norm factors arrive as an input and get their gradient here; autograd
-    takes it once per source, through the _rms_inv that made them."""
-
-    @staticmethod
-    def forward(ctx, W, inv, per_query, *keys):  # W [Q, d]; inv [n, ...] ([n, Q, ...] per query)
-        Wf = W.to(inv.dtype)
-        dots = torch.stack([_dots(k.to(inv.dtype), Wf, per_query) for k in keys])  # [n, Q, ...]
-        a = (dots * (inv if per_query else inv.unsqueeze(1))).softmax(0)
-        ctx.per_query = per_query
-        ctx.save_for_backward(W, inv, a, dots, *keys)
-        return a
-
-    @staticmethod
-    def backward(ctx, ga):
-        W, inv, a, dots, *keys = ctx.saved_tensors
-        Q, d = W.shape
-        Wf = W.to(a.dtype)
-        dl = a * (ga - (a * ga).sum(0, keepdim=True))  # softmax backward: dL/dlogit
-        if ctx.per_query:
-            g_inv, c = dl * dots, dl * inv  # c = dL/d(W k_r)
-        else:
-            g_inv, c = (dl * dots).sum(1), dl * inv.unsqueeze(1)
-        gW, gk = torch.zeros_like(Wf), []
-        for c_r, k in zip(c, keys):
-            k = k.to(a.dtype)
-            if ctx.per_query:
-                gW += (c_r.reshape(Q, 1, -1) @ k.reshape(Q, -1, d)).squeeze(1)
-                gk.append(c_r.unsqueeze(-1) * Wf.view(Q, *[1] * (k.dim() - 2), d))
-            else:
-                gW += c_r.reshape(Q, -1) @ k.reshape(-1, d)
-                gk.append(c_r.movedim(0, -1) @ Wf)
-        return gW.to(W.dtype), g_inv, None, *[g.to(k.dtype) for g, k in zip(gk, keys)]
-
-
-class _DepthMix(torch.autograd.Function):
-    """h = sum_r a_r v_r, [Q, ..., d]; with fuse, values [Q, ..., d] and h = sum_q sum_r a_rq v_rq,
-    [..., d] (DAR's fused retrieval: the per-target retrievals are never materialised). Each source
-    is read once, accumulated in place; saves a and references to the values."""
-
-    @staticmethod
-    def forward(ctx, a, fuse, *values):  # a [n, Q, ...]; values [..., d] or [Q, ..., d]
-        terms = [(a_r[q], v[q]) for a_r, v in zip(a, values) for q in range(len(a_r))] if fuse else zip(a, values)
-        h = None
-        for a_r, v in terms:
-            h = a_r.unsqueeze(-1) * v.to(a.dtype) if h is None else h.addcmul_(a_r.unsqueeze(-1), v.to(a.dtype))
-        ctx.save_for_backward(a, *values)
-        return h.to(values[0].dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, *values = ctx.saved_tensors
-        g = g.to(a.dtype)
-        ga = torch.stack([(g * v.to(a.dtype)).sum(-1) for v in values])  # dL/da_r = g . v_r (g [..., d] when fused)
-        gv = []
-        for a_r, v in zip(a, values):
-            g_r = a_r.unsqueeze(-1) * g  # [Q, ..., d]; a shared value sums over the Q routes
-            gv.append((g_r.view(v.shape) if g_r.numel() == v.numel() else g_r.sum_to_size(v.shape)).to(v.dtype))
-        return ga, None, *gv
-
-
-def depth_weights_reference(W, keys, per_query=False):
-    """The weights in plain autograd. Readable, but it saves a float copy of every normalised key at
-    every site: Full AttnRes then keeps O(L^2) source-sized tensors alive for backward."""
-    dt, (Q, d) = _compute_dtype(keys[0]), W.shape
-    W = W.to(dt)
-
-    def logit(k):
-        k = F.rms_norm(k.to(dt), (d,), eps=torch.finfo(dt).eps)
-        return (k * W.view(Q, *[1] * (k.dim() - 2), d)).sum(-1) if per_query else (k @ W.T).movedim(-1, 0)
-
-    return torch.stack([logit(k) for k in keys]).softmax(0)
-
-
-def depth_mix_reference(a, values, fuse=False):
-    h = sum(a_r.unsqueeze(-1) * v.to(a.dtype) for a_r, v in zip(a, values))
-    return (h.sum(0) if fuse else h).to(values[0].dtype)
-
-
-def depth_weights(W, keys, inv=None, per_query=False, impl="lean"):
-    """Routing weights a [n, Q, ...] of the queries W [Q, d]. inv: the keys' norm factors (_rms_inv),
-    when the caller keeps them; the reference recomputes the norm at every call, like a naive port."""
-    with _float32_routing(W):
-        if impl == "reference":
-            return depth_weights_reference(W, keys, per_query)
-        inv = torch.stack(inv if inv is not None else [_rms_inv(k) for k in keys])
-        return _DepthWeights.apply(W, inv, per_query, *keys)
-
-
-def depth_mix(a, values, fuse=False, impl="lean"):
-    """h = sum_r a_r v_r: [Q, ..., d] for a [n, Q, ...]; fuse (values [Q, ..., d]): summed over Q too."""
-    with _float32_routing(a):
-        return depth_mix_reference(a, values, fuse) if impl == "reference" else _DepthMix.apply(a, fuse, *values)
-
-
-def depth_attention(w, keys, values=None, inv=None, per_query=False, impl="lean"):
-    """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r. Returns (h, a): h [..., d] and the routing weights
-    a [n, ...] for w [d]; h [Q, ..., d] and a [n, Q, ...] for w [Q, d]."""
-    a = depth_weights(w.reshape(-1, w.shape[-1]), keys, inv, per_query, impl)
-    h = depth_mix(a, keys if values is None else values, impl=impl)
-    return (h, a) if w.dim() == 2 else (h[0], a[:, 0])
+ROUTERS = {"two_phase": TwoPhaseRouter, "reference": ReferenceRouter}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,6 +167,39 @@ def _site_name(j):
     return f"{'attn' if j % 2 == 0 else 'mlp'}.{j // 2}"
 
 
+def _chunk(block, cfg):
+    """Sites per router: whole blocks, at least depth_chunk sites (performance only; same math)."""
+    return block * math.ceil(cfg.depth_chunk / block)
+
+
+class _BlockHistory:
+    """What AttnRes and DAR share: completed blocks with their norm factors, the in-block partial
+    sum, and the chunk router. A router opens at every chunk boundary over the blocks completed by
+    then; a site reads with the blocks completed since (Full AttnRes: each output is a block) plus
+    the partial sum. Records of routing weights need the reference router, which returns them."""
+
+    def __init__(self, mod, x0, record):
+        self.m, self.record = mod, record
+        self.Router = ReferenceRouter if record is not None else ROUTERS[mod.impl]
+        self.completed, self.inv = [x0], [rms_inv(x0)]  # block representations b_0 = x0, b_1, ..
+        self.partial, self.router, self.routed = None, None, 0  # routed: blocks the open router covers
+
+    def _close_block(self):
+        self.completed.append(self.partial)
+        self.inv.append(rms_inv(self.partial))
+        self.partial = None
+
+    def _open(self, W, streams=None):
+        self.router = self.Router(W, list(self.completed), list(self.inv), streams)
+        self.routed = len(self.completed)
+
+    def _recent(self, with_partial=True):
+        """The sources that arrived since the router opened, and their norm factors."""
+        if not with_partial or self.partial is None:
+            return self.completed[self.routed:], self.inv[self.routed:]
+        return self.completed[self.routed:] + [self.partial], self.inv[self.routed:] + [rms_inv(self.partial)]
+
+
 class AttnRes(nn.Module):
     """Sections 2-4: Full (S = 1), Block (S > 1) and Role-Decoupled Attention Residuals.
 
@@ -263,7 +210,9 @@ class AttnRes(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         L, d = 2 * cfg.n_layer, cfg.n_embd
+        self.L = L
         self.S = 1 if cfg.residual == "full_attnres" else cfg.attnres_block_size
+        self.chunk = _chunk(self.S, cfg)
         self.rd_mode = (cfg.rd_mode or "decoupled") if cfg.residual == "rd_attnres" else None
         self.impl = cfg.depth_impl
         self.w = nn.Parameter(torch.zeros(L + 1, d))
@@ -278,46 +227,52 @@ class AttnRes(nn.Module):
     def start(self, x0, record=None):
         return _AttnResStream(self, x0, record)
 
+    def chunk_queries(self, j0):
+        """The query rows of the chunk that starts at site j0: w[j] of each site, then RD's w_v of
+        each attention site. Returns (W [Q, d], {j: (rows of site j)})."""
+        sites = range(j0, min(j0 + self.chunk, self.L))
+        W, rows = [self.w[sites.start:sites.stop]], {j: (j - j0,) for j in sites}
+        attention = [j for j in sites if j % 2 == 0]
+        if hasattr(self, "w_v") and attention:
+            W.append(self.w_v[attention[0] // 2:attention[-1] // 2 + 1])
+            rows.update({j: (j - j0, len(sites) + i) for i, j in enumerate(attention)})
+        return torch.cat(W), rows
 
-class _AttnResStream:
+
+class _AttnResStream(_BlockHistory):
     def __init__(self, mod, x0, record):
-        self.m, self.record = mod, record
-        self.completed, self.partial = [x0], None  # block representations b_0 = x0, b_1, ..; partial sum
-        self.inv = [_rms_inv(x0)]  # each completed block's norm factor, computed once for all later sites
+        super().__init__(mod, x0, record)
+        self.dtype = x0.dtype  # block sums accumulate in x0's dtype (float32 under bf16 autocast)
 
-    def _attend(self, w, site):
-        sources, inv = self.completed, self.inv
-        if self.partial is not None:
-            sources, inv = sources + [self.partial], inv + [_rms_inv(self.partial)]
-        h, a = depth_attention(w, sources, inv=inv, impl=self.m.impl)
-        if self.record is not None:
-            self.record[site] = a.detach()
+    def _read(self, rows, site):
+        recent, inv = self._recent()
+        if self.record is None:
+            return [self.router.read(q, recent, inv) for q in rows]
+        h, a = zip(*[self.router.attend(q, recent) for q in rows])
+        self.record[site] = (a[0] if len(a) == 1 else torch.stack(a, 1)).detach()  # [n, B, T] or [n, 2, B, T]
         return h
 
     def read(self, j):
         m = self.m
         if j > 0 and j % m.S == 0:  # Eq. 5: a block boundary closes the partial sum
             self._close_block()
-        site = _site_name(j)
-        if m.rd_mode is None or m.rd_mode == "tied" or j % 2 == 1:
-            return self._attend(m.w[j], site)
-        # RD-AttnRes at an attention sublayer: both routes in one pass over the same normalised keys
-        h_qk, h_v = self._attend(torch.stack([m.w[j], m.w_v[j // 2]]), site)
+        if j % m.chunk == 0:
+            W, self.rows = m.chunk_queries(j)
+            self._open(W)
+        h = self._read(self.rows[j], _site_name(j))
+        if len(h) == 1:  # one route (RD-AttnRes "tied" uses w_QK for both)
+            return h[0]
         if m.rd_mode == "average":
-            return 0.5 * (h_qk + h_v)  # control: two routes, no role separation
-        return h_qk, h_v  # (Q/K input, V input)
+            return 0.5 * (h[0] + h[1])  # control: two routes, no role separation
+        return h[0], h[1]  # RD-AttnRes: (Q/K input, V input)
 
     def write(self, j, y):
-        self.partial = y if self.partial is None else self.partial + y
-
-    def _close_block(self):
-        self.completed.append(self.partial)
-        self.inv.append(_rms_inv(self.partial))
-        self.partial = None
+        self.partial = y if self.partial is None else self.partial.to(self.dtype) + y
 
     def readout(self):
         self._close_block()
-        return self._attend(self.m.w[-1], "readout")
+        self._open(self.m.w[-1:])
+        return self._read((0,), "readout")[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,13 +280,13 @@ class _AttnResStream:
 # sum P_m. Target stream m retrieves with its own query; by default its keys come from the
 # opposite stream and its values from its own history (reciprocal cross-stream addressing).
 
-# dar_routing -> (key stream, value stream) for targets m = 0 and m = 1
-DAR_ROUTES = {
+# dar_routing -> for targets m = 0 and m = 1: (the stream of its keys, the stream of its values)
+DAR_STREAMS = {
     "cross": ((1, 0), (0, 1)),  # keys from the opposite stream, values from the target's own
-    "self_kv": ((0, 1), (0, 1)),  # two independent retrievers
+    "self_kv": ((0, 0), (1, 1)),  # two independent retrievers
     "cross_v": ((0, 1), (1, 0)),  # keys own, values opposite
-    "fixed_kv": ((0, 0), (1, 1)),  # stream 0 supplies every key, stream 1 every value
-    "sep_v": ((0, 1), (0, 1)),  # self_kv plus a learned value projection per stream
+    "fixed_kv": ((0, 1), (0, 1)),  # stream 0 supplies every key, stream 1 every value
+    "sep_v": ((0, 0), (1, 1)),  # self_kv plus a learned value projection per stream
 }
 
 
@@ -340,11 +295,13 @@ class DualAttnRes(nn.Module):
         w[j, m]            pseudo-query of target stream m, zero-init
         alpha_j = softmax(theta_alpha[j])      fusion of the two retrievals, init 0.6 for stream
                                                j mod 2 and 0.4 for the other
-        rho_j   = sigmoid(theta_rho[j])        doubly-stochastic transport, init 0.982 (near identity);
-                                               absent in Full DAR (K = 1), which has no in-block state
+        rho_j   = sigmoid(theta_rho[j])        doubly-stochastic transport inside a block, init 0.982
+                                               (near identity)
         beta_jm = 2 sigmoid(theta_beta[j, m])  gated write, init 1 into stream j mod 2 and 0.24 into
                                                the other
         v_proj[m]          (sep_v only) d x d value projection per stream, identity-init
+    A block is dar_block_size = K transformer layers (2K sublayers): each layer's attention and MLP
+    writes, with the transport between them, form one history entry, so K = 1 is Full DAR.
     Symmetry: both streams start as x0. The beta init makes their states differ; the alpha init
     makes their gradients differ (with alpha = 1/2 and zero queries both streams would get equal
     gradients, and rho none). Without both the streams could stay equal forever.
@@ -353,16 +310,15 @@ class DualAttnRes(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         L, d = 2 * cfg.n_layer, cfg.n_embd
-        self.K, self.include_partial, self.impl = cfg.dar_block_size, cfg.dar_include_partial, cfg.depth_impl
+        self.L = L
+        self.S = 2 * cfg.dar_block_size  # sublayers per block
+        self.chunk = _chunk(self.S, cfg)
+        self.include_partial, self.impl = cfg.dar_include_partial, cfg.depth_impl
         self.routing = cfg.dar_routing or "cross"
-        self.key_of, self.value_of = map(list, DAR_ROUTES[self.routing])  # stream of target t's keys, of its values
-        if self.routing != "fixed_kv":  # permutations: the target reading stream s's keys, its values
-            self.key_reader = [self.key_of.index(s) for s in (0, 1)]
-            self.value_reader = [self.value_of.index(s) for s in (0, 1)]
+        self.streams = DAR_STREAMS[self.routing]
         self.w = nn.Parameter(torch.zeros(L + 1, 2, d))
         self.theta_alpha = nn.Parameter(torch.zeros(L + 1, 2))
-        if self.K > 1:  # Full DAR (K = 1) starts a new block at every sublayer: nothing to transport
-            self.theta_rho = nn.Parameter(torch.zeros(L))
+        self.theta_rho = nn.Parameter(torch.zeros(L))  # used by the non-first sublayers of a block
         self.theta_beta = nn.Parameter(torch.zeros(L, 2))
         if self.routing == "sep_v":
             self.v_proj = nn.Parameter(torch.zeros(2, d, d))
@@ -375,8 +331,7 @@ class DualAttnRes(nn.Module):
         half = 0.5 * math.log(0.6 / 0.4)
         self.theta_alpha.fill_(-half)
         self.theta_alpha[torch.arange(len(mine)), mine] = half
-        if self.K > 1:
-            self.theta_rho.fill_(4.0)
+        self.theta_rho.fill_(4.0)
         self.theta_beta.fill_(-2.0)
         self.theta_beta[torch.arange(len(mine) - 1), mine[:-1]] = 0.0
         if self.routing == "sep_v":
@@ -386,75 +341,62 @@ class DualAttnRes(nn.Module):
         return _DARStream(self, x0, record)
 
 
-def _reorder(a, order):
-    """a[:, order] for weights [n, 2, B, T]; the identity order costs no copy."""
-    return a if order == [0, 1] else a[:, order]
-
-
-class _DARStream:
+class _DARStream(_BlockHistory):
     """Every state holds both streams in one tensor [2, B, T, d], stream m at index m, so that one
-    depth-attention pass retrieves for both targets."""
+    router serves both targets; the query rows of a chunk are target 0's, then target 1's."""
 
     def __init__(self, mod, x0, record):
-        self.m, self.record = mod, record
-        self.history = [x0.expand(2, *x0.shape)]  # completed block states; both streams start as x0 (a view)
-        self.inv = [_rms_inv(x0).expand(2, *x0.shape[:-1])]  # their norm factors, computed once
-        self.P = None  # in-block partial states [2, B, T, d]
+        super().__init__(mod, x0.expand(2, *x0.shape), record)  # both streams start as x0 (a view)
 
-    def _close_block(self):
-        self.history.append(self.P)
-        self.inv.append(_rms_inv(self.P))
-        self.P = None
+    def _open_chunk(self, w):
+        """w [C, 2, d]: the chunk's queries, site by site."""
+        self.C = len(w)
+        self._open(torch.cat([w[:, 0], w[:, 1]]), self.m.streams)
 
     def _retrieve(self, j, site):
         """h = alpha_0 r_0 + alpha_1 r_1,  r_t = sum softmax(w_t . RMSNorm(keys of t)) values of t."""
         m = self.m
-        S, inv = self.history, self.inv
-        if m.include_partial and self.P is not None:
-            S, inv = S + [self.P], inv + [_rms_inv(self.P)]
-        if m.routing == "fixed_kv":  # both targets read stream 0's keys and stream 1's values: two queries
-            a = depth_weights(m.w[j], [s[0] for s in S], [i[0] for i in inv], impl=m.impl)  # [n, target, B, T]
-            values, reader = [s[1] for s in S], [0, 1]
-        else:  # slice s of every source is read by the target whose keys (values) live in stream s
-            a = _reorder(depth_weights(m.w[j, m.key_reader], S, inv, per_query=True, impl=m.impl), m.key_of)
-            values, reader = S, m.value_reader  # a: [n, target, B, T]
-        alpha = m.theta_alpha[j].softmax(0)  # per target
-        if self.record is not None:
-            self.record[site] = a.movedim(1, 0).detach()  # [2 targets, n, B, T]
+        i = j % m.chunk if j >= 0 else 0  # the readout (j = -1) has its own chunk
+        rows = (i, self.C + i)
+        recent, inv = self._recent(m.include_partial)
+        alpha = m.theta_alpha[j].softmax(0)
+        if self.record is None and m.routing != "sep_v" and j not in m.ablate:
+            return self.router.read_fused(rows, alpha, recent, inv)  # the fused retrieval
+        if self.record is None:
+            r = [self.router.read(q, recent, inv) for q in rows]
+        else:
+            r, a = map(list, zip(*[self.router.attend(q, recent) for q in rows]))
+            self.record[site] = torch.stack(a).detach()  # [2 targets, n, B, T]
             self.record[site + "/alpha"] = alpha.detach()
-        a, alpha = _reorder(a, reader), alpha[reader]  # ordered as the values: slice s for target reader[s]
-        if m.routing != "sep_v" and j not in m.ablate:  # alpha folded into the weights: one weighted sum
-            a = a * alpha.view(1, 2, 1, 1)
-            if m.routing == "fixed_kv":
-                return depth_mix(a.sum(1, keepdim=True), values, impl=m.impl)[0]
-            return depth_mix(a, values, fuse=True, impl=m.impl)
-        r = depth_mix(a, values, impl=m.impl)  # r[s]: the retrieval of target reader[s]
         if m.routing == "sep_v":
-            r = r @ m.v_proj[reader].mT.unsqueeze(1)  # [2, 1, d, d] against r [2, B, T, d]
-        if j in m.ablate:  # diagnostics: a target's retrieval replaced by its token mean
-            lost = torch.tensor([t in m.ablate[j] for t in reader], device=r.device).view(2, 1, 1, 1)
-            r = torch.where(lost, r.mean(dim=(1, 2), keepdim=True), r)
+            r = [r_t @ m.v_proj[t].T for t, r_t in enumerate(r)]
+        for t in m.ablate.get(j, ()):  # diagnostics: target t's retrieval replaced by its token mean
+            r[t] = r[t].mean(dim=(0, 1), keepdim=True).expand_as(r[t])
         return alpha[0] * r[0] + alpha[1] * r[1]
 
     def read(self, j):
-        if j > 0 and j % self.m.K == 0:
+        if j > 0 and j % self.m.S == 0:
             self._close_block()
+        if j % self.m.chunk == 0:
+            self._open_chunk(self.m.w[j:j + self.m.chunk])
         return self._retrieve(j, _site_name(j))
 
     def write(self, j, y):
         beta = 2 * torch.sigmoid(self.m.theta_beta[j]).view(2, 1, 1, 1)
-        if self.P is None:  # first sublayer of a block
-            self.P = beta * y
+        P = self.partial
+        if P is None:  # first sublayer of a block
+            self.partial = beta * y
         else:  # P_m <- rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams
             rho = torch.sigmoid(self.m.theta_rho[j])
             M = torch.stack([torch.stack([rho, 1 - rho]), torch.stack([1 - rho, rho])])
-            with _float32_routing(y):  # a matmul over the stream axis: saves no new source-sized tensor
-                self.P = (M.to(self.P.dtype) @ self.P.flatten(1)).view_as(self.P) + beta * y
+            with float32_routing(y):  # a matmul over the stream axis: saves no new source-sized tensor
+                self.partial = (M.to(P.dtype) @ P.flatten(1)).view_as(P) + beta * y
         if self.record is not None:  # each stream's state: everything it holds, x0 + its blocks + P_m
-            self.record[f"state.{j}"] = (sum(self.history) + self.P).detach()
+            self.record[f"state.{j}"] = (sum(self.completed) + self.partial).detach()
 
     def readout(self):
         self._close_block()
+        self._open_chunk(self.m.w[-1:])
         return self._retrieve(-1, "readout")
 
 
@@ -544,13 +486,14 @@ class ManifoldHC(nn.Module):
         return _MultiStream(self, x0, record)
 
     def coefficients(self, j, H):
-        n, dt = self.n, _compute_dtype(H)
-        x = norm(H.flatten(-2).to(dt))  # [B, T, n*d]
-        z = x @ self.phi[j].to(dt)
-        a = self.a[j].to(dt)
-        pre = torch.sigmoid(a[0] * z[..., :n] + self.b_pre[j])
-        post = 2 * torch.sigmoid(a[1] * z[..., n:2 * n] + self.b_post[j])
-        res = sinkhorn_knopp(a[2] * z[..., 2 * n:].unflatten(-1, (n, n)) + self.b_res[j])
+        n, dt = self.n, compute_dtype(H)
+        with float32_routing(H):  # autocast off: the projection too stays float32
+            x = norm(H.flatten(-2).to(dt))  # [B, T, n*d]
+            z = x @ self.phi[j].to(dt)
+            a = self.a[j].to(dt)
+            pre = torch.sigmoid(a[0] * z[..., :n] + self.b_pre[j])
+            post = 2 * torch.sigmoid(a[1] * z[..., n:2 * n] + self.b_post[j])
+            res = sinkhorn_knopp(a[2] * z[..., 2 * n:].unflatten(-1, (n, n)) + self.b_res[j])
         return pre.to(H.dtype), res.to(H.dtype), post.to(H.dtype)
 
 
@@ -749,13 +692,22 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.pos += T
         logits = self.lm_head(norm(stream.readout()))
-        logits = logits.to(_compute_dtype(logits))  # float32 loss (float64 in tests)
+        logits = logits.to(compute_dtype(logits))  # float32 loss (float64 in tests)
         if self.cfg.logit_softcap > 0:
             logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+
+def compile_model(model, **kwargs):
+    """torch.compile(model, **kwargs), its backward traced as eager runs it: outside autocast. By
+    default AOTAutograd traces the backward under the forward's autocast (backward_pass_autocast =
+    "same_as_forward"), which turns the float32 matmuls of the routing backward (DAR's transport,
+    mHC's projection) into bf16 ones. With "off", compiled and eager gradients agree."""
+    torch._functorch.config.backward_pass_autocast = "off"
+    return torch.compile(model, **kwargs)
 
 
 def param_seed(seed, name):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bench
-from model import GPT, GPTConfig, KVCache, _rms_inv, depth_attention, depth_mix, depth_weights, norm
+from model import GPT, GPTConfig, KVCache, norm
 
 VARIANTS = [
     dict(residual="standard"),
@@ -223,7 +223,8 @@ def test_first_input_is_embedding_and_all_params_get_grads(variant):
     (dict(depth_impl="triton"), "unknown depth_impl 'triton'"),
     (dict(residual="block_attnres", dar_routing="cross"), "dar_routing='cross' only applies to residual='dar'"),
     (dict(residual="dar", dar_routing="mixed"), "unknown dar_routing 'mixed'"),
-    (dict(residual="dar", dar_block_size=0), "dar_block_size counts sublayers and must be >= 1"),
+    (dict(residual="dar", dar_block_size=0), "dar_block_size counts transformer layers and must be >= 1"),
+    (dict(depth_chunk=0), "depth_chunk counts sublayers and must be >= 1"),
     (dict(residual="mhc", hc_streams=0), "hc_streams must be >= 1"),
 ])
 def test_bad_config_raises_clear_error(kw, match):
@@ -231,87 +232,22 @@ def test_bad_config_raises_clear_error(kw, match):
         GPTConfig(**kw)
 
 
-# --- the lean depth attention is the reference math ---------------------------------------------------
-
-DEPTH_CASES = ["one-query", "two-queries", "separate-values", "cached-norms", "per-query", "per-query-separate-values",
-               "per-query-fused"]
-
-
-def depth_case(case, dtype=torch.float64):
-    """(w, keys, values, per_query) for one way of calling depth_attention; every tensor is a leaf."""
-    g = torch.Generator().manual_seed(0)
-    B, T, d, n = 2, 3, 8, 4
-    per_query = case.startswith("per-query")
-    Q = 2 if per_query or case == "two-queries" else 1
-    lead = (Q, B, T) if per_query else (B, T)
-    keys = [torch.randn(*lead, d, generator=g, dtype=dtype).requires_grad_() for _ in range(n)]
-    values = [torch.randn(*lead, d, generator=g, dtype=dtype).requires_grad_() for _ in range(n)] \
-        if case.endswith("separate-values") else None
-    w = torch.randn((Q, d) if Q > 1 else (d,), generator=g, dtype=dtype).requires_grad_()
-    return w, keys, values, per_query
-
-
-@pytest.mark.parametrize("case", DEPTH_CASES)
-def test_lean_depth_attention_matches_reference(case):
-    w, keys, values, per_query = depth_case(case)
-    inputs, n = [w, *keys, *(values or [])], len(keys)
-
-    def attend(w, keys, values, impl):
-        inv = [_rms_inv(k) for k in keys] if case == "cached-norms" else None  # the streams' way: norms made outside
-        if case == "per-query-fused":  # DAR's fused retrieval: both queries' retrievals summed in one pass
-            a = depth_weights(w, keys, inv, per_query=True, impl=impl)
-            return depth_mix(a, keys, fuse=True, impl=impl), a
-        return depth_attention(w, keys, values, inv=inv, per_query=per_query, impl=impl)
-
-    def run(impl):
-        h, a = attend(w, keys, values, impl)
-        gh = torch.randn(h.shape, generator=torch.Generator().manual_seed(1), dtype=h.dtype)
-        return (h, a, *torch.autograd.grad((h * gh).sum(), inputs))
-
-    for lean, ref in zip(run("lean"), run("reference"), strict=True):
-        torch.testing.assert_close(lean, ref, rtol=0, atol=1e-12)
-    torch.autograd.gradcheck(lambda w, *kv: attend(w, list(kv[:n]), list(kv[n:]) or None, "lean")[0], inputs)
-
-
-@pytest.mark.parametrize("impl", ["lean", "reference"])
-def test_depth_attention_stays_float32_under_bf16_autocast(impl):
-    w, keys, values, _ = depth_case("two-queries", torch.float32)
-    plain = depth_attention(w, keys, impl=impl)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        mixed = depth_attention(w, keys, impl=impl)
-    for p, m in zip(plain, mixed):
-        assert m.dtype == torch.float32
-        torch.testing.assert_close(m, p, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("variant", ATTNRES + DAR, ids=lambda v: "-".join(map(str, v.values())))
-def test_lean_model_matches_reference_model(variant):
-    idx = tokens()
-    lean, ref = tiny(**variant), tiny(depth_impl="reference", **variant)
-    randomize_routing(lean)
-    randomize_routing(ref)
-    la, ga = loss_and_grads(lean, idx)
-    lb, gb = loss_and_grads(ref, idx)
-    torch.testing.assert_close(la, lb, rtol=0, atol=1e-10)
-    assert_grads_equal(ga, gb)
-
-
 def saved_activation_bytes(model, idx):
     return bench.saved_activation_bytes(lambda: model(idx, idx)[1].backward())
 
 
 def test_full_attnres_keeps_no_quadratic_copies_of_sources():
-    """Full AttnRes routes over all previous outputs at every site; the lean path must save only
+    """Full AttnRes routes over all previous outputs at every site; the two-phase path must save only
     references to them. 8 layers: the reference path saves a normalised copy per (site, source)."""
     kw = dict(n_layer=8, dtype=torch.float32)
     B, T, d, L = 4, 24, 32, 16
     idx = tokens(B=B, T=T)
     std = saved_activation_bytes(tiny(residual="standard", **kw), idx)
-    lean = saved_activation_bytes(tiny(residual="full_attnres", **kw), idx)
+    fast = saved_activation_bytes(tiny(residual="full_attnres", **kw), idx)
     ref = saved_activation_bytes(tiny(residual="full_attnres", depth_impl="reference", **kw), idx)
     source = B * T * d * 4  # bytes of one float32 source
-    # lean: the L sublayer outputs it routes over (linear in depth) plus [n, B, T] routing statistics
-    assert lean - std < 2 * (L + 1) * source
+    # two-phase: the L sublayer outputs it routes over (linear in depth) plus [N, n, Q] routing statistics
+    assert fast - std < 2 * (L + 1) * source
     # reference: a normalised copy per (site, source) pair, L (L + 1) / 2 of them
     assert ref - std > 0.75 * L * (L + 1) / 2 * source
 
@@ -336,8 +272,8 @@ def test_dar_self_kv_with_saturated_gates_is_block_attnres():
     """alpha = (1, 0), beta = (1, 0), rho = 1: stream 0 is the AttnRes stream, stream 1 is never read.
     Gate logits of +-800 saturate exactly in float64 (exp(-800) underflows to 0)."""
     idx = tokens()
-    block = tiny(residual="block_attnres", attnres_block_size=2)
-    dar = tiny(residual="dar", dar_routing="self_kv", dar_block_size=2)
+    block = tiny(residual="block_attnres", attnres_block_size=2)  # 2 sublayers: one transformer layer
+    dar = tiny(residual="dar", dar_routing="self_kv", dar_block_size=1)
     randomize_routing(block)
     randomize_routing(dar)
     with torch.no_grad():
@@ -353,12 +289,30 @@ def test_dar_self_kv_with_saturated_gates_is_block_attnres():
     torch.testing.assert_close(gb["router.w"][:, 0], ga["router.w"], rtol=0, atol=1e-10)
 
 
+def test_full_dar_reads_each_stream_through_the_other():
+    """Full DAR (dar_block_size=1): one history entry per transformer layer, the attention's write
+    transported (rho) before the MLP's joins it, so the two streams' entries point different ways
+    and the reciprocal keys of `cross` retrieve differently from `self_kv`. (With one entry per
+    sublayer, beta_0 y and beta_1 y, both streams' normalised keys were identical.)"""
+    idx = tokens()
+    cross, self_kv = tiny(residual="dar", dar_block_size=1), tiny(residual="dar", dar_block_size=1, dar_routing="self_kv")
+    randomize_routing(cross)
+    randomize_routing(self_kv)  # same parameter shapes and seed: the same weights
+    assert all(torch.equal(p, q) for p, q in zip(cross.parameters(), self_kv.parameters()))
+    record = {}
+    cross(idx, routing=record)
+    entry = record["state.1"]  # the first layer's entry, both streams [2, B, T, d]
+    assert (norm(entry[0]) - norm(entry[1])).abs().max() > 1e-2
+    assert (cross(idx)[0] - self_kv(idx)[0]).abs().max() > 1e-3
+
+
 def dar_textbook_logits(model, idx):
     """VARIANTS.md section 5 spelled out target by target, stream by stream, with the model's weights:
     the specification the batched DAR stream must match."""
     R, cfg = model.router, model.cfg
     key_of, value_of = {"cross": ((1, 0), (0, 1)), "self_kv": ((0, 1), (0, 1)), "cross_v": ((0, 1), (1, 0)),
                         "fixed_kv": ((0, 0), (1, 1)), "sep_v": ((0, 1), (0, 1))}[cfg.dar_routing or "cross"]
+    K = 2 * cfg.dar_block_size  # sublayers per history entry
     x0 = model.wte(idx)
     history, P = [[x0], [x0]], [None, None]
     cos, sin = model.cos[:idx.size(1)], model.sin[:idx.size(1)]
@@ -373,7 +327,7 @@ def dar_textbook_logits(model, idx):
         return h
 
     for j in range(2 * cfg.n_layer):
-        if j > 0 and j % cfg.dar_block_size == 0:
+        if j > 0 and j % K == 0:
             history, P = [history[0] + [P[0]], history[1] + [P[1]]], [None, None]
         block = model.blocks[j // 2]
         y = block.attn(retrieve(j), cos, sin, j // 2) if j % 2 == 0 else block.mlp(retrieve(j))

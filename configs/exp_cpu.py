@@ -10,7 +10,7 @@ n_embd = 128
 n_head = 4  # head dim 32
 seq_len = 128
 attnres_block_size = 4  # 4 blocks of 2 layers
-dar_block_size = 4
+dar_block_size = 2  # transformer layers per history entry: the same 4-sublayer blocks
 
 batch_size = 8
 batch_tokens = 1024

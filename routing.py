@@ -1,0 +1,326 @@
+"""
+Two-phase depth routing: how model.py's depth attention is computed fast. model.py holds the math
+(`depth_attention` and a `ReferenceRouter` that applies it site by site); this file computes the same
+numbers, tested equal in float64 (test_routing.py), and is chosen by `depth_impl="two_phase"`.
+
+The pseudo-queries are parameters, so when a chunk of consecutive sites opens (a block of Block
+AttnRes, a few sublayers of Full AttnRes), every query the chunk will use is known (AttnRes paper,
+block-wise computation):
+
+  phase 1, once per chunk: one pass over the n sources completed before the chunk gives, for all of
+           its Q queries at once (per token),
+               l_rq = w_q . k_r / rms(k_r),  lse_q = logsumexp_r l_rq,  o_q = sum_r softmax_r(l_rq) v_r
+  phase 2, once per site: only the K sources added since the chunk opened (the partial sum, the
+           newest outputs) are new; their logits l_k join by the online-softmax rule
+               (c_o, c_1, .., c_K) = softmax(lse_q, l_1, .., l_K),   h = c_o o_q + sum_k c_k s_k
+
+Each completed source is read once per chunk instead of once per site, forward and backward, and its
+gradient arrives in one piece per chunk instead of two per site. Memory: phase 1 saves references to
+the sources (never copies) and [N, n, Q] statistics; the merge saves h, which the sublayer's pre-norm
+keeps anyway, because the gradient of lse_q needs g . o_q only through g . h:
+    g . h = c_o (g . o_q) + sum_k c_k (g . s_k)   =>   dL/dlse_q = sum_k c_k (g . h - g . s_k).
+DAR fuses two targets into one h (h = sum_t alpha_t r_t), where g . h no longer separates them; its
+merge recomputes g . o_t = sum_r a_rt (g . v_r) from the completed sources instead of saving o_t.
+
+Tensors: a source is [*, d] (one stream) or [M, *, d] (DAR's two streams); N tokens = prod(*).
+Queries are grouped by target t (AttnRes: one target; DAR: two), rows target-major, and target t
+reads keys from stream key_of[t] and values from stream value_of[t] of every source.
+Everything runs in float32 (float64 for float64 models) with autocast off, forward and backward.
+"""
+
+import torch
+from torch.autograd import Function
+
+
+def compute_dtype(t):
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def float32_routing(t):
+    """Autocast off: the routing math must not drop to bf16 (the sources themselves may be bf16)."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
+def rms_inv(k):
+    """1 / rms(k) over channels, [...] for k [..., d]: RMSNorm(k) = k * rms_inv(k). A source's norm
+    factor does not depend on the query, so the streams compute it once per source."""
+    dt = compute_dtype(k)
+    with float32_routing(k):
+        return torch.rsqrt(torch.linalg.vector_norm(k, dim=-1, dtype=dt).square() / k.size(-1) + torch.finfo(dt).eps)
+
+
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _stack(sources, M, N, dt):
+    """The sources side by side, [M, N, n, d], in the compute dtype: one copy that lets one matmul
+    serve every (token, source) pair. Not saved: the backward stacks again."""
+    d = sources[0].size(-1)
+    S = torch.empty(M, N, len(sources), d, dtype=dt, device=sources[0].device)
+    for r, s in enumerate(sources):
+        S[:, :, r].copy_(s.reshape(M, N, d))
+    return S
+
+
+# ----------------------------------------------------------------------------------------------
+# Phase 1: every query of a chunk over the completed sources, in one pass.
+
+
+def _phase1(W, inv, S, streams):
+    """W [Q, d] (target-major), inv [M, N, n], S [M, N, n, d] -> lse [N, Q], O (per target t, the
+    outputs of its queries [N, Q/T, d]) and the weights a, logits' dot products dots, both [N, n, Q]."""
+    M, N, n, d = S.shape
+    Qt = len(W) // len(streams)
+    dots, l = S.new_empty(N, n, len(W)), S.new_empty(N, n, len(W))
+    for t, (ks, _) in enumerate(streams):
+        q = slice(t * Qt, (t + 1) * Qt)
+        dots[:, :, q] = (S[ks].view(N * n, d) @ W[q].T).view(N, n, Qt)  # w_q . k_r
+        l[:, :, q] = dots[:, :, q] * inv[ks].unsqueeze(-1)
+    lse = l.logsumexp(1)
+    a = (l - lse.unsqueeze(1)).exp_()
+    O = [torch.bmm(a[:, :, t * Qt:(t + 1) * Qt].transpose(1, 2), S[vs]) for t, (_, vs) in enumerate(streams)]
+    return lse, O, a, dots  # o_q = sum_r a_rq v_r
+
+
+class _Phase1(Function):
+    """(W, inv [n, M, N], streams, *sources) -> (lse [N, Q], a [N, n, Q] (not differentiable), o_q
+    [N, d] for each query row q). The o_q are separate outputs (views of one [N, Q/T, d] per target),
+    so that each arrives in the backward as its own gradient, not as a full-size zero-padded one.
+    Saves W, inv, a, dots and references to the sources."""
+
+    @staticmethod
+    def forward(ctx, W, inv, streams, *sources):
+        M, N = inv.shape[1:]
+        S = _stack(sources, M, N, inv.dtype)
+        lse, O, a, dots = _phase1(W.to(inv.dtype), inv.permute(1, 2, 0), S, streams)
+        ctx.streams = streams
+        ctx.save_for_backward(W, inv, a, dots, *sources)
+        ctx.mark_non_differentiable(a)
+        return lse, a, *[o_q for O_t in O for o_q in O_t.unbind(1)]
+
+    @staticmethod
+    def backward(ctx, g_lse, _, *g_o):
+        W, inv, a, dots, *sources = ctx.saved_tensors
+        with float32_routing(inv):
+            n, M, N = inv.shape
+            S = _stack(sources, M, N, inv.dtype)
+            Wf, invT = W.to(inv.dtype), inv.permute(1, 2, 0)
+            d, T = S.size(-1), len(ctx.streams)
+            Qt = len(W) // T
+            g_O = torch.zeros((T, N, Qt, d), dtype=inv.dtype, device=inv.device)
+            for q, g in enumerate(g_o):
+                if g is not None:
+                    g_O[q // Qt, :, q % Qt] = g
+            g_lse = torch.zeros_like(dots[:, 0]) if g_lse is None else g_lse
+            E = torch.empty_like(dots)  # E_rq = g_q . v_r
+            gS = torch.zeros_like(S)
+            for t, (_, vs) in enumerate(ctx.streams):
+                q = slice(t * Qt, (t + 1) * Qt)
+                E[:, :, q] = torch.bmm(S[vs], g_O[t].transpose(1, 2))
+                gS[vs].baddbmm_(a[:, :, q], g_O[t])  # dL/dv_r = sum_q a_rq g_q
+            dl = a * (E - (a * E).sum(1, keepdim=True) + g_lse.unsqueeze(1))  # dL/dl_rq: softmax and lse backward
+            gW, g_inv = torch.empty_like(Wf), torch.zeros_like(invT)
+            for t, (ks, _) in enumerate(ctx.streams):
+                q = slice(t * Qt, (t + 1) * Qt)
+                C = (dl[:, :, q] * invT[ks].unsqueeze(-1)).reshape(N * n, Qt)  # dL/d(w_q . k_r)
+                gS[ks].view(N * n, d).addmm_(C, Wf[q])  # dL/dk_r
+                gW[q] = C.T @ S[ks].view(N * n, d)
+                g_inv[ks] += (dl[:, :, q] * dots[:, :, q]).sum(-1)
+        g_src = [gS[:, :, r].reshape(s.shape).to(s.dtype) for r, s in enumerate(sources)]
+        return gW.to(W.dtype), g_inv.permute(2, 0, 1), None, *g_src
+
+
+def phase1(W, sources, inv, streams=None):
+    """Phase 1 of queries W [Q, d] over `sources` with their norm factors `inv`. One stream
+    (streams=None): sources [*, d], inv [*]. Several: sources [M, *, d], inv [M, *], and streams[t] =
+    (key stream, value stream) of target t. Returns lse [N, Q], O [T, N, Q/T, d] (query row
+    t * Q/T + i is O[t, :, i]) and a [N, n, Q]."""
+    M = 1 if streams is None else sources[0].size(0)
+    streams = streams or ((0, 0),)
+    with float32_routing(W):
+        inv = torch.stack(inv).reshape(len(sources), M, -1)
+        if _needs_grad(W, inv, *sources):
+            lse, a, *o = _Phase1.apply(W, inv, streams, *sources)
+            return lse, a, o
+        S = _stack(sources, M, inv.size(-1), inv.dtype)
+        lse, O, a, _ = _phase1(W.to(inv.dtype), inv.permute(1, 2, 0), S, streams)
+        return lse, a, [o_q for O_t in O for o_q in O_t.unbind(1)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Phase 2: one site's query, merged with the sources added since its chunk opened.
+
+
+def _merge(o, lse, w, keys, values, inv):
+    """o [N, d], lse [N], w [d], keys/values K x [N, d], inv [K, N] -> h [N, d], c [K+1, N], dk [K, N]."""
+    dt = inv.dtype
+    dk = torch.stack([k.to(dt) @ w for k in keys])  # w . k_k
+    c = torch.cat([lse.unsqueeze(0), dk * inv]).softmax(0)  # (c_o, c_1, .., c_K)
+    h = c[0].unsqueeze(-1) * o
+    for c_k, v in zip(c[1:], values):
+        h.addcmul_(c_k.unsqueeze(-1), v.to(dt))
+    return h, c, dk
+
+
+class _Merge(Function):
+    """h = c_o o + sum_k c_k v_k, (c_o, c_k) = softmax(lse, inv_k w . k_k). `shared`: the keys are the
+    values (AttnRes), so each source gets one gradient. Saves h, references to the sources, and
+    [K+1, N] statistics: never o (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, o, lse, w, inv, shared, *kv):
+        K = len(inv)
+        keys, values = kv[:K], kv[:K] if shared else kv[K:]
+        wf = w.to(inv.dtype)
+        h, c, dk = _merge(o.to(inv.dtype), lse, wf, keys, values, inv)
+        ctx.shared, ctx.o_dtype = shared, o.dtype
+        ctx.save_for_backward(h, w, inv, c, dk, *kv)
+        return h
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w, inv, c, dk, *kv = ctx.saved_tensors
+        with float32_routing(inv):
+            K, dt = len(inv), inv.dtype
+            keys, values = kv[:K], kv[:K] if ctx.shared else kv[K:]
+            g, wf = g.to(dt), w.to(dt)
+            gh = (g * h).sum(-1)
+            dl = c[1:] * (torch.stack([(g * v.to(dt)).sum(-1) for v in values]) - gh)  # dL/dl_k = c_k (g.v_k - g.h)
+            C = dl * inv  # dL/d(w . k_k)
+            g_values = [c_k.unsqueeze(-1) * g for c_k in c[1:]]
+            g_keys = [C_k.unsqueeze(-1) * wf for C_k in C] if not ctx.shared else \
+                [gv.addcmul_(C_k.unsqueeze(-1), wf) for gv, C_k in zip(g_values, C)]
+            gw = sum(C_k @ k.to(dt) for C_k, k in zip(C, keys))
+        g_kv = g_keys if ctx.shared else g_keys + g_values
+        return ((c[0].unsqueeze(-1) * g).to(ctx.o_dtype), -dl.sum(0), gw.to(w.dtype), dl * dk, None,
+                *[gs.to(s.dtype) for gs, s in zip(g_kv, kv)])
+
+
+def merge(o, lse, w, keys, values, inv):
+    """Phase 2 for one query: o [N, d] and lse [N] from phase 1, the query w [d], the K recent
+    sources' keys and values ([N, d] each; `values is keys` for AttnRes) and norm factors inv [K, N]."""
+    shared = values is keys
+    with float32_routing(w):
+        inv = torch.stack(inv)
+        kv = [*keys] if shared else [*keys, *values]
+        if _needs_grad(o, lse, w, inv, *kv):
+            return _Merge.apply(o, lse, w, inv, shared, *kv)
+        return _merge(o.to(inv.dtype), lse, w.to(inv.dtype), keys, values, inv)[0]
+
+
+def _fused_merge(o, lse, alpha, W, streams, recent, inv):
+    """DAR's two targets fused: h = sum_t alpha_t (c_o,t o_t + sum_k c_k,t R_k[value stream of t]).
+    o: o_0, o_1 [N, d], lse [2, N], alpha [2], W [2, d], recent K x [M, N, d], inv [K, M, N].
+    Returns h [N, d], the coefficients c [K+1, 2, N] and dk [K, 2, N]."""
+    dt = inv.dtype
+    dk = torch.stack([torch.stack([R[ks].to(dt) @ w for w, (ks, _) in zip(W, streams)]) for R in recent]) \
+        if recent else lse.new_empty(0, 2, lse.size(-1))
+    key_inv = inv[:, [ks for ks, _ in streams]]  # [K, 2, N]
+    c = torch.cat([lse.unsqueeze(0), dk * key_inv]).softmax(0)
+    cw = (c * alpha.view(1, 2, 1)).unsqueeze(-1)  # alpha folded into the coefficients
+    h = cw[0, 0] * o[0]
+    h.addcmul_(cw[0, 1], o[1])
+    for k, R in enumerate(recent):
+        for t, (_, vs) in enumerate(streams):
+            h.addcmul_(cw[k + 1, t], R[vs].to(dt))
+    return h, c, dk
+
+
+class _FusedMerge(Function):
+    """DAR's phase 2, both targets and the fusion gates in one h. g . h does not separate the two
+    targets, so the backward recomputes g . o_t = sum_r a_rt (g . v_rt) from the completed sources
+    (references, also inputs; their gradient flows through o into phase 1) instead of saving o_t."""
+
+    @staticmethod
+    def forward(ctx, o0, o1, lse, a, alpha, W, inv, streams, K, *sources):
+        recent = sources[:K]
+        dt = inv.dtype
+        h, c, dk = _fused_merge((o0.to(dt), o1.to(dt)), lse, alpha.to(dt), W.to(dt), streams, recent, inv)
+        ctx.streams, ctx.K, ctx.o_dtype = streams, K, o0.dtype
+        ctx.save_for_backward(a, alpha, W, inv, c, dk, *sources)
+        return h
+
+    @staticmethod
+    def backward(ctx, g):
+        a, alpha, W, inv, c, dk, *sources = ctx.saved_tensors
+        recent, completed = sources[:ctx.K], sources[ctx.K:]
+        with float32_routing(inv):
+            dt, streams = inv.dtype, ctx.streams
+            g, Wf, af = g.to(dt), W.to(dt), alpha.to(dt)
+            vs_of = [vs for _, vs in streams]
+            E = torch.stack([(V.to(dt) * g).sum(-1)[vs_of] for V in completed])  # [n, 2, N]: g . v_rt
+            X = [(a.permute(1, 2, 0) * E).sum(0)]  # g . o_t, [2, N]
+            X += [(R.to(dt) * g).sum(-1)[vs_of] for R in recent]  # g . R_k[value stream of t]
+            X = torch.stack(X)  # [K+1, 2, N]
+            r = (c * X).sum(0)  # g . r_t
+            dl = c * af.view(1, 2, 1) * (X - r)  # dL/dlogits, per target: a softmax backward
+            cw = (c * af.view(1, 2, 1)).unsqueeze(-1)
+            g_recent, gW, g_inv = [], torch.zeros_like(Wf), torch.zeros_like(inv)
+            for k, R in enumerate(recent):
+                gR = torch.zeros(R.shape, dtype=dt, device=R.device)
+                for t, (ks, vs) in enumerate(streams):
+                    C = dl[k + 1, t] * inv[k, ks]
+                    gR[vs].addcmul_(cw[k + 1, t], g)
+                    gR[ks].addcmul_(C.unsqueeze(-1), Wf[t])
+                    gW[t] += C @ R[ks].to(dt)
+                    g_inv[k, ks] += dl[k + 1, t] * dk[k, t]
+                g_recent.append(gR.to(R.dtype))
+            g_o = [(cw[0, t] * g).to(ctx.o_dtype) for t in (0, 1)]
+        return (*g_o, dl[0], None, r.sum(-1).to(alpha.dtype), gW.to(W.dtype), g_inv, None, None,
+                *g_recent, *[None] * len(completed))
+
+
+def fused_merge(o, lse, a, alpha, W, streams, recent, inv, completed):
+    """Phase 2 of DAR for one site: o = (o_0, o_1) [N, d], lse [2, N] and a [N, n, 2] of the site's two query
+    rows from phase 1, gates alpha [2], queries W [2, d], recent K x [M, N, d] with inv [K, M, N],
+    and the completed sources (for the backward's recomputation)."""
+    with float32_routing(W):
+        inv = torch.stack(inv) if recent else lse.new_empty(0, completed[0].size(0), lse.size(-1))
+        if _needs_grad(*o, lse, alpha, W, inv, *recent):
+            return _FusedMerge.apply(*o, lse, a, alpha, W, inv, streams, len(recent), *recent, *completed)
+        o = [o_t.to(inv.dtype) for o_t in o]
+        return _fused_merge(o, lse, alpha.to(inv.dtype), W.to(inv.dtype), streams, recent, inv)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The router: what the residual streams of model.py call (the same interface as ReferenceRouter).
+
+
+class TwoPhaseRouter:
+    """Routes the sites of one chunk. Opening it runs phase 1 for the chunk's query rows W [Q, d]
+    over the completed sources; each read is phase 2. streams: None for one stream, else per target
+    (key stream, value stream), rows target-major."""
+
+    def __init__(self, W, completed, inv, streams=None):
+        self.W, self.streams = W, streams
+        self.shape = completed[0].shape if streams is None else completed[0].shape[1:]  # [*, d] of an output
+        self.Qt = len(W) // (1 if streams is None else len(streams))
+        self.completed = [s.reshape(s.size(0), -1, s.size(-1)) for s in completed] if streams else None
+        self.lse, self.a, self.o = phase1(W, completed, inv, streams)
+
+    def _flat(self, sources, inv):
+        N, d = self.o[0].shape
+        if self.streams is None:
+            return [s.reshape(N, d) for s in sources], [i.reshape(N) for i in inv]
+        return [s.reshape(s.size(0), N, d) for s in sources], [i.reshape(i.size(0), N) for i in inv]
+
+    def read(self, q, recent=(), inv=()):
+        """h of query row q over the completed sources and `recent` (with norm factors inv)."""
+        t = q // self.Qt
+        o, lse = self.o[q], self.lse[:, q]
+        if not recent:  # h = o_q; a copy of its own, so that saving it does not keep the chunk's O alive
+            return (o if len(self.W) == 1 else o.clone()).view(self.shape)
+        recent, inv = self._flat(recent, inv)
+        if self.streams is not None:  # one target of DAR: its key and value streams of each source
+            ks, vs = self.streams[t]
+            keys, values, inv = [R[ks] for R in recent], [R[vs] for R in recent], [i[ks] for i in inv]
+            return merge(o, lse, self.W[q], keys, values, inv).view(self.shape)
+        return merge(o, lse, self.W[q], recent, recent, inv).view(self.shape)
+
+    def read_fused(self, rows, alpha, recent=(), inv=()):
+        """DAR: h = alpha_0 r_0 + alpha_1 r_1 for the query rows (target 0's, target 1's)."""
+        recent, inv = self._flat(recent, inv)
+        o, lse, a = [self.o[q] for q in rows], self.lse[:, list(rows)].T, self.a[:, :, list(rows)]
+        h = fused_merge(o, lse, a, alpha, self.W[list(rows)], self.streams, recent, inv, self.completed)
+        return h.view(self.shape)

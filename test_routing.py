@@ -1,0 +1,161 @@
+"""routing.py, the two-phase depth routing, equals model.py's reference (float64): the operations
+alone (values, every gradient, gradcheck) and every routed variant, block size and chunk size."""
+
+import pytest
+import torch
+
+import bench
+from model import GPT, GPTConfig, DAR_STREAMS, ReferenceRouter
+from routing import TwoPhaseRouter, rms_inv
+
+# --- the router alone: phase 1 over the completed sources, phase 2 with the recent ones ----------------
+
+B, T, d = 2, 3, 8
+
+
+def sources(n, streams=None, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (B, T, d) if streams is None else (2, B, T, d)
+    return [torch.randn(shape, generator=g, dtype=dtype).requires_grad_() for _ in range(n)]
+
+
+def route(Router, W, completed, recent, reads, streams=None, alpha=None):
+    """Open a router over `completed` and read each query row in `reads` with `recent`; with alpha,
+    read_fused the (target 0, target 1) row pairs."""
+    inv = lambda srcs: [rms_inv(s) for s in srcs]  # noqa: E731, the streams' way: norm factors made outside
+    router = Router(W, completed, inv(completed), streams)
+    if alpha is None:
+        return [router.read(q, recent, inv(recent)) for q in reads]
+    return [router.read_fused(rows, alpha, recent, inv(recent)) for rows in reads]
+
+
+CASES = {  # name: (streams, number of query rows, reads, fused)
+    "one-stream": (None, 3, [0, 1, 2], False),
+    **{f"dar-{r}": (DAR_STREAMS[r], 4, [(0, 2), (1, 3)], True) for r in ("cross", "self_kv", "cross_v", "fixed_kv")},
+    "dar-cross-per-target": (DAR_STREAMS["cross"], 4, [0, 1, 2, 3], False),
+}
+
+
+@pytest.mark.parametrize("K", [0, 1, 2])
+@pytest.mark.parametrize("case", CASES)
+def test_router_equals_reference(case, K):
+    streams, Q, reads, fused = CASES[case]
+    completed, recent = sources(3, streams), sources(K, streams, seed=1)
+    g = torch.Generator().manual_seed(2)
+    W = (0.5 * torch.randn(Q, d, generator=g, dtype=torch.float64)).requires_grad_()
+    alpha = torch.tensor([0.7, 0.3], dtype=torch.float64, requires_grad=True) if fused else None
+    leaves = [W, *completed, *recent] + ([alpha] if fused else [])
+
+    def run(Router):
+        hs = route(Router, W, completed, recent, reads, streams, alpha)
+        gh = [torch.randn(h.shape, generator=torch.Generator().manual_seed(i), dtype=h.dtype) for i, h in enumerate(hs)]
+        return (*hs, *torch.autograd.grad(sum((h * g).sum() for h, g in zip(hs, gh)), leaves))
+
+    for fast, ref in zip(run(TwoPhaseRouter), run(ReferenceRouter), strict=True):
+        torch.testing.assert_close(fast, ref, rtol=0, atol=1e-12)
+
+    def outputs(W, *rest):
+        n = len(completed)
+        a = rest[-1] if fused else None
+        return tuple(route(TwoPhaseRouter, W, list(rest[:n]), list(rest[n:n + K]), reads, streams, a))
+    torch.autograd.gradcheck(outputs, leaves)
+
+
+def test_router_without_grad_equals_with_grad():
+    completed, recent = sources(3), sources(1, seed=1)
+    W = torch.randn(2, d, dtype=torch.float64)
+    with_grad = route(TwoPhaseRouter, W, completed, recent, [0, 1])
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            without = route(TwoPhaseRouter, W, completed, recent, [0, 1])
+        for a, b in zip(with_grad, without):
+            assert torch.equal(a.detach(), b)
+
+
+@pytest.mark.parametrize("Router", [TwoPhaseRouter, ReferenceRouter], ids=lambda R: R.__name__)
+def test_routing_stays_float32_under_bf16_autocast(Router):
+    completed, recent = sources(3, dtype=torch.float32), sources(1, dtype=torch.float32, seed=1)
+    W = torch.randn(2, d)
+    plain = route(Router, W, completed, recent, [0, 1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = route(Router, W, completed, recent, [0, 1])
+    for p, m in zip(plain, mixed):
+        assert m.dtype == torch.float32
+        torch.testing.assert_close(m, p, rtol=0, atol=0)
+
+
+# --- every routed variant: the two-phase model is the reference model ----------------------------------
+
+MODELS = [
+    dict(residual="full_attnres"),
+    dict(residual="full_attnres", depth_chunk=1),  # a router per site: phase 1 alone
+    dict(residual="full_attnres", depth_chunk=3),  # chunks of 3 sites that do not divide 8 sublayers
+    dict(residual="full_attnres", depth_chunk=16),  # one chunk for the whole model
+    *[dict(residual="block_attnres", attnres_block_size=s) for s in (1, 2, 3, 4, 5, 8, 20)],
+    dict(residual="block_attnres", attnres_block_size=3, depth_chunk=7),  # chunks of 9: 3 blocks each
+    *[dict(residual="rd_attnres", rd_mode=m) for m in ("decoupled", "tied", "average", "frozen_v")],
+    dict(residual="rd_attnres", attnres_block_size=3),  # blocks that start at MLP sublayers
+    dict(residual="rd_attnres", attnres_block_size=1, depth_chunk=3),
+    *[dict(residual="dar", dar_routing=r) for r in ("cross", "self_kv", "cross_v", "fixed_kv", "sep_v")],
+    *[dict(residual="dar", dar_block_size=k) for k in (1, 3, 5)],
+    dict(residual="dar", dar_block_size=1, depth_chunk=6),  # 3 history entries per chunk
+    dict(residual="dar", dar_include_partial=False),
+    dict(residual="dar", dar_block_size=1, dar_include_partial=False, dar_routing="cross_v"),
+]
+
+
+def model(**kw):
+    """4 layers: 8 sublayers, so most block and chunk sizes leave a short last one."""
+    cfg = GPTConfig(**dict(dict(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=16), **kw))
+    m = GPT(cfg, seed=0).double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.router.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        if cfg.dar_routing == "sep_v":
+            m.router.v_proj.mul_(0.3)
+    return m
+
+
+def forward_backward(m, idx):
+    m.zero_grad()
+    logits, loss = m(idx, idx.roll(-1, 1))
+    loss.backward()
+    return logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("variant", MODELS, ids=lambda v: "-".join(map(str, v.values())))
+def test_two_phase_model_equals_reference_model(variant):
+    idx = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(0))
+    fast, ref = model(**variant), model(depth_impl="reference", **variant)
+    (lf, gf), (lr, gr) = forward_backward(fast, idx), forward_backward(ref, idx)
+    torch.testing.assert_close(lf, lr, rtol=0, atol=1e-10)
+    assert gf.keys() == gr.keys()
+    for n in gr:
+        torch.testing.assert_close(gf[n], gr[n], rtol=0, atol=1e-10, msg=n)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(idx)[0], lf, rtol=0, atol=0)
+
+
+# --- memory: references to the sources, nothing source-sized per site ----------------------------------
+
+@pytest.mark.parametrize("residual, per_site", [("full_attnres", 1), ("block_attnres", 1), ("rd_attnres", 2),
+                                                ("dar", 3)])
+def test_saved_activations_stay_linear_in_the_sources(residual, per_site):
+    """What routing adds to the standard residual's saved activations: per site, the sources it
+    must keep (Full: the output; Block: the partial sum; RD: + the value input of an attention site;
+    DAR: both streams' partial states, and y for the write gate's gradient), plus statistics of a
+    few [N, n, Q]. A copy of a source saved at every site (a normalised key, a phase-1 output)
+    would add L more sources."""
+    Bt, Tt, dm, n_layer = 2, 32, 128, 6
+    L = 2 * n_layer
+    idx = torch.randint(0, 61, (Bt, Tt), generator=torch.Generator().manual_seed(0))
+
+    def saved(**kw):
+        m = GPT(GPTConfig(vocab_size=61, block_size=Tt, n_layer=n_layer, n_head=2, n_embd=dm, **kw), seed=0)
+        return bench.saved_activation_bytes(lambda: m(idx, idx)[1].backward())
+
+    extra = saved(residual=residual) - saved(residual="standard")
+    source = Bt * Tt * dm * 4
+    assert extra < (per_site * (L + 1) + L / 2) * source
+    assert extra <= saved(residual=residual, depth_impl="reference") - saved(residual="standard")
