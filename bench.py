@@ -6,12 +6,17 @@ Benchmark a training step of every residual variant against the standard residua
         --batch_size 8 --dtype bf16 --compile         # the GPU size of the performance targets
 
 Each variant runs a full training step (forward, backward, AdamW). Repeats are interleaved across
-variants and the median is reported, so a slow moment of the machine hits every variant alike.
-Ratios are against `standard` from the same run. Memory is what a step adds on top of weights and
-optimizer state: on GPU the CUDA peak; on CPU the bytes autograd saves for backward (each storage
-counted once) and the growth of the process' peak RSS. A second table times the depth-routing
-operation alone against its memory-traffic floor: the bytes it must move over the bandwidth of a
-plain copy on the same device.
+variants, so a slow moment of the machine hits every variant alike, and each repeat gives each
+variant a speed ratio against `standard` in the same round; the table reports the median ratio and
+the spread (lowest and highest quartile) of those per-round ratios. Memory, on every device: the
+bytes autograd saves for backward in one eager step, each storage counted once ("saved
+activations"); on CUDA also the peak memory a step adds on top of weights and optimizer state
+(which counts gradients, logits and the optimizer's temporaries too).
+
+A second table times the depth routing of one block alone, forward and forward + backward, for the
+two implementations, against its memory-traffic floor over the bandwidth of a plain copy: forward,
+each completed source and each site's partial sum read once and each output written once;
+backward, the same reads again plus each output's gradient, and each source gradient written once.
 
 Variants are `residual[:key=value...]`, e.g. `rd_attnres:rd_mode=tied`, `full_attnres:depth_impl=reference`.
 """
@@ -22,8 +27,10 @@ import statistics
 import time
 
 import torch
+import torch._dynamo
 
-from model import GPT, GPTConfig, depth_attention
+from model import GPT, GPTConfig, ReferenceRouter, compile_model
+from routing import TwoPhaseRouter, rms_inv
 
 DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc"
 
@@ -51,16 +58,16 @@ class Runner:
         cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
                         n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec))
         self.model = GPT(cfg, seed=0).to(device)
-        self.step_fn = torch.compile(self.model) if args.compile else self.model
+        self.step_fn = compile_model(self.model, backend=args.compile_backend) if args.compile else self.model
         self.opt = torch.optim.AdamW(self.model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
         g = torch.Generator().manual_seed(0)
         self.x = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len), generator=g).to(device)
         self.autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
         self.device, self.times = device, []
 
-    def step(self):
+    def step(self, fn=None):
         with self.autocast:
-            loss = self.step_fn(self.x, self.x)[1]
+            loss = (fn or self.step_fn)(self.x, self.x)[1]
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -73,15 +80,14 @@ class Runner:
         self.times.append(time.perf_counter() - t0)
 
     def memory(self):
-        """Bytes a step adds: (CUDA peak or saved activations, peak RSS growth or None)."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            self.step()
-            return torch.cuda.max_memory_allocated() - base, None
-        rss0 = reset_peak_rss()
-        saved = saved_activation_bytes(self.step)
-        return saved, peak_rss() - rss0
+        """(saved activations of an eager step, the CUDA peak a compiled-or-not step adds, or None)."""
+        saved = saved_activation_bytes(lambda: self.step(self.model))
+        if self.device.type != "cuda":
+            return saved, None
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        self.step()
+        return saved, torch.cuda.max_memory_allocated() - base
 
 
 def saved_activation_bytes(fn):
@@ -98,20 +104,9 @@ def saved_activation_bytes(fn):
     return sum(storages.values())
 
 
-def reset_peak_rss():
-    """Reset the kernel's peak-RSS mark of this process; return the current RSS in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kb("VmRSS") * 1024
-
-
-def peak_rss():
-    return _status_kb("VmHWM") * 1024
-
-
-def _status_kb(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+def quartiles(xs):
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return q[0], statistics.median(xs), q[2]
 
 
 def copy_bandwidth(device, dtype, nbytes=256 * 2**20, reps=10):
@@ -128,23 +123,26 @@ def copy_bandwidth(device, dtype, nbytes=256 * 2**20, reps=10):
     return 2 * a.numel() * dtype.itemsize / statistics.median(times)
 
 
-def bench_routing_op(args, device, dtype, bandwidth, reps=10):
-    """Depth attention over n sources alone, forward and forward + backward, per implementation."""
+def bench_block_routing(args, device, dtype, bandwidth, reps=10):
+    """One block of S sites over n completed sources (float32, as the streams keep them): the
+    router opened once, then each site reads with its partial sum. Per implementation and pass."""
     rows = []
     B, T, d = args.batch_size, args.seq_len, args.n_embd
-    source_bytes = B * T * d * dtype.itemsize
+    source = B * T * d * 4
     g = torch.Generator().manual_seed(0)
-    for n in args.routing_sources:
-        srcs = [torch.randn(B, T, d, generator=g).to(device, dtype).requires_grad_() for _ in range(n)]
-        w = torch.randn(d, generator=g).to(device).requires_grad_()
-        grad = torch.randn(B, T, d, generator=g).to(device, dtype)
-        floors = {"forward": (n + 1) * source_bytes, "forward+backward": (3 * n + 2) * source_bytes}
-        for impl in ("lean", "reference"):
+    for n, S in args.routing_blocks:
+        completed = [torch.randn(B, T, d, generator=g).to(device).requires_grad_() for _ in range(n)]
+        partials = [torch.randn(B, T, d, generator=g).to(device).requires_grad_() for _ in range(S - 1)]
+        W = (0.1 * torch.randn(S, d, generator=g)).to(device).requires_grad_()
+        grads = [torch.randn(B, T, d, generator=g).to(device) for _ in range(S)]
+        floors = {"forward": (n + 2 * S - 1) * source, "forward+backward": (3 * n + 5 * S - 3) * source}
+        for Router in (TwoPhaseRouter, ReferenceRouter):
             for what, floor in floors.items():
                 def run():
-                    h = depth_attention(w, srcs, impl=impl)[0]
+                    router = Router(W, completed, [rms_inv(s) for s in completed])
+                    hs = [router.read(i, partials[i - 1:i], [rms_inv(p) for p in partials[i - 1:i]]) for i in range(S)]
                     if what == "forward+backward":
-                        torch.autograd.grad(h, [w, *srcs], grad)
+                        torch.autograd.backward(hs, grads)
 
                 run()
                 times = []
@@ -155,8 +153,8 @@ def bench_routing_op(args, device, dtype, bandwidth, reps=10):
                     sync(device)
                     times.append(time.perf_counter() - t0)
                 t = statistics.median(times)
-                rows.append(dict(sources=n, impl=impl, pass_=what, ms=1e3 * t, floor_ms=1e3 * floor / bandwidth,
-                                 of_floor=floor / bandwidth / t))
+                rows.append(dict(sources=n, sites=S, impl=Router.__name__, pass_=what, ms=1e3 * t,
+                                 floor_ms=1e3 * floor / bandwidth, of_floor=floor / bandwidth / t))
     return rows
 
 
@@ -174,8 +172,10 @@ def main(argv=None):
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bf16"], help="auto: bf16 on CUDA, else float32")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--routing_sources", type=lambda s: [int(x) for x in s.split(",")], default=[9, 17],
-                   help="source counts for the routing-op table (9: Block S=4 readout at 16 sublayers; 17: Full)")
+    p.add_argument("--compile_backend", default="inductor", help="torch.compile backend (aot_eager: no code generation)")
+    p.add_argument("--routing_blocks", default=[(4, 4), (8, 4), (16, 4)],
+                   type=lambda s: [tuple(int(x) for x in b.split(":")) for b in s.split(",") if b],
+                   help="completed sources:sites of the blocks in the routing table; empty: no table")
     p.add_argument("--out", default="bench.json")
     args = p.parse_args(argv)
 
@@ -185,6 +185,11 @@ def main(argv=None):
     specs = args.variants.split(",")
     if "standard" not in specs:
         specs.insert(0, "standard")
+    if args.compile:  # one graph per variant (and per grad mode): never fall back to eager without a word
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(specs) + 2)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               8 * len(specs))
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     print(f"device {device}, {dtype}, compile={args.compile}: {args.n_layer} layers, width {args.n_embd}, "
           f"{args.batch_size} x {args.seq_len} tokens, vocab {args.vocab_size}")
 
@@ -195,37 +200,51 @@ def main(argv=None):
     for _ in range(args.repeats):  # interleaved
         for r in runners:
             r.timed_step()
-    results = []
+    results, ref = [], runners[specs.index("standard")]
     for r in runners:
-        mem, rss = r.memory()
-        results.append(dict(variant=r.spec, params=r.model.num_params(), ms=1e3 * statistics.median(r.times),
-                            tokens_per_s=args.batch_size * args.seq_len / statistics.median(r.times),
-                            memory_bytes=mem, peak_rss_growth_bytes=rss))
-    ref = results[0]
+        saved, peak = r.memory()
+        lo, mid, hi = quartiles([t_ref / t for t, t_ref in zip(r.times, ref.times)])
+        ms = statistics.median(r.times)
+        results.append(dict(variant=r.spec, params=r.model.num_params(), ms=1e3 * ms,
+                            tokens_per_s=args.batch_size * args.seq_len / ms, speed_ratio=mid,
+                            speed_ratio_quartiles=(lo, hi), saved_activation_bytes=saved, cuda_peak_bytes=peak))
+    base = results[specs.index("standard")]
     for row in results:
-        row["speed_ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
-        row["memory_ratio"] = row["memory_bytes"] / ref["memory_bytes"]
-    mem_name = "CUDA peak" if device.type == "cuda" else "saved activations"
-    print(f"\n| variant | params | ms/step | tokens/s | vs standard | {mem_name} MiB | vs standard |"
-          + (" peak RSS growth MiB |" if device.type == "cpu" else ""))
-    print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if device.type == "cpu" else ""))
+        row["memory_ratio"] = row["saved_activation_bytes"] / base["saved_activation_bytes"]
+        if row["cuda_peak_bytes"] is not None:
+            row["peak_ratio"] = row["cuda_peak_bytes"] / base["cuda_peak_bytes"]
+    cuda = device.type == "cuda"
+    if cuda:
+        from train import peak_flops
+        peak = peak_flops(device)
+        if peak:
+            base["mfu"] = ref.model.flops_per_token() * base["tokens_per_s"] / peak
+            print(f"standard: MFU {100 * base['mfu']:.1f}% of {peak / 1e12:.0f} TFLOP/s bf16")
+    print("\n| variant | params | ms/step | tokens/s | vs standard (quartiles) | saved activations MiB | vs standard |"
+          + (" CUDA step peak MiB | vs standard |" if cuda else ""))
+    print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if cuda else ""))
     for r in results:
-        rss = f" {r['peak_rss_growth_bytes'] / 2**20:.0f} |" if device.type == "cpu" else ""
+        peak = f" {r['cuda_peak_bytes'] / 2**20:.0f} | {r['peak_ratio']:.3f} |" if cuda else ""
+        lo, hi = r["speed_ratio_quartiles"]
         print(f"| `{r['variant']}` | {r['params'] / 1e6:.2f}M | {r['ms']:.0f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['speed_ratio']:.3f} | {r['memory_bytes'] / 2**20:.1f} | {r['memory_ratio']:.3f} |{rss}")
+              f"{r['speed_ratio']:.3f} ({lo:.3f}-{hi:.3f}) | {r['saved_activation_bytes'] / 2**20:.1f} | "
+              f"{r['memory_ratio']:.3f} |{peak}")
 
-    bandwidth = copy_bandwidth(device, dtype)
-    routing = bench_routing_op(args, device, dtype, bandwidth)
-    print(f"\nDepth attention alone, {args.batch_size} x {args.seq_len} x {args.n_embd} sources; "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print("| sources | impl | pass | ms | floor ms | fraction of floor speed |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in routing:
-        print(f"| {r['sources']} | {r['impl']} | {r['pass_']} | {r['ms']:.2f} | {r['floor_ms']:.2f} | {r['of_floor']:.2f} |")
+    routing, bandwidth = [], None
+    if args.routing_blocks:
+        bandwidth = copy_bandwidth(device, torch.float32)
+        routing = bench_block_routing(args, device, dtype, bandwidth)
+        print(f"\nDepth routing of one block, {args.batch_size} x {args.seq_len} x {args.n_embd} float32 sources; "
+              f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+        print("| completed sources | sites | impl | pass | ms | floor ms | fraction of floor speed |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in routing:
+            print(f"| {r['sources']} | {r['sites']} | {r['impl']} | {r['pass_']} | {r['ms']:.2f} | {r['floor_ms']:.2f} "
+                  f"| {r['of_floor']:.2f} |")
 
     with open(args.out, "w") as f:
         json.dump(dict(args=vars(args), device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth,
-                       steps=results, routing_op=routing), f, indent=1)
+                       steps=results, routing=routing), f, indent=1)
     print(f"\nwrote {args.out}")
     return results, routing
 

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, compile_model
 from prepare_data import DataError, TokenLoader, eval_batches, load_meta
 
 CKPT_FORMAT = "depthres-ckpt-1"
@@ -512,7 +512,7 @@ def build(tc, mc, dist, ckpt):
 
 def wrap(raw_model, tc, dist):
     """(the model for evaluation: compiled if asked; the model for training: that one in DDP if distributed)"""
-    model = torch.compile(raw_model) if tc.compile else raw_model
+    model = compile_model(raw_model) if tc.compile else raw_model
     if dist.world_size == 1:
         return model, model
     return model, DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
