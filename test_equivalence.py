@@ -385,6 +385,31 @@ def test_mhc_mixing_matrices_are_doubly_stochastic(streams):
         torch.testing.assert_close(H.sum(-2), torch.ones(H.shape[:-1], dtype=H.dtype), rtol=0, atol=1e-5)
 
 
+def test_block_sums_accumulate_in_the_embedding_dtype_under_bf16():
+    """Under bf16 autocast the sublayer outputs y are bf16; a block's partial sum must accumulate in
+    x0's dtype (float32), as the standard residual's h = x0 + y_0 + .. and DAR's states do."""
+    model = tiny(residual="block_attnres", dtype=torch.float32)
+    x0 = torch.randn(2, 3, 32)
+    ys = [torch.randn(2, 3, 32).bfloat16() for _ in range(3)]
+    stream = model.router.start(x0)
+    for j, y in enumerate(ys):
+        stream.write(j, y)
+    assert stream.partial.dtype == torch.float32
+    torch.testing.assert_close(stream.partial, ys[0].float() + ys[1].float() + ys[2].float(), rtol=1e-6, atol=0)
+
+
+def test_mhc_coefficients_stay_float32_under_bf16_autocast():
+    model = tiny(residual="mhc", dtype=torch.float32)
+    with torch.no_grad():
+        model.router.a.fill_(0.5)  # a dynamic part large enough for bf16 rounding to show
+    H = torch.randn(2, 3, 4, 32, generator=torch.Generator().manual_seed(0))
+    plain = model.router.coefficients(1, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = model.router.coefficients(1, H)
+    for p, m in zip(plain, mixed):
+        torch.testing.assert_close(m, p, rtol=0, atol=0)
+
+
 def test_mhc_has_no_underflowed_gradients_in_float32():
     model = tiny(residual="mhc", dtype=torch.float32)
     loss_and_grads(model, tokens())
