@@ -12,14 +12,26 @@ Prompt: without --prompt or --prompt_file the prompt is the end-of-text token al
 puts EOT before every document, so this samples the start of a new document (unconditional).
 A sample ends after --max_new_tokens tokens or at an end-of-text token, whichever comes first.
 
+Batches: --num_samples N decodes the N samples as one batch, one forward pass per token for all of
+them. Each sample draws from its own random stream, a torch.Generator seeded with
+sample_seed(seed, i), a hash of (--seed, i): so the samples of a batch are independent, and sample i
+is the same text whatever the batch size (the first k samples of a run of N are the run of k with
+the same seed). One caveat: matrix products of another batch size may round differently (float32
+logits here differ by about 1e-6), which can, rarely, tip a draw or a near-tie the other way.
+Samples end independently; a finished row keeps decoding with the others, and its text stops at its
+end. Text is printed in order: the first unfinished sample streams as it is decoded, a later one
+prints what it has when its turn comes and streams from there.
+
 Context: the model sees a window of at most block_size tokens. A longer prompt keeps its last
 block_size tokens (with a warning). When the window is full and one more token arrives, the window
 slides: its last block_size // 2 tokens start a fresh window (with the cache: a fresh cache, prefilled
-with them) and decoding goes on. --no_cache runs a full forward pass over the same window at every
-step, so both paths give the same tokens under greedy decoding.
+with them) and decoding goes on. The rows of a batch share their positions, so they slide together.
+--no_cache runs a full forward pass over the same window at every step, so both paths give the same
+tokens under greedy decoding.
 """
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -41,32 +53,41 @@ class UsageError(ValueError):
 
 
 class Window:
-    """The tokens the model conditions on, under the sliding rule of the module docstring, and
-    (use_cache=True) their key/value cache. Batch size 1."""
+    """The tokens the model conditions on, one row per sample, under the sliding rule of the module
+    docstring, and (use_cache=True) their key/value cache. All rows have the same length: they share
+    their positions, so they slide together."""
 
-    def __init__(self, model, prompt_ids, use_cache=True):
+    def __init__(self, model, prompts, use_cache=True):
         self.model, self.use_cache = model, use_cache
         self.block_size = model.cfg.block_size
-        self.tokens = list(prompt_ids)[-self.block_size:]
+        rows = [list(p)[-self.block_size:] for p in prompts]
+        self.tokens = torch.tensor(rows, device=model.wte.weight.device)  # [B, T]
         self.cache = None  # created on first use, dropped when the window slides
 
-    def append(self, token):
-        self.tokens.append(token)
-        if len(self.tokens) > self.block_size:
-            self.tokens = self.tokens[-max(1, self.block_size // 2):]
+    def append(self, tokens):
+        """tokens [B]: the next token of every row."""
+        self.tokens = torch.cat([self.tokens, tokens.view(-1, 1).to(self.tokens.device)], 1)
+        if self.tokens.size(1) > self.block_size:
+            self.tokens = self.tokens[:, -max(1, self.block_size // 2):]
             self.cache = None
 
     @torch.no_grad()
     def next_logits(self):
-        """Logits [vocab] for the token after the window; call once per appended token."""
+        """Logits [B, vocab] for the token after each row; call once per appended token."""
         weight = self.model.wte.weight
         new = self.tokens
         if self.use_cache:
             if self.cache is None:
-                self.cache = KVCache(self.model.cfg, 1, weight.device, weight.dtype)
-            new = self.tokens[self.cache.pos:]  # the whole window after a slide, else the last token
-        logits, _ = self.model(torch.tensor([new], device=weight.device), kv_cache=self.cache)
-        return logits[0, -1]
+                self.cache = KVCache(self.model.cfg, len(self.tokens), weight.device, weight.dtype)
+            new = self.tokens[:, self.cache.pos:]  # the whole window after a slide, else the last token
+        logits, _ = self.model(new, kv_cache=self.cache)
+        return logits[:, -1]
+
+
+def sample_seed(seed, i):
+    """The seed of sample i's random stream under --seed seed: 63 bits of sha256("seed/i"), stable
+    across processes and machines, distinct for every (seed, i)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{i}".encode()).digest()[:8], "little") >> 1
 
 
 def filter_logits(logits, top_k=None, top_p=None):
@@ -85,27 +106,35 @@ def filter_logits(logits, top_k=None, top_p=None):
     return logits
 
 
-def sample_logits(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token id from logits [vocab]: the argmax when temperature is 0, else a draw from
-    softmax(logits / temperature) after filter_logits."""
+def sample_logits(logits, temperature=1.0, top_k=None, top_p=None, generators=None):
+    """Token ids [B] from logits [B, vocab]: the argmax of each row when temperature is 0, else row b
+    draws from softmax(logits[b] / temperature) after filter_logits, with generators[b] (None: the
+    global generator)."""
     if temperature == 0:
-        return int(logits.argmax())
+        return logits.argmax(-1)
     probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    generators = generators or [None] * len(probs)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 
 
-def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-             generator=None, use_cache=True, vocab_size=None):
-    """Yield max_new_tokens token ids that continue prompt_ids (a non-empty list), one per step.
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+             generators=None, use_cache=True, vocab_size=None):
+    """Yield max_new_tokens steps, each the next token ids [B] of the B = len(prompts) rows that
+    continue prompts (non-empty token lists, all of one length: the rows share their positions),
+    one forward pass per step for the whole batch. generators: one per row, its random stream.
     vocab_size: draw only from the first vocab_size ids (a model's vocabulary is padded past its
     tokenizer's). use_cache=False runs a full forward pass over the window at every step."""
-    if len(prompt_ids) == 0:
-        raise ValueError("generate needs a prompt of at least one token")
-    window = Window(model, prompt_ids, use_cache)
+    if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, each of at least one token")
+    if len({len(p) for p in prompts}) > 1:
+        raise ValueError(f"the prompts of a batch must have one length, got {sorted({len(p) for p in prompts})}")
+    if generators is not None and len(generators) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(generators)} generators")
+    window = Window(model, prompts, use_cache)
     for _ in range(max_new_tokens):
-        token = sample_logits(window.next_logits()[:vocab_size], temperature, top_k, top_p, generator)
-        yield token
-        window.append(token)
+        tokens = sample_logits(window.next_logits()[:, :vocab_size], temperature, top_k, top_p, generators)
+        yield tokens
+        window.append(tokens)
 
 
 class TextStream:
@@ -135,6 +164,61 @@ class TextStream:
         del self.pending[:n]
 
 
+class SampleWriter:
+    """Prints the samples of a batch one after another, in order, as they are decoded: the first
+    unfinished sample streams (through a TextStream), a later one prints what it has when its turn
+    comes and streams from there. Each sample starts with the prompt text; a line of dashes
+    separates them. A sample ends at the stop token (not printed) or at finish()."""
+
+    def __init__(self, n, tokenizer, out, prompt_text, stop_token):
+        self.tokenizer, self.out, self.prompt_text, self.stop_token = tokenizer, out, prompt_text, stop_token
+        self.tokens = [[] for _ in range(n)]  # of each sample, up to its end
+        self.done = [False] * n
+        self.current, self.stream, self.written = 0, None, 0  # the sample being printed
+
+    def add(self, tokens):
+        """tokens: the next token of every sample (ignored for the finished ones). Returns how many
+        count: the tokens of samples that had not ended, stop tokens included."""
+        counted = 0
+        for row, token in enumerate(tokens):
+            if self.done[row]:
+                continue
+            counted += 1
+            if token == self.stop_token:
+                self.done[row] = True
+            else:
+                self.tokens[row].append(token)
+        self._print()
+        return counted
+
+    def finish(self):
+        """End every sample (at max_new_tokens) and print the rest."""
+        self.done = [True] * len(self.done)
+        self._print()
+
+    def _print(self):
+        while self.current < len(self.tokens):
+            if self.stream is None:
+                if self.current > 0:
+                    self.out.write("-" * 40 + "\n")
+                self.out.write(self.prompt_text)
+                self.stream, self.written = TextStream(self.tokenizer, self.out), 0
+            row = self.tokens[self.current]
+            for token in row[self.written:]:
+                self.stream.write(token)
+            self.written = len(row)
+            if not self.done[self.current]:
+                return
+            self.stream.close()
+            self.out.write("\n")
+            self.out.flush()
+            self.current, self.stream = self.current + 1, None
+
+    @property
+    def all_done(self):
+        return all(self.done)
+
+
 # -----------------------------------------------------------------------------
 # command line
 
@@ -145,12 +229,12 @@ def parse_args(argv):
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (default: the end-of-text token alone)")
     prompt.add_argument("--prompt_file", help="read the prompt from this UTF-8 file")
-    p.add_argument("--num_samples", type=int, default=1, help="samples, one after another (default 1)")
+    p.add_argument("--num_samples", type=int, default=1, help="samples, decoded as one batch (default 1)")
     p.add_argument("--max_new_tokens", type=int, default=256, help="tokens per sample at most (default 256)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 is greedy (default 1)")
     p.add_argument("--top_k", type=int, help="draw from the k most likely tokens only (default: all)")
     p.add_argument("--top_p", type=float, help="draw from the nucleus of this probability, in (0, 1] (default: 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples' random streams (default 0)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu (default auto)")
     p.add_argument("--no_cache", action="store_true", help="a full forward pass per token, for comparison")
@@ -210,25 +294,19 @@ def run(args):
     if len(prompt_ids) > block_size:
         print(f"warning: the prompt has {len(prompt_ids)} tokens, more than block_size={block_size}; "
               f"the model sees its last {block_size}", file=sys.stderr)
-    generator = torch.Generator(device).manual_seed(args.seed)
-    out = sys.stdout
+    n = args.num_samples
+    generators = [torch.Generator(device).manual_seed(sample_seed(args.seed, i)) for i in range(n)]
+    writer = SampleWriter(n, tokenizer, sys.stdout, text or "", tokenizer.eot)
     n_tokens, t0 = 0, time.perf_counter()
-    for i in range(args.num_samples):
-        if i > 0:
-            out.write("-" * 40 + "\n")
-        out.write(text or "")
-        stream = TextStream(tokenizer, out)
-        for token in generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                              generator, use_cache=not args.no_cache, vocab_size=tokenizer.vocab_size):
-            n_tokens += 1
-            if token == tokenizer.eot:
-                break
-            stream.write(token)
-        stream.close()
-        out.write("\n")
-        out.flush()
+    for tokens in generate(model, [prompt_ids] * n, args.max_new_tokens, args.temperature, args.top_k,
+                           args.top_p, generators, use_cache=not args.no_cache, vocab_size=tokenizer.vocab_size):
+        n_tokens += writer.add(tokens.tolist())
+        if writer.all_done:  # every sample reached end-of-text
+            break
+    writer.finish()
     dt = time.perf_counter() - t0
-    print(f"{n_tokens} tokens in {dt:.2f}s ({n_tokens / dt:.1f} tokens/s, "
+    batch = f"{n} samples in one batch, " if n > 1 else ""
+    print(f"{n_tokens} tokens in {dt:.2f}s ({n_tokens / dt:.1f} tokens/s, {batch}"
           f"{'no cache' if args.no_cache else 'kv cache'}, {device})", file=sys.stderr)
     return 0
 

@@ -16,9 +16,12 @@ A sweep file is Python that sets:
     out_dir    (optional) where runs go: out_dir/<variant>/seed<s>; default runs/<sweep file name>
 
 A finished run (its summary.json exists) is skipped, a run with a checkpoint is resumed, so an
-interrupted sweep continues where it stopped. At the end the table is printed and saved as
-results.json and results.csv in out_dir, with curves.png (validation loss, mean over seeds) when
-matplotlib is installed.
+interrupted sweep continues where it stopped. After each run a progress line gives the runs done
+out of all (skipped finished runs count as done), the time since the sweep started, and an ETA: the
+mean duration of the runs this invocation has run, times the runs left (a resumed run counts with
+the part it ran, so right after a resume the ETA can be low). At the end the table is printed and
+saved as results.json and results.csv in out_dir, with curves.png (validation loss, mean over seeds)
+when matplotlib is installed.
 """
 
 import argparse
@@ -30,6 +33,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -64,15 +68,33 @@ def train_command(spec, variant, seed, launcher):
     return shlex.split(launcher) + args if launcher else [sys.executable] + args
 
 
+def eta_seconds(durations, remaining):
+    """Seconds the remaining runs should take at the mean of the durations so far (None: none yet)."""
+    return statistics.fmean(durations) * remaining if durations else None
+
+
+def hms(seconds):
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 def run_all(spec, launcher):
-    for seed in spec["seeds"]:  # seed-major: a partial sweep already holds complete paired sets
-        for variant in spec["variants"]:
-            if (run_dir(spec, variant, seed) / "summary.json").exists():
-                continue
-            cmd = train_command(spec, variant, seed, launcher)
-            print(f"\n=== {variant}, seed {seed}: {' '.join(cmd)}", flush=True)
-            if subprocess.run(cmd).returncode != 0:
-                raise SystemExit(f"error: run {variant} seed {seed} failed; fix it and run the sweep again to resume")
+    # seed-major: a partial sweep already holds complete paired sets
+    runs = [(variant, seed) for seed in spec["seeds"] for variant in spec["variants"]]
+    done = sum((run_dir(spec, v, s) / "summary.json").exists() for v, s in runs)
+    t0, durations = time.monotonic(), []  # durations of the runs this invocation ran
+    for variant, seed in runs:
+        if (run_dir(spec, variant, seed) / "summary.json").exists():
+            continue
+        cmd = train_command(spec, variant, seed, launcher)
+        print(f"\n=== {variant}, seed {seed}: {' '.join(cmd)}", flush=True)
+        start = time.monotonic()
+        if subprocess.run(cmd).returncode != 0:
+            raise SystemExit(f"error: run {variant} seed {seed} failed; fix it and run the sweep again to resume")
+        durations.append(time.monotonic() - start)
+        done += 1
+        eta = eta_seconds(durations, len(runs) - done)
+        print(f"sweep: {done}/{len(runs)} runs done, {hms(time.monotonic() - t0)} elapsed, ETA {hms(eta)}", flush=True)
 
 
 def collect(spec):

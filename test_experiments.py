@@ -1,9 +1,13 @@
-"""The experiment tools: the sweep table's arithmetic, the diagnostics' measures, a tiny sweep."""
+"""The experiment tools: the sweep table's arithmetic and progress lines, the diagnostics' measures,
+a tiny sweep."""
 
 import json
 import math
+import re
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +45,41 @@ def test_summary_pairs_only_seeds_the_reference_finished():
     new = {r["variant"]: r for r in sweep.summarize(runs, "base")}["new"]
     assert new["paired_seeds"] == 2 and new["seeds"] == 3
     assert new["delta_mean"] == pytest.approx((-0.05 + 0.02) / 2)
+
+
+# --- the sweep's progress lines ----------------------------------------------------------------------
+
+def test_eta_is_the_mean_duration_times_the_runs_left():
+    assert sweep.eta_seconds([10.0, 20.0], 3) == pytest.approx(45.0)
+    assert sweep.eta_seconds([7.0], 0) == 0
+    assert sweep.eta_seconds([], 3) is None
+    assert sweep.hms(0) == "0:00:00" and sweep.hms(59.6) == "0:01:00" and sweep.hms(3725.4) == "1:02:05"
+    assert sweep.hms(30 * 3600 + 61) == "30:01:01"
+
+
+def test_progress_lines_count_finished_runs_as_done(tmp_path, monkeypatch, capsys):
+    """2 variants x 2 seeds, one finished before: three runs of 60, 120 and 30 seconds (a fake clock)."""
+    spec = dict(base="configs/test.py", variants={"a": "", "b": ""}, seeds=[0, 1], overrides="",
+                out_dir=str(tmp_path))
+    (tmp_path / "b" / "seed0").mkdir(parents=True)
+    (tmp_path / "b" / "seed0" / "summary.json").write_text("{}")
+    now, durations = [1000.0], iter([60, 120, 30])
+
+    def fake_run(cmd):
+        out_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--out_dir="))
+        name = next(a.split("=", 1)[1] for a in cmd if a.startswith("--run_name="))
+        (Path(out_dir) / name).mkdir(parents=True)
+        (Path(out_dir) / name / "summary.json").write_text("{}")
+        now[0] += next(durations)
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    monkeypatch.setattr(sweep, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    sweep.run_all(spec, launcher="")
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("sweep:")]
+    assert lines == ["sweep: 2/4 runs done, 0:01:00 elapsed, ETA 0:02:00",  # a, seed 0; 2 left at 60 s
+                     "sweep: 3/4 runs done, 0:03:00 elapsed, ETA 0:01:30",  # a, seed 1; 1 left at 90 s
+                     "sweep: 4/4 runs done, 0:03:30 elapsed, ETA 0:00:00"]  # b, seed 1
 
 
 # --- the diagnostics' measures --------------------------------------------------------------------
@@ -123,10 +162,13 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
     cmd = [sys.executable, "sweep.py", str(spec)]
     first = subprocess.run(cmd, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-2000:]
+    progress = re.findall(r"^sweep: (\d+)/(\d+) runs done, \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d$",
+                          first.stdout, re.M)
+    assert progress == [("1", "4"), ("2", "4"), ("3", "4"), ("4", "4")]
     rows = json.loads((tmp_path / "runs" / "results.json").read_text())["rows"]
     tied = {r["variant"]: r for r in rows}["tied"]
     # rd_attnres with tied queries is exactly block_attnres: paired runs agree to rounding
     assert tied["paired_seeds"] == 2 and abs(tied["delta_mean"]) < 1e-5
     assert (tmp_path / "runs" / "results.csv").read_text().count("\n") == 5
     again = subprocess.run(cmd, capture_output=True, text=True)  # everything finished: nothing reruns
-    assert again.returncode == 0 and "===" not in again.stdout
+    assert again.returncode == 0 and "===" not in again.stdout and "sweep:" not in again.stdout

@@ -1,12 +1,13 @@
-"""sample.py: cached decoding equals full forward passes for every variant (float64), the sampling
-filters, streamed text, and the command line on a tiny fake checkpoint."""
+"""sample.py: cached decoding equals full forward passes for every variant (float64), a batch equals
+its samples decoded one at a time, the sampling filters, streamed text, and the command line on a
+tiny fake checkpoint."""
 
 import pytest
 import torch
 
 from model import GPT, GPTConfig, RD_MODES, RESIDUALS
 from prepare_data import get_tokenizer
-from sample import TextStream, Window, filter_logits, generate, main, sample_logits
+from sample import SampleWriter, TextStream, Window, filter_logits, generate, main, sample_logits, sample_seed
 
 VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]
 VARIANTS += [dict(residual="rd_attnres", rd_mode=m) for m in RD_MODES]
@@ -39,34 +40,40 @@ def tiny(block_size=16, **kw):
     return model
 
 
-def tokens(n):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+def tokens(n, seed=0):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def steps(model, prompts, n, **kw):
+    """generate's steps as one token list per row."""
+    return torch.stack(list(generate(model, prompts, n, **kw)), 1).tolist()
 
 
 # --- the window and its cache ----------------------------------------------------------------------
 
 def test_window_crops_the_prompt_and_slides_to_half_the_context():
     model = tiny(block_size=8)
-    assert Window(model, list(range(20))).tokens == list(range(12, 20))
-    window = Window(model, list(range(5)))
+    assert Window(model, [list(range(20)), list(range(100, 120))]).tokens.tolist() == \
+        [list(range(12, 20)), list(range(112, 120))]
+    window = Window(model, [list(range(5)), list(range(100, 105))])
     lengths = []
     for t in range(5, 16):
-        window.append(t)
-        lengths.append(len(window.tokens))
+        window.append(torch.tensor([t, 100 + t]))
+        lengths.append(window.tokens.size(1))
     assert lengths == [6, 7, 8, 4, 5, 6, 7, 8, 4, 5, 6]
-    assert window.tokens == list(range(10, 16))
+    assert window.tokens.tolist() == [list(range(10, 16)), list(range(110, 116))]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_cached_logits_equal_a_full_forward_pass(variant):
     model = tiny(**variant)
-    seq = tokens(45)
-    window, slides = Window(model, seq[:5]), 0
-    for t in seq[5:]:  # 40 steps through a context of 16: the window slides four times
+    seqs = [tokens(45, seed=0), tokens(45, seed=1)]  # a batch of two rows
+    window, slides = Window(model, [s[:5] for s in seqs]), 0
+    for t in range(5, 45):  # 40 steps through a context of 16: the window slides four times
         with torch.no_grad():
-            full, _ = model(torch.tensor([window.tokens]))
-        torch.testing.assert_close(window.next_logits(), full[0, -1], rtol=0, atol=1e-10)
-        window.append(t)
+            full, _ = model(window.tokens)
+        torch.testing.assert_close(window.next_logits(), full[:, -1], rtol=0, atol=1e-10)
+        window.append(torch.tensor([s[t] for s in seqs]))
         slides += window.cache is None
     assert slides == 4
 
@@ -74,26 +81,68 @@ def test_cached_logits_equal_a_full_forward_pass(variant):
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_greedy_gives_the_same_tokens_with_and_without_the_cache(variant):
     model = tiny(**variant)
-    cached = list(generate(model, tokens(3), 40, temperature=0))
-    full = list(generate(model, tokens(3), 40, temperature=0, use_cache=False))
-    assert cached == full
+    prompts = [tokens(3, seed=0), tokens(3, seed=1)]
+    cached = steps(model, prompts, 40, temperature=0)
+    assert cached == steps(model, prompts, 40, temperature=0, use_cache=False)
+
+
+# --- batches -----------------------------------------------------------------------------------------
+
+BATCH_VARIANTS = [dict(residual="standard"), dict(residual="rd_attnres"), dict(residual="dar"),
+                  dict(residual="mhc", hc_streams=2)]
+
+
+@pytest.mark.parametrize("variant", BATCH_VARIANTS, ids=[v["residual"] for v in BATCH_VARIANTS])
+def test_a_greedy_batch_equals_its_rows_decoded_one_at_a_time(variant):
+    """Three prompts of one length: 40 tokens through a context of 16 slide the window four times."""
+    model = tiny(**variant)
+    prompts = [tokens(5, seed=s) for s in range(3)]
+    alone = [steps(model, [p], 40, temperature=0)[0] for p in prompts]
+    assert len({tuple(row) for row in alone}) == 3  # the rows differ: a batch that mixed them would show
+    assert steps(model, prompts, 40, temperature=0) == alone
+    assert steps(model, prompts, 40, temperature=0, use_cache=False) == alone
+
+
+@pytest.mark.parametrize("variant", BATCH_VARIANTS[1:], ids=[v["residual"] for v in BATCH_VARIANTS[1:]])
+def test_a_seeded_batch_equals_its_samples_drawn_alone(variant):
+    model, prompt = tiny(**variant), tokens(3)
+
+    def draw(seed, rows, use_cache=True):
+        gens = [torch.Generator().manual_seed(sample_seed(seed, i)) for i in rows]
+        return steps(model, [prompt] * len(gens), 40, temperature=1.0, top_k=20, top_p=0.9,
+                     generators=gens, use_cache=use_cache)
+
+    batch = draw(5, range(4))
+    assert len({tuple(row) for row in batch}) == 4  # each sample its own random stream
+    assert batch == [draw(5, [i])[0] for i in range(4)]
+    assert draw(5, range(4), use_cache=False) == batch
+    assert draw(6, range(4)) != batch
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_batch_is_one_forward_pass_per_token(use_cache):
+    model = tiny(residual="dar")
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(args[0].size(0)))
+    for batch in (1, 8):
+        calls.clear()
+        steps(model, [tokens(3)] * batch, 40, generators=[torch.Generator().manual_seed(i) for i in range(batch)],
+              use_cache=use_cache)  # the window slides four times: a slide replaces a step's forward
+        assert calls == [batch] * 40
+
+
+def test_sample_seeds_are_stable_and_distinct():
+    assert sample_seed(0, 0) == 3056769172604291498  # pinned: changing it changes every seeded sample
+    seeds = {sample_seed(s, i) for s in range(-3, 20) for i in range(20)}
+    assert len(seeds) == 23 * 20 and all(0 <= x < 2 ** 63 for x in seeds)
+
+
+def test_generate_refuses_prompts_of_different_lengths():
+    with pytest.raises(ValueError, match="one length"):
+        next(generate(tiny(), [tokens(3), tokens(4)], 5))
 
 
 # --- sampling ----------------------------------------------------------------------------------------
-
-def test_a_fixed_seed_reproduces_the_sample():
-    model = tiny(residual="block_attnres")
-
-    def draw(seed, use_cache=True):
-        g = torch.Generator().manual_seed(seed)
-        return list(generate(model, tokens(3), 40, temperature=1.0, top_k=20, top_p=0.9,
-                             generator=g, use_cache=use_cache))
-
-    first = draw(0)
-    assert draw(0) == first
-    assert draw(0, use_cache=False) == first
-    assert draw(1) != first
-
 
 PROBS = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15], dtype=torch.float64)
 
@@ -116,9 +165,9 @@ def test_filter_keeps_exactly_the_top_k_and_the_nucleus(top_k, top_p, kept):
 
 
 def test_samples_follow_the_filtered_distribution():
-    logits, g = PROBS.log(), torch.Generator().manual_seed(0)
-    assert sample_logits(logits, temperature=0) == 1
-    draws = torch.tensor([sample_logits(logits, 1.0, top_k=2, generator=g) for _ in range(4000)])
+    logits, g = PROBS.log().expand(4000, 5), torch.Generator().manual_seed(0)
+    assert sample_logits(logits, temperature=0).tolist() == [1] * 4000
+    draws = sample_logits(logits, 1.0, top_k=2, generators=[g] * 4000)
     assert set(draws.tolist()) == {1, 3}
     assert abs((draws == 1).double().mean().item() - 0.4 / 0.7) < 0.03
 
@@ -126,7 +175,7 @@ def test_samples_follow_the_filtered_distribution():
 def test_generate_draws_only_below_vocab_size():
     model = tiny()
     g = torch.Generator().manual_seed(0)
-    assert max(generate(model, tokens(3), 50, generator=g, vocab_size=7)) < 7
+    assert max(steps(model, [tokens(3)], 50, generators=[g], vocab_size=7)[0]) < 7
 
 
 # --- streamed text -----------------------------------------------------------------------------------
@@ -178,6 +227,23 @@ def test_text_stream_passes_broken_bytes_through():
     assert "".join(out.writes) == "\ufffdx\ufffd"
 
 
+def test_sample_writer_prints_samples_in_order_streaming_the_current_one():
+    """Pieces: token i is the text str(i); 9 is the stop token. Sample 1 ends before sample 0, sample 2
+    runs to the end; the output is still sample 0, 1, 2, and sample 0 streams token by token."""
+    tokenizer = PieceTokenizer([str(i).encode() for i in range(10)])
+    out = Recorder()
+    writer = SampleWriter(3, tokenizer, out, "P:", stop_token=9)
+    counts = [writer.add(step) for step in ([1, 4, 6], [2, 9, 7], [3, 5, 8])]
+    assert out.writes == ["P:", "1", "2", "3"]  # sample 0 streams; sample 1 has ended, but waits its turn
+    assert counts == [3, 3, 2]  # a finished sample's tokens no longer count
+    assert writer.add([9, 5, 8]) == 2 and not writer.all_done
+    writer.add([1, 1, 2])
+    writer.finish()
+    assert writer.all_done
+    sep = "-" * 40 + "\n"
+    assert "".join(out.writes) == "P:123\n" + sep + "P:4\n" + sep + "P:67882\n"
+
+
 # --- the command line ---------------------------------------------------------------------------------
 
 CONFIG = dict(vocab_size=260, block_size=16, n_layer=2, n_head=2, n_embd=32, residual="rd_attnres")
@@ -211,12 +277,16 @@ def test_cli_greedy_text_is_the_same_with_and_without_the_cache(run_dir, capsys)
     assert rc == 0 and full == cached and "no cache" in err
 
 
-def test_cli_a_fixed_seed_reproduces_the_samples(run_dir, capsys):
-    args = ("--ckpt", run_dir / "ckpt.pt", "--num_samples", 2, "--max_new_tokens", 30, "--top_k", 50, "--top_p", 0.9)
-    rc, first, _ = cli(capsys, *args, "--seed", 7)
-    assert rc == 0 and first.count("-" * 40 + "\n") == 1
-    assert cli(capsys, *args, "--seed", 7)[1] == first
-    assert cli(capsys, *args, "--seed", 8)[1] != first
+def test_cli_a_fixed_seed_reproduces_the_samples_whatever_the_batch(run_dir, capsys):
+    args = ("--ckpt", run_dir / "ckpt.pt", "--max_new_tokens", 30, "--top_k", 50, "--top_p", 0.9)
+    rc, three, err = cli(capsys, *args, "--seed", 7, "--num_samples", 3)
+    samples = three.split("-" * 40 + "\n")
+    assert rc == 0 and len(samples) == 3 and len(set(samples)) == 3
+    assert "3 samples in one batch" in err and "tokens/s" in err
+    assert cli(capsys, *args, "--seed", 7, "--num_samples", 3)[1] == three
+    assert cli(capsys, *args, "--seed", 7, "--num_samples", 2)[1] == ("-" * 40 + "\n").join(samples[:2])
+    assert cli(capsys, *args, "--seed", 7)[1] == samples[0]
+    assert cli(capsys, *args, "--seed", 8, "--num_samples", 3)[1] != three
 
 
 def test_cli_crops_a_long_prompt_with_a_warning(run_dir, tmp_path, capsys):
@@ -228,15 +298,20 @@ def test_cli_crops_a_long_prompt_with_a_warning(run_dir, tmp_path, capsys):
 
 
 @torch.no_grad()
-def test_cli_a_sample_ends_at_end_of_text(tmp_path, capsys):
+def test_cli_a_sample_ends_at_end_of_text(tmp_path, capsys, monkeypatch):
     model = GPT(GPTConfig(**CONFIG))
     for p in model.parameters():
         p.zero_()
     model.wte.weight.fill_(1.0)  # sublayer outputs are zero: the final state is the embedding
     model.lm_head.weight[get_tokenizer("byte").eot] = 1.0  # whose only positive logit is EOT
     save_checkpoint(tmp_path / "ckpt.pt", model)
-    rc, out, _ = cli(capsys, "--ckpt", tmp_path, "--prompt", "hi", "--temperature", 0)
-    assert rc == 0 and out == "hi\n"
+    rc, out, err = cli(capsys, "--ckpt", tmp_path, "--prompt", "hi", "--temperature", 0)
+    assert rc == 0 and out == "hi\n" and err.startswith("1 tokens")
+    forward, calls = GPT.forward, []
+    monkeypatch.setattr(GPT, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    rc, out, err = cli(capsys, "--ckpt", tmp_path, "--prompt", "hi", "--num_samples", 2)
+    assert rc == 0 and out == "hi\n" + "-" * 40 + "\nhi\n"
+    assert err.startswith("2 tokens") and len(calls) == 1  # decoding stops once every sample has ended
 
 
 @pytest.mark.parametrize("case, match", [
