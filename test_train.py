@@ -1,4 +1,5 @@
-"""train.py: DDP equals one process, exact resume, checkpoint checks, config checks, divergence."""
+"""train.py: DDP equals one process, exact resume, checkpoint checks, config checks, divergence; and the
+README's reliability promises (kills, signals, full disk, locks, checksums, data checked before step 1)."""
 
 import errno
 import gzip
@@ -326,6 +327,36 @@ def test_resume_tolerates_a_torn_last_log_line(data_dir, tmp_path, monkeypatch, 
         run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
         assert_same_run(tmp_path / name, straight)
         assert steps(tmp_path / name) == [1, 2, 3, 4, 5, 6]  # each step once: the records after step 3 were redone
+
+
+KILLED_IN_THE_SECOND_CHECKPOINT_WRITE = """
+import io, os, signal, sys, torch
+import train
+real, calls = torch.save, []
+def save(obj, f, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:  # the checkpoint of step 6: half of it on disk, then kill -9
+        whole = io.BytesIO()
+        real(obj, whole)
+        f.write(whole.getvalue()[:len(whole.getvalue()) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def test_kill_9_in_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path, straight):
+    cmd = [sys.executable, "-c", KILLED_IN_THE_SECOND_CHECKPOINT_WRITE, CONFIG, f"--data_dir={data_dir}",
+           f"--out_dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "test"
+    assert (run_dir / ".ckpt.pt.tmp").exists() and load_checkpoint(run_dir)["step"] == 3
+    run(data_dir, tmp_path, "--resume=true")
+    assert_same_run(run_dir, straight)
+    assert steps(run_dir) == [1, 2, 3, 4, 5, 6]
 
 
 def test_sigterm_or_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path, monkeypatch, straight):
