@@ -176,7 +176,8 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(data_dir, tmp_
     assert losses(tmp_path / "test")[-1][0] == ckpt["step"] and math.isfinite(losses(tmp_path / "test")[-1][1])
 
     # from the command line: a one-line message and a non-zero exit status, no traceback
-    cmd = [sys.executable, "train.py", CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=cli", *args]
+    cmd = [sys.executable, "train.py", CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=cli",
+           *args]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.startswith("error: non-finite loss") and "Traceback" not in done.stderr
 
@@ -271,8 +272,8 @@ def test_cli_sigterm_stops_with_a_checkpoint_and_a_second_run_is_refused(data_di
         first.kill()
     assert first.returncode == 143, err  # 128 + SIGTERM
     step = load_checkpoint(run_dir)["step"]
-    assert err.splitlines()[-1] == (f"stopped by SIGTERM after step {step}; checkpoint written to {run_dir / 'ckpt.pt'}; "
-                                    "resume with --resume=true")
+    assert err.splitlines()[-1] == (f"stopped by SIGTERM after step {step}; checkpoint written to "
+                                    f"{run_dir / 'ckpt.pt'}; resume with --resume=true")
     assert steps(run_dir)[-1] == step and "Traceback" not in err
 
 
@@ -361,12 +362,12 @@ def test_kill_9_in_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path,
 
 def test_sigterm_or_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path, monkeypatch, straight):
     for name, signum in (("term", signal.SIGTERM), ("int", signal.SIGINT)):
-        handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
         monkeypatch.setattr(train, "train_step", kill_in_step(4, signum))
         with pytest.raises(train.Stopped, match=f"stopped by {signal.Signals(signum).name} after step 4") as e:
             run(data_dir, tmp_path, f"--run_name={name}")
         monkeypatch.undo()
-        assert e.value.signum == signum and (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+        assert e.value.signum == signum and [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
         assert load_checkpoint(tmp_path / name)["step"] == 4 and steps(tmp_path / name) == [1, 2, 3, 4]
         run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
         assert_same_run(tmp_path / name, straight)

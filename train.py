@@ -5,6 +5,7 @@ Train a GPT with a depth-routing residual, on CPU, one GPU, or many through torc
     python train.py configs/demo.py --residual=standard --lr=2e-3    # any key can be overridden
     torchrun --standalone --nproc_per_node=8 train.py configs/rd_s.py
     python train.py configs/demo.py --resume=true                    # continue runs/demo exactly
+    python train.py configs/demo.py --overwrite=true                 # start runs/demo over
     python train.py --help                                           # every key, its type and default
 
 A config is a Python file that assigns keys (`residual = "block_attnres"`); `--key=value` overrides
@@ -971,7 +972,7 @@ def cli(argv=None):
             print(e, file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
-        print("interrupted at once; resume from the last checkpoint with --resume=true", file=sys.stderr)
+        print("interrupted; the last checkpoint, if any, is kept (--resume=true continues from it)", file=sys.stderr)
         return 130
     return 0
 
