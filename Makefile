@@ -12,7 +12,7 @@ $(VENV)/.installed: requirements.txt
 
 demo: $(VENV)/.installed
 	test -f data/shakespeare/meta.json || $(PY) prepare_data.py
-	$(PY) train.py configs/demo.py
+	$(PY) train.py configs/demo.py --overwrite=true
 	$(PY) sample.py --ckpt runs/demo --prompt "ROMEO:" --max_new_tokens 100
 
 test: $(VENV)/.installed

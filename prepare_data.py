@@ -7,7 +7,9 @@ Tokenize a text corpus into binary shards, and read them back for training and e
     python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --name sample-10BT --streaming \
         --val_fraction 0.001 --test_fraction 0.001 --num_proc 16
 
-An output directory holds {train,val,test}_NNNNNN.bin shards and meta.json (written last).
+An output directory holds {train,val,test}_NNNNNN.bin shards and meta.json (written last), and a
+.lock file: one preparation at a time writes into it (a second one is refused). A run that fails
+removes what it wrote; a directory it created is removed too.
 Documents: each one is tokenized as <|endoftext|> followed by its text, so EOT marks the start
 of every document (nanoGPT's convention), and a split is the concatenation of its documents.
 Splits: document i (its position in the source) goes to val, test or train by the fractional
@@ -19,16 +21,21 @@ The fractions count documents, not tokens.
 
 import argparse
 import base64
+import errno
+import fcntl
 import glob
+import gzip
 import hashlib
 import json
 import multiprocessing
 import os
 import re
+import socket
 import struct
 import sys
 import time
 from collections import deque
+from contextlib import suppress
 from functools import lru_cache
 from pathlib import Path
 
@@ -56,6 +63,46 @@ OUR_FILES = re.compile(r"(train|val|test)_\d{6}\.bin(\.tmp)?|meta\.json(\.tmp)?"
 
 class DataError(ValueError):
     """Bad input: the message says which file and what to do."""
+
+
+def os_error_message(e, path):
+    """One line for an OSError met while writing `path`."""
+    reason = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+              errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+              errno.EPERM: "permission denied"}.get(e.errno, e.strerror or str(e))
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{reason} writing {path}"
+    return f"cannot write {path}: {reason}"
+
+
+class DirLock:
+    """An exclusive lock on a directory for this process' life: flock on its .lock file, which
+    holds the owner's pid and host. The OS releases it when the process exits, however it exits."""
+
+    def __init__(self, directory, owner, error=DataError):
+        """Lock `directory` (which must exist), or raise `error` naming the process that holds it;
+        `owner` says what holds such locks ("run", "prepare_data.py run")."""
+        self.path = Path(directory) / ".lock"
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise error(os_error_message(e, self.path)) from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 256, 0).decode(errors="replace").split()
+            os.close(self.fd)
+            pid = holder[0] if holder else "unknown"
+            where = f" on {holder[1]}" if len(holder) > 1 and holder[1] != socket.gethostname() else ""
+            raise error(f"{directory} is in use by another {owner} (pid {pid}{where})") from None
+        with suppress(OSError):  # the pid is for messages only; a full disk must not stop the lock
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 # -----------------------------------------------------------------------------
@@ -138,6 +185,9 @@ def _write_atomic(path, chunks):
             for chunk in chunks:
                 f.write(chunk)
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(os_error_message(e, path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -165,12 +215,14 @@ def read_header(path):
     if not path.is_file():
         raise DataError(f"shard {path} is missing: {redo}")
     size = path.stat().st_size
+    if size == 0:
+        raise DataError(f"shard {path} is empty (0 bytes; a write cut short?): {redo}")
     with open(path, "rb") as f:
         raw = f.read(HEADER.size)
-    if raw[:len(SHARD_MAGIC)] != SHARD_MAGIC:
+    if raw[:len(SHARD_MAGIC)] != SHARD_MAGIC[:len(raw)]:
         raise DataError(f"{path} is not a token shard (wrong magic number): {redo}")
     if len(raw) < HEADER.size:
-        raise DataError(f"{path} is truncated ({size} bytes, less than its header): {redo}")
+        raise DataError(f"{path} is truncated ({size} bytes, less than its {HEADER.size}-byte header): {redo}")
     _, version, vocab_size, count, name, fingerprint = HEADER.unpack(raw)
     if version != FORMAT_VERSION:
         raise DataError(f"{path} has shard format version {version}, this code reads {FORMAT_VERSION}: {redo}")
@@ -249,17 +301,23 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "t
 
 def _local_files(patterns):
     """Expand and check local source files; sorted, so the document order is the same everywhere."""
-    files = []
+    files, seen = [], {}
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matches:
             raise DataError(f"source file {pattern} not found: check the path (a hub dataset goes in --dataset)")
-        files += matches
-    for f in files:
-        if not os.path.isfile(f):
-            raise DataError(f"source {f} is not a file: pass files or a pattern such as '{f}/*.parquet'")
-        if os.path.getsize(f) == 0:
-            raise DataError(f"source file {f} is empty: pass a file with documents")
+        for f in matches:
+            if not os.path.isfile(f):
+                raise DataError(f"source {f} is not a file: pass files or a pattern such as '{f}/*.parquet'")
+            if os.path.getsize(f) == 0:
+                raise DataError(f"source file {f} is empty: pass a file with documents")
+            st = os.stat(f)
+            if (st.st_dev, st.st_ino) in seen:  # the same file twice, by path, glob or link
+                first, by = seen[(st.st_dev, st.st_ino)]
+                raise DataError(f"source file {f} (from {pattern!r}) is also {first} (from {by!r}): pass each "
+                                "file once (its documents would be counted twice, some in val and in train)")
+            seen[(st.st_dev, st.st_ino)] = (f, pattern)
+            files.append(f)
     return [str(Path(f).resolve()) for f in files]
 
 
@@ -282,15 +340,93 @@ def load_source(dataset, name, data_files, source_split, text_column, streaming)
     """The source documents as a datasets.Dataset (or IterableDataset if streaming) of one column."""
     from datasets import load_dataset
     kwargs = {"sample_by": "document"} if dataset == "text" else {}  # a .txt file is one document
-    try:
-        ds = load_dataset(dataset, name, data_files=data_files, split=source_split, streaming=streaming, **kwargs)
-    except (OSError, ValueError) as e:
-        raise DataError(f"could not load source {dataset} {data_files or name or ''}: {e}") from e
+    ds = load_dataset(dataset, name, data_files=data_files, split=source_split, streaming=streaming, **kwargs)
     try:
         return ds.select_columns([text_column])
     except ValueError as e:
         raise DataError(f"source {dataset} {data_files or name or ''} has no column {text_column!r} ({e}): "
                         "pass --text_column") from e
+
+
+class NotText(ValueError):
+    """A document whose text column holds something other than a string or null."""
+
+
+def _first_bad_record(path, text_column):
+    """The first place in a local source file that a reader trips on, as a message (None: none found).
+    Called only when reading the source failed, to say where and why: datasets' own errors name
+    neither the file nor the line."""
+    opener = gzip.open if path.endswith(".gz") else open
+    kind = BUILDERS.get(os.path.splitext(path[:-3] if path.endswith(".gz") else path)[1])
+
+    def check(record, where):
+        if kind != "json":
+            return None
+        if not isinstance(record, dict):
+            return f"{where} is a JSON {type(record).__name__}, not an object: one JSON object per document"
+        text = record.get(text_column)
+        if text is not None and not isinstance(text, str):
+            return (f"{where}: {text_column!r} holds {text!r:.40} ({type(text).__name__}), not text: fix it, "
+                    "or pass --text_column naming the text field")
+        return None
+
+    try:
+        if kind == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            schema = pq.read_schema(path)
+            if text_column in schema.names:
+                typ = schema.field(text_column).type
+                if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
+                    return f"{path}: column {text_column!r} has type {typ}, not text: pass --text_column"
+            return None
+        with opener(path, "rb") as f:
+            if kind == "json" and f.read(1).lstrip() == b"[":  # one JSON array of objects
+                f.seek(0)
+                try:
+                    records = json.loads(f.read().decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    return f"{path} is not UTF-8 text (byte {e.start}): convert it to UTF-8"
+                except json.JSONDecodeError as e:
+                    return f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): fix it"
+                return next(filter(None, (check(r, f"{path} item {i}") for i, r in enumerate(records))), None)
+            f.seek(0)
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return (f"{path} line {n} is not UTF-8 ({e.reason} at byte {e.start} of the line): "
+                            "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+                if kind != "json" or not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f"{path} line {n} is not valid JSON ({e.msg}, column {e.colno}): fix or remove that line"
+                bad = check(record, f"{path} line {n}")
+                if bad:
+                    return bad
+    except (OSError, EOFError, ValueError) as e:  # a corrupt .gz or parquet file
+        return f"{path} could not be read ({type(e).__name__}: {e}): replace it"
+    return None
+
+
+def _source_error(e, dataset, name, data_files, text_column):
+    """A DataError that says which source file (and line) could not be read, for `e` raised while
+    reading a source."""
+    for f in data_files or []:
+        if dataset in BUILDERS.values():
+            message = _first_bad_record(f, text_column)
+            if message:
+                return DataError(message)
+    if isinstance(e, NotText):
+        return DataError(f"{e}: pass --text_column naming a text column")
+    cause = e
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    reason = (str(cause).strip().splitlines() or [""])[0]
+    return DataError(f"could not read source {dataset} {data_files or name or ''}: "
+                     f"{type(cause).__name__}: {reason}")
 
 
 CHUNK_CHARS = 1 << 18  # characters of text per tokenizer task
@@ -299,8 +435,12 @@ CHUNK_CHARS = 1 << 18  # characters of text per tokenizer task
 def _chunks(ds, text_column):
     """Lists of consecutive document texts of about CHUNK_CHARS characters, in source order."""
     texts, size = [], 0
-    for row in ds:
-        texts.append(row[text_column] or "")
+    for index, row in enumerate(ds):
+        text = row[text_column]
+        if text is not None and not isinstance(text, str):
+            raise NotText(f"document {index} of the source holds {text!r:.40} ({type(text).__name__}) "
+                          f"in column {text_column!r}, not text")
+        texts.append(text or "")  # null: an empty document
         size += len(texts[-1])
         if size >= CHUNK_CHARS:
             yield texts
@@ -363,6 +503,26 @@ def _up_to_date(out_dir, settings):
                     "pass --overwrite to replace it, or choose another --out_dir")
 
 
+def _tokenize(ds, text_column, tok, out_dir, shard_tokens, num_proc, val_fraction, test_fraction):
+    """Tokenize the documents of `ds` into the shards of each split; returns the ShardWriter of each split."""
+    from datasets import Dataset
+    from datasets.utils.tqdm import tqdm
+    writers = {s: ShardWriter(out_dir, s, tok, shard_tokens) for s in SPLITS}
+    index = 0
+    with tqdm(total=len(ds) if isinstance(ds, Dataset) else None, unit="docs", desc="tokenizing") as bar:
+        for tokens, lengths in _encoded(_chunks(ds, text_column), tok.name, num_proc):
+            split = np.array([SPLITS.index(split_of(index + j, val_fraction, test_fraction))
+                              for j in range(len(lengths))])
+            token_split = np.repeat(split, lengths)
+            for i, s in enumerate(SPLITS):
+                writers[s].add(tokens[token_split == i], int(np.count_nonzero((split == i) & (lengths > 0))))
+            index += len(lengths)
+            bar.update(len(lengths))
+    for w in writers.values():
+        w.flush()
+    return writers
+
+
 def prepare(dataset=None, name=None, data_files=None, source_split="train", text_column="text",
             streaming=False, tokenizer="gpt2", out_dir=None, val_fraction=0.05, test_fraction=0.05,
             shard_tokens=10**8, num_proc=1, overwrite=False):
@@ -387,42 +547,49 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     settings = {"format_version": FORMAT_VERSION, "source": source, "tokenizer": tok.name,
                 "tokenizer_fingerprint": tok.fingerprint, "val_fraction": val_fraction,
                 "test_fraction": test_fraction, "shard_tokens": shard_tokens}
-    if not overwrite and _up_to_date(out_dir, settings):
-        print(f"{out_dir} is already prepared from this source with these settings (--overwrite rebuilds it)")
-        return load_meta(out_dir)
-    ds = load_source(dataset, name, data_files, source_split, text_column, streaming)
-    for p in sorted(_our_files(out_dir), key=lambda p: p.name != "meta.json"):
-        p.unlink()  # meta.json first: a half-cleared directory never looks prepared
-
-    from datasets import Dataset
-    from datasets.utils.tqdm import tqdm
-    out_dir.mkdir(parents=True, exist_ok=True)
-    writers = {s: ShardWriter(out_dir, s, tok, shard_tokens) for s in SPLITS}
-    t0 = time.time()
-    index = 0
-    with tqdm(total=len(ds) if isinstance(ds, Dataset) else None, unit="docs", desc="tokenizing") as bar:
-        for tokens, lengths in _encoded(_chunks(ds, text_column), tok.name, num_proc):
-            split = np.array([SPLITS.index(split_of(index + j, val_fraction, test_fraction))
-                              for j in range(len(lengths))])
-            token_split = np.repeat(split, lengths)
-            for i, s in enumerate(SPLITS):
-                writers[s].add(tokens[token_split == i], int(np.count_nonzero((split == i) & (lengths > 0))))
-            index += len(lengths)
-            bar.update(len(lengths))
-    for w in writers.values():
-        w.flush()
-    if sum(w.docs for w in writers.values()) == 0:
-        raise DataError(f"source {dataset} {data_files or name or ''} has no documents with text "
-                        f"in column {text_column!r}: pass a non-empty source")
-
-    splits = {s: {"docs": w.docs, "tokens": w.tokens, "shards": len(w.files), "files": w.files}
-              for s, w in writers.items()}
-    baseline = None
-    if writers["val"].tokens:
-        baseline = unigram_baseline(writers["train"].counts, writers["val"].counts)
-    meta = {**settings, "vocab_size": tok.vocab_size, "eot": tok.eot, "eot_placement": "before each document",
-            "splits": splits, "unigram_baseline_nats": baseline}
-    _write_atomic(out_dir / "meta.json", [(json.dumps(meta, indent=2) + "\n").encode()])
+    created = not out_dir.exists()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(os_error_message(e, out_dir)) from None
+    lock = DirLock(out_dir, "prepare_data.py run")
+    cleared = False  # whether out_dir's previous contents are gone: then a failure removes what we wrote
+    try:
+        if not overwrite and _up_to_date(out_dir, settings):
+            print(f"{out_dir} is already prepared from this source with these settings (--overwrite rebuilds it)")
+            return load_meta(out_dir)
+        try:
+            ds = load_source(dataset, name, data_files, source_split, text_column, streaming)
+            for p in sorted(_our_files(out_dir), key=lambda p: p.name != "meta.json"):
+                p.unlink()  # meta.json first: a half-cleared directory never looks prepared
+            cleared = True
+            t0 = time.time()
+            writers = _tokenize(ds, text_column, tok, out_dir, shard_tokens, num_proc, val_fraction, test_fraction)
+        except DataError:
+            raise
+        except Exception as e:
+            raise _source_error(e, dataset, name, data_files, text_column) from None
+        if sum(w.docs for w in writers.values()) == 0:
+            raise DataError(f"source {dataset} {data_files or name or ''} has no documents with text "
+                            f"in column {text_column!r}: pass a non-empty source")
+        splits = {s: {"docs": w.docs, "tokens": w.tokens, "shards": len(w.files), "files": w.files}
+                  for s, w in writers.items()}
+        baseline = None
+        if writers["val"].tokens:
+            baseline = unigram_baseline(writers["train"].counts, writers["val"].counts)
+        meta = {**settings, "vocab_size": tok.vocab_size, "eot": tok.eot, "eot_placement": "before each document",
+                "splits": splits, "unigram_baseline_nats": baseline}
+        _write_atomic(out_dir / "meta.json", [(json.dumps(meta, indent=2) + "\n").encode()])
+    except BaseException:
+        for p in _our_files(out_dir) if cleared or created else []:
+            p.unlink(missing_ok=True)  # shards of a failed run are orphans: never half a preparation
+        if created:
+            (out_dir / ".lock").unlink(missing_ok=True)
+            with suppress(OSError):
+                out_dir.rmdir()
+        raise
+    finally:
+        lock.release()
 
     dt = time.time() - t0
     total = sum(w.tokens for w in writers.values())
@@ -450,10 +617,22 @@ def load_meta(data_dir):
     except json.JSONDecodeError as e:
         raise DataError(f"{path} is not valid JSON ({e}): re-run `python prepare_data.py --overwrite "
                         f"--out_dir {data_dir}` with the same source") from e
+    redo = f"re-run `python prepare_data.py --overwrite --out_dir {data_dir}` with the same source"
+    if not isinstance(meta, dict):
+        raise DataError(f"{path} holds a JSON {type(meta).__name__}, not an object: {redo}")
     if meta.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path} has format version {meta.get('format_version')}, this code reads "
-                        f"{FORMAT_VERSION}: re-run `python prepare_data.py --overwrite --out_dir {data_dir}`")
+                        f"{FORMAT_VERSION}: {redo}")
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise DataError(f"{path} lacks {', '.join(missing)}: it is incomplete; {redo}")
+    for split, info in meta["splits"].items():
+        if not isinstance(info, dict) or "tokens" not in info or "files" not in info:
+            raise DataError(f"{path}: split {split!r} lacks its tokens or files: {redo}")
     return meta
+
+
+META_KEYS = ("tokenizer", "tokenizer_fingerprint", "vocab_size", "splits")  # what readers of meta.json need
 
 
 def _open_split(data_dir, split):
@@ -466,6 +645,23 @@ def _open_split(data_dir, split):
         raise DataError(f"split {split!r} of {data_dir} is empty: re-run prepare_data.py with --overwrite "
                         "and fractions that give it documents")
     return [open_shard(Path(data_dir) / f, meta["tokenizer_fingerprint"]) for f in info["files"]]
+
+
+def check_split(data_dir, split):
+    """Open every shard of a split as the loaders will, and read each token id once (one pass over
+    the split's bytes): a shard that is missing, truncated, from another tokenizer or holding an id
+    outside the tokenizer's vocabulary is a DataError naming it. Returns the split's token count."""
+    meta = load_meta(data_dir)
+    vocab = meta["vocab_size"]
+    total = 0
+    for name, shard in zip(meta["splits"][split]["files"], _open_split(data_dir, split)):
+        top = max(int(shard[i:i + (1 << 24)].max()) for i in range(0, len(shard), 1 << 24))
+        if top >= vocab:
+            raise DataError(f"shard {Path(data_dir) / name} holds token id {top}, outside the {meta['tokenizer']} "
+                            f"tokenizer's ids 0..{vocab - 1}: it is corrupt or was written for another tokenizer; "
+                            f"re-create it with `python prepare_data.py --overwrite --out_dir {data_dir}`")
+        total += len(shard)
+    return total
 
 
 class TokenLoader:
@@ -545,9 +741,12 @@ def eval_batches(data_dir, split, batch_size, seq_len, max_tokens, rank=0, world
     shards = _open_split(data_dir, split)
     total = sum(len(s) for s in shards)
     n = (total - 1 if max_tokens is None else min(max_tokens, total - 1)) // seq_len
+    if n == 0 and max_tokens is not None and max_tokens < seq_len:
+        raise DataError(f"max_tokens={max_tokens} is less than one window of seq_len={seq_len} targets: "
+                        f"raise max_tokens to at least {seq_len}")
     if n == 0:
         raise DataError(f"split {split!r} of {data_dir} has {total} tokens, too few for one window of "
-                        f"seq_len + 1 = {seq_len + 1} (max_tokens={max_tokens}): use a shorter seq_len or more data")
+                        f"seq_len + 1 = {seq_len + 1}: use seq_len <= {total - 1}, or prepare a larger {split} split")
     parts, left = [], n * seq_len + 1
     for s in shards:
         parts.append(np.asarray(s[:left]))

@@ -15,13 +15,13 @@ A sweep file is Python that sets:
     overrides  (optional) "key=value ..." for every run
     out_dir    (optional) where runs go: out_dir/<variant>/seed<s>; default runs/<sweep file name>
 
-A finished run (its summary.json exists) is skipped, a run with a checkpoint is resumed, so an
-interrupted sweep continues where it stopped. After each run a progress line gives the runs done
-out of all (skipped finished runs count as done), the time since the sweep started, and an ETA: the
-mean duration of the runs this invocation has run, times the runs left (a resumed run counts with
-the part it ran, so right after a resume the ETA can be low). At the end the table is printed and
-saved as results.json and results.csv in out_dir, with curves.png (validation loss, mean over seeds)
-when matplotlib is installed.
+A finished run (its summary.json exists) is skipped, a run with a checkpoint is resumed and one
+without is started over, so an interrupted sweep continues where it stopped. After each run a
+progress line gives the runs done out of all (skipped finished runs count as done), the time since
+the sweep started, and an ETA: the mean duration of the runs this invocation has run, times the runs
+left (a resumed run counts with the part it ran, so right after a resume the ETA can be low). At the
+end the table is printed and saved as results.json and results.csv in out_dir, with curves.png
+(validation loss, mean over seeds) when matplotlib is installed.
 """
 
 import argparse
@@ -65,6 +65,8 @@ def train_command(spec, variant, seed, launcher):
     args += [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(spec["variants"][variant])]
     if (d / "ckpt.pt").exists():
         args.append("--resume=true")
+    elif d.exists():  # a run that died before its first checkpoint: nothing to resume, start it over
+        args.append("--overwrite=true")
     return shlex.split(launcher) + args if launcher else [sys.executable] + args
 
 

@@ -163,18 +163,25 @@ def test_interrupted_run_leaves_no_valid_output(tmp_path, monkeypatch):
 
     def interrupt_third(a, b):
         calls.append(b)
-        if len(calls) == 3:
+        if len(calls) % 3 == 0:
             raise KeyboardInterrupt
         replace(a, b)
     monkeypatch.setattr(os, "replace", interrupt_third)
     with pytest.raises(KeyboardInterrupt):
         prep(src, out, "--shard_tokens", 500)
+    assert not out.exists()  # the run removed its shards and the directory it created
+    out.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        prep(src, out, "--shard_tokens", 500)
+    assert [p.name for p in out.iterdir()] == [".lock"]  # a directory it did not create stays, empty
     monkeypatch.setattr(os, "replace", replace)
-    assert sorted(p.name for p in out.iterdir()) == ["train_000000.bin", "train_000001.bin"]  # no .tmp
+    # a killed run (kill -9) cannot clean up: its shards without meta.json are no data, and are replaced
+    assert prep(src, tmp_path / "clean", "--shard_tokens", 500) == 0
+    for name in ("train_000000.bin", "train_000001.bin"):
+        (out / name).write_bytes((tmp_path / "clean" / name).read_bytes())
     with pytest.raises(DataError, match="prepare_data.py"):
         load_meta(out)
     assert prep(src, out, "--shard_tokens", 500) == 0  # the leftovers are replaced without --overwrite
-    assert prep(src, tmp_path / "clean", "--shard_tokens", 500) == 0
     assert files_of(out).keys() == files_of(tmp_path / "clean").keys()
 
 
@@ -351,3 +358,98 @@ def test_cli_error_is_one_line(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.startswith("error: source file") and "Traceback" not in run.stderr
+
+
+# -----------------------------------------------------------------------------
+# reliability: what a loader would trip on is found when a split is checked, named, with the fix
+
+def copy_dir(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_token_ids_outside_the_vocabulary_name_their_shard(data_dir, tmp_path):
+    assert prepare_data.check_split(data_dir, "train") == load_meta(data_dir)["splits"]["train"]["tokens"]
+    tok = get_tokenizer("byte")
+    for bad_id in (300, 256 + 64):  # inside the padded vocabulary (trains silently), and past it (IndexError)
+        broken = copy_dir(data_dir, tmp_path / f"ids{bad_id}")
+        tokens = open_shard(broken / "train_000001.bin").copy()
+        tokens[17] = bad_id
+        write_shard(broken / "train_000001.bin", tokens, tok)  # a valid header: only the ids are wrong
+        with pytest.raises(DataError, match=f"train_000001.bin holds token id {bad_id}, outside the byte "
+                                            "tokenizer's ids 0..256"):
+            prepare_data.check_split(broken, "train")
+
+
+def test_meta_without_a_key_and_empty_shards_say_what_is_wrong(data_dir, tmp_path):
+    broken = copy_dir(data_dir, tmp_path / "broken")
+    meta = load_meta(data_dir)
+    for drop, message in (("vocab_size", "lacks vocab_size: it is incomplete"), ("splits", "lacks splits")):
+        (broken / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != drop}))
+        with pytest.raises(DataError, match=message) as e:
+            TokenLoader(broken, "train", 2, 8)
+        assert "--overwrite" in str(e.value)
+    (broken / "meta.json").write_text("[1, 2]")
+    with pytest.raises(DataError, match="holds a JSON list, not an object"):
+        load_meta(broken)
+    (broken / "meta.json").write_text(json.dumps(meta))
+    (broken / "val_000000.bin").write_bytes(b"")
+    with pytest.raises(DataError, match=r"val_000000.bin is empty \(0 bytes"):
+        prepare_data.check_split(broken, "val")
+    (broken / "val_000000.bin").write_bytes(prepare_data.SHARD_MAGIC[:5])
+    with pytest.raises(DataError, match="val_000000.bin is truncated"):
+        prepare_data.check_split(broken, "val")
+
+
+def test_eval_advice_names_the_key_to_change(data_dir):
+    with pytest.raises(DataError, match="max_tokens=7 is less than one window of seq_len=8 targets"):
+        eval_batches(data_dir, "val", 4, 8, max_tokens=7)
+    tokens = load_meta(data_dir)["splits"]["val"]["tokens"]
+    with pytest.raises(DataError, match=f"use seq_len <= {tokens - 1}, or prepare a larger val split"):
+        eval_batches(data_dir, "val", 4, tokens, max_tokens=None)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("latin1.txt", "café au lait\nun thé\n".encode("latin-1"), "latin1.txt line 1 is not UTF-8"),
+    ("latin1.jsonl", b'{"text": "a"}\n' + '{"text": "café"}\n'.encode("latin-1"), "latin1.jsonl line 2 is not UTF-8"),
+    ("broken.jsonl", b'{"text": "a"}\n{"text": "b"\n{"text": "c"}\n', "broken.jsonl line 2 is not valid JSON"),
+    ("numbers.jsonl", b'{"text": 5}\n{"text": 7}\n', "numbers.jsonl line 1: 'text' holds 5 (int), not text"),
+    ("mixed.jsonl", b'{"text": "a"}\n{"text": null}\n{"text": 3}\n', "mixed.jsonl line 3: 'text' holds 3 (int)"),
+])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_unreadable_sources_name_the_file_and_line(tmp_path, capsys, name, content, message, streaming):
+    (tmp_path / name).write_bytes(content)
+    out = tmp_path / "out"
+    assert prep(tmp_path / name, out, *(["--streaming"] if streaming else [])) == 2
+    err = capsys.readouterr().err  # the progress bar, then one line
+    assert err.split("\n")[-2].startswith("error: ") and message in err.split("\n")[-2] and "Traceback" not in err
+    assert not out.exists()  # nothing left behind
+
+
+def test_a_file_given_twice_is_refused(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    (tmp_path / "link.jsonl").symlink_to(src)
+    for files in ([src, src], [str(tmp_path / "*.jsonl")], [src, str(tmp_path / "c*.jsonl")]):
+        assert main(["--data_files", *files, "--out_dir", str(tmp_path / "out"), "--tokenizer", "byte"]) == 2
+        assert "pass each file once" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_two_preparations_into_one_directory_one_is_refused(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from prepare_data import DirLock; "
+                               "DirLock(sys.argv[1], 'prepare_data.py run'); print('locked', flush=True); "
+                               "time.sleep(60)", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        assert prep(src, out) == 2
+        assert f"{out} is in use by another prepare_data.py run (pid {holder.pid})" in capsys.readouterr().err
+        assert [p.name for p in out.iterdir()] == [".lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert prep(src, out) == 0  # the lock went with the process that held it

@@ -160,6 +160,9 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
                     f'overrides = "data_dir={byte_data} max_steps=4 eval_interval=2 ckpt_interval=2"\n'
                     f'out_dir = "{tmp_path / "runs"}"\n')
     cmd = [sys.executable, "sweep.py", str(spec)]
+    died_early = tmp_path / "runs" / "tied" / "seed1"  # a run killed before its first checkpoint
+    died_early.mkdir(parents=True)
+    (died_early / "log.jsonl").write_text('{"kind": "train", "step": 1, "lo')
     first = subprocess.run(cmd, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-2000:]
     progress = re.findall(r"^sweep: (\d+)/(\d+) runs done, \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d$",

@@ -5,6 +5,7 @@ tiny fake checkpoint."""
 import pytest
 import torch
 
+import train
 from model import GPT, GPTConfig, RD_MODES, RESIDUALS
 from prepare_data import get_tokenizer
 from sample import SampleWriter, TextStream, Window, filter_logits, generate, main, sample_logits, sample_seed
@@ -250,9 +251,9 @@ CONFIG = dict(vocab_size=260, block_size=16, n_layer=2, n_head=2, n_embd=32, res
 
 
 def save_checkpoint(path, model):
-    torch.save({"format": "depthres-ckpt-1", "model_config": CONFIG, "model": model.state_dict(),
-                "tokenizer": "byte", "step": 0, "train_config": {}, "optimizer": {}, "loader": {}, "rng": {}},
-               path)
+    train.save_checkpoint(path, {"format": train.CKPT_FORMAT, "model_config": CONFIG, "model": model.state_dict(),
+                                 "tokenizer": "byte", "step": 0, "train_config": {}, "optimizer": {}, "loader": {},
+                                 "rng": {}})
 
 
 @pytest.fixture

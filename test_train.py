@@ -1,20 +1,26 @@
-"""train.py: DDP equals one process, exact resume, checkpoint checks, config checks, divergence."""
+"""train.py: DDP equals one process, exact resume, checkpoint checks, config checks, divergence; and the
+README's reliability promises (kills, signals, full disk, locks, checksums, data checked before step 1)."""
 
+import errno
 import gzip
 import json
 import math
 import os
 import random
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 
 import train
-from prepare_data import DEFAULT_CORPUS, load_meta, prepare
+from prepare_data import DEFAULT_CORPUS, DataError, load_meta, prepare
 from train import CheckpointError, ConfigError, DivergedError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parent
@@ -170,7 +176,8 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(data_dir, tmp_
     assert losses(tmp_path / "test")[-1][0] == ckpt["step"] and math.isfinite(losses(tmp_path / "test")[-1][1])
 
     # from the command line: a one-line message and a non-zero exit status, no traceback
-    cmd = [sys.executable, "train.py", CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args]
+    cmd = [sys.executable, "train.py", CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=cli",
+           *args]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.startswith("error: non-finite loss") and "Traceback" not in done.stderr
 
@@ -197,3 +204,444 @@ def test_lr_schedules():
     lrs = [train.lr_at(i, wsd, 100) for i in range(100)]
     assert lrs[:10] == [(i + 1) / 10 for i in range(10)] and set(lrs[9:80]) == {1.0} and lrs[-1] == pytest.approx(0.1)
     assert all(a > b for a, b in zip(lrs[79:], lrs[80:]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Reliability: runs and run directories
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    """An uninterrupted run of configs/test.py: 6 steps, checkpoints at 3 and 6."""
+    out = tmp_path_factory.mktemp("straight")
+    run(data_dir, out, "--run_name=straight")
+    return out / "straight"
+
+
+def contents(run_dir):
+    return {p.name: p.read_bytes() for p in sorted(Path(run_dir).iterdir()) if p.name != ".lock"}
+
+
+def steps(run_dir, kind="train"):
+    return [r["step"] for r in records(run_dir, kind)]
+
+
+def test_a_fresh_run_never_replaces_a_run(data_dir, tmp_path, straight):
+    run(data_dir, tmp_path, "--run_name=a")
+    before = contents(tmp_path / "a")
+    with pytest.raises(train.RunDirError, match=re.escape(
+            f"{tmp_path / 'a'} already holds a run (config.json, log.jsonl, ckpt.pt, summary.json): "
+            "continue it with --resume=true, or start over with --overwrite=true")):
+        run(data_dir, tmp_path, "--run_name=a", "--max_steps=2")
+    with pytest.raises(train.RunDirError, match="replace it with --overwrite=true, or choose another run_name"):
+        run(data_dir, tmp_path, "--run_name=a", f"--resume={straight}")  # another run's checkpoint, into a
+    assert contents(tmp_path / "a") == before  # nothing touched
+
+    run(data_dir, tmp_path, "--run_name=a", "--max_steps=2", "--overwrite=true")  # told to: a new run
+    assert steps(tmp_path / "a") == [1, 2] and load_checkpoint(tmp_path / "a")["step"] == 2
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["step"] == 2
+    with pytest.raises(ConfigError, match="resume=true continues the run that overwrite=true would delete"):
+        run(data_dir, tmp_path, "--run_name=a", "--resume=true", "--overwrite=true")
+
+    (tmp_path / "b").mkdir()  # a run that died before its first checkpoint
+    (tmp_path / "b" / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    with pytest.raises(train.RunDirError, match=r"already holds a run \(log.jsonl\): replace it with --overwrite"):
+        run(data_dir, tmp_path, "--run_name=b")
+
+
+def poll(condition, timeout=60):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_cli_sigterm_stops_with_a_checkpoint_and_a_second_run_is_refused(data_dir, tmp_path, capsys):
+    run_dir = tmp_path / "long"
+    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=long"]
+    first = subprocess.Popen([sys.executable, "train.py", *args, "--max_steps=100000", "--ckpt_interval=0"], cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    try:
+        poll(lambda: (run_dir / "log.jsonl").exists() and records(run_dir))
+        assert train.cli(args + ["--resume=true"]) == 1
+        assert capsys.readouterr().err == f"error: {run_dir} is in use by another run (pid {first.pid})\n"
+        first.send_signal(signal.SIGTERM)
+        err = first.communicate(timeout=60)[1]
+    finally:
+        first.kill()
+    assert first.returncode == 143, err  # 128 + SIGTERM
+    step = load_checkpoint(run_dir)["step"]
+    assert err.splitlines()[-1] == (f"stopped by SIGTERM after step {step}; checkpoint written to "
+                                    f"{run_dir / 'ckpt.pt'}; resume with --resume=true")
+    assert steps(run_dir)[-1] == step and "Traceback" not in err
+
+
+def test_the_lock_goes_with_the_process_that_held_it(data_dir, tmp_path):
+    run_dir = tmp_path / "test"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from prepare_data import DirLock; "
+                               "DirLock(sys.argv[1], 'run'); print('locked', flush=True); time.sleep(60)",
+                               str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    with pytest.raises(train.RunDirError, match=f"is in use by another run \\(pid {holder.pid}\\)"):
+        run(data_dir, tmp_path, "--max_steps=1")
+    assert [p.name for p in run_dir.iterdir()] == [".lock"]
+    holder.kill()  # kill -9: no chance to clean up
+    holder.wait()
+    run(data_dir, tmp_path, "--max_steps=1")
+
+
+def kill_in_step(n, *signals):
+    """A train_step that sends itself `signals` (KeyboardInterrupt if none) before its n-th step."""
+    real, calls = train.train_step, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            if not signals:
+                raise KeyboardInterrupt
+            for s in signals:
+                os.kill(os.getpid(), s)
+        return real(*args, **kwargs)
+    return step
+
+
+def assert_same_run(run_dir, reference):
+    assert losses(run_dir) == losses(reference)  # bit for bit
+    assert records(run_dir, "eval") == records(reference, "eval")
+    a, b = load_checkpoint(reference), load_checkpoint(run_dir)
+    assert a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert json.loads((run_dir / "summary.json").read_text())["val_loss"] == \
+        json.loads((reference / "summary.json").read_text())["val_loss"]
+
+
+def test_resume_tolerates_a_torn_last_log_line(data_dir, tmp_path, monkeypatch, straight):
+    # a kill or a full disk in the middle of an append; blank lines
+    for name, tail in (("torn", '{"kind": "train", "step": 5, "lo'), ("blank", "\n\n")):
+        monkeypatch.setattr(train, "train_step", kill_in_step(5))
+        with pytest.raises(KeyboardInterrupt):
+            run(data_dir, tmp_path, f"--run_name={name}")
+        monkeypatch.undo()
+        with open(tmp_path / name / "log.jsonl", "a") as f:
+            f.write(tail)
+        run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
+        assert_same_run(tmp_path / name, straight)
+        assert steps(tmp_path / name) == [1, 2, 3, 4, 5, 6]  # each step once: the records after step 3 were redone
+
+
+KILLED_IN_THE_SECOND_CHECKPOINT_WRITE = """
+import io, os, signal, sys, torch
+import train
+real, calls = torch.save, []
+def save(obj, f, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:  # the checkpoint of step 6: half of it on disk, then kill -9
+        whole = io.BytesIO()
+        real(obj, whole)
+        f.write(whole.getvalue()[:len(whole.getvalue()) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def test_kill_9_in_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path, straight):
+    cmd = [sys.executable, "-c", KILLED_IN_THE_SECOND_CHECKPOINT_WRITE, CONFIG, f"--data_dir={data_dir}",
+           f"--out_dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "test"
+    assert (run_dir / ".ckpt.pt.tmp").exists() and load_checkpoint(run_dir)["step"] == 3
+    run(data_dir, tmp_path, "--resume=true")
+    assert_same_run(run_dir, straight)
+    assert steps(run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_sigterm_or_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path, monkeypatch, straight):
+    for name, signum in (("term", signal.SIGTERM), ("int", signal.SIGINT)):
+        handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+        monkeypatch.setattr(train, "train_step", kill_in_step(4, signum))
+        with pytest.raises(train.Stopped, match=f"stopped by {signal.Signals(signum).name} after step 4") as e:
+            run(data_dir, tmp_path, f"--run_name={name}")
+        monkeypatch.undo()
+        assert e.value.signum == signum and [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
+        assert load_checkpoint(tmp_path / name)["step"] == 4 and steps(tmp_path / name) == [1, 2, 3, 4]
+        run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
+        assert_same_run(tmp_path / name, straight)
+
+    monkeypatch.setattr(train, "train_step", kill_in_step(4, signal.SIGINT, signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: at once
+        run(data_dir, tmp_path, "--run_name=twice")
+    assert load_checkpoint(tmp_path / "twice")["step"] == 3 and steps(tmp_path / "twice") == [1, 2, 3]
+
+
+def test_a_full_disk_or_a_read_only_directory_is_one_line(data_dir, tmp_path, monkeypatch, capsys):
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    run_dir = tmp_path / "test"
+    real, calls = train.train_step, []
+
+    def disk_full_from_step_5(*args, **kwargs):  # every write from then on fails with ENOSPC, as on a full disk
+        calls.append(1)
+        if len(calls) == 5:
+            (run_dir / victim).unlink(missing_ok=True)
+            (run_dir / victim).symlink_to("/dev/full")
+        return real(*args, **kwargs)
+
+    for victim, failed in ((".ckpt.pt.tmp", "ckpt.pt"), ("log.jsonl", "log.jsonl")):
+        calls.clear()
+        monkeypatch.setattr(train, "train_step", disk_full_from_step_5)
+        assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--overwrite=true"]) == 1
+        monkeypatch.undo()
+        err = capsys.readouterr().err
+        assert err == (f"error: no space left on device writing {run_dir / failed}; the last checkpoint (step 3) "
+                       f"is kept at {run_dir / 'ckpt.pt'}\n")
+        assert not (run_dir / ".ckpt.pt.tmp").exists()  # the failed write leaves nothing behind
+        assert load_checkpoint(run_dir)["step"] == 3
+        (run_dir / victim).unlink(missing_ok=True)
+
+    real_open, real_mkdir = os.open, os.mkdir
+    read_only = tmp_path / "ro"
+
+    def refuse(fn):
+        def call(path, *args, **kwargs):
+            if str(path).startswith(str(read_only)):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return fn(path, *args, **kwargs)
+        return call
+    monkeypatch.setattr(os, "open", refuse(real_open))
+    monkeypatch.setattr(os, "mkdir", refuse(real_mkdir))
+    monkeypatch.setattr(train, "train_step", None)  # never reached
+    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={read_only}"]) == 1
+    assert capsys.readouterr().err == f"error: cannot write {read_only / 'test'}: read-only file system\n"
+
+
+def flip_a_weight_byte(path):
+    raw = bytearray(path.read_bytes())
+    weight = torch.load(path, weights_only=True)["model"]["lm_head.weight"].numpy().tobytes()
+    at = raw.find(weight) + len(weight) // 2
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_damaged_checkpoint_is_refused_by_its_checksum(data_dir, tmp_path, capsys):
+    run(data_dir, tmp_path, "--max_steps=1")
+    ckpt = tmp_path / "test" / "ckpt.pt"
+    flip_a_weight_byte(ckpt)
+    assert set(torch.load(ckpt, weights_only=True)) == set(train.CKPT_KEYS)  # torch alone does not notice
+    message = "ckpt.pt is corrupt: its contents do not match the checksum written with it"
+    with pytest.raises(CheckpointError, match=message):
+        run(data_dir, tmp_path, "--resume=true", "--max_steps=2")
+    import sample
+    assert sample.main(["--ckpt", str(ckpt), "--max_new_tokens", "2"]) == 2
+    assert message in capsys.readouterr().err
+    torch.save({"format": "depthres-ckpt-1", "model": {}}, ckpt)
+    with pytest.raises(CheckpointError, match="an older train.py's, without a checksum"):
+        load_checkpoint(ckpt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reliability: data and configs are checked before step 1
+
+
+def broken_copy(data_dir, tmp_path, name, change):
+    """A copy of data_dir with `change(copy)` applied."""
+    out = tmp_path / name
+    out.mkdir()
+    for f in data_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    change(out)
+    return out
+
+
+def truncate(name):
+    return lambda d: (d / name).write_bytes((d / name).read_bytes()[:-3])
+
+
+def test_bad_data_is_found_before_step_1(data_dir, tmp_path, monkeypatch):
+    from prepare_data import get_tokenizer, open_shard, write_shard
+
+    def id_300_in_val(d):
+        tokens = open_shard(d / "val_000000.bin").copy()
+        tokens[5] = 300  # inside the padded vocabulary of 320: it would train silently
+        write_shard(d / "val_000000.bin", tokens, get_tokenizer("byte"))
+
+    def no_vocab_size(d):
+        meta = json.loads((d / "meta.json").read_text())
+        del meta["vocab_size"]
+        (d / "meta.json").write_text(json.dumps(meta))
+
+    val_tokens = load_meta(data_dir)["splits"]["val"]["tokens"]
+    cases = [(broken_copy(data_dir, tmp_path, "val", truncate("val_000000.bin")), [],
+              "val_000000.bin is truncated or corrupt"),
+             (broken_copy(data_dir, tmp_path, "test", truncate("test_000000.bin")), [],
+              "test_000000.bin is truncated or corrupt"),
+             (broken_copy(data_dir, tmp_path, "ids", id_300_in_val), [],
+              "val_000000.bin holds token id 300, outside the byte tokenizer's ids 0..256"),
+             (broken_copy(data_dir, tmp_path, "meta", no_vocab_size), [], "meta.json lacks vocab_size"),
+             (data_dir, [f"--seq_len={val_tokens}", f"--eval_tokens={val_tokens}", "--batch_size=1",
+                         f"--batch_tokens={val_tokens}"],
+              f"split 'val' of {data_dir} has {val_tokens} tokens, too few for one evaluation sequence of "
+              f"seq_len \\+ 1 = {val_tokens + 1}: use seq_len <= {val_tokens - 1}, or prepare the data with a "
+              "larger --val_fraction")]
+    monkeypatch.setattr(train, "train_step", None)  # never reached
+    for data, args, message in cases:
+        with pytest.raises(DataError, match=message):
+            run(data, tmp_path / "runs", *args)
+        assert not (tmp_path / "runs").exists()
+    with pytest.raises(ConfigError, match="eval_tokens=16 is less than one sequence of seq_len=32 tokens: "
+                                          "set eval_tokens >= 32"):
+        run(data_dir, tmp_path / "runs", "--eval_tokens=16")
+
+
+def test_config_values_out_of_range_are_config_errors(data_dir, tmp_path, capsys, monkeypatch):
+    for arg, message in [("--seed=-1", r"seed must be in \[0, 2\*\*32\), got -1"),
+                         ("--seed=5e9", r"seed must be in \[0, 2\*\*32\), got 5000000000"),
+                         ("--data_seed=-1", r"data_seed must be in \[0, 2\*\*32\)"),
+                         ("--lr=inf", "lr must be a finite number, got inf"),
+                         ("--lr=nan", "lr must be a finite number, got nan"),
+                         ("--grad_clip=inf", "grad_clip must be a finite number"),
+                         ("--lr=0", "lr > 0"),
+                         ("--eps=-1", "eps must be >= 0")]:
+        with pytest.raises(ConfigError, match=message):
+            train.parse_config([CONFIG, arg])
+    run(data_dir, tmp_path, "--warmup_steps=10", "--max_steps=2")
+    assert ("warning: warmup_steps=10 is more than the run's 2 steps: the learning rate ends its warmup at 0.002, "
+            "never reaching lr=0.01") in capsys.readouterr().err
+
+    monkeypatch.setattr(train, "train_step", lambda *args, **kwargs: (4178201.5, math.inf, 0))
+    with pytest.raises(DivergedError, match=re.escape("non-finite gradient norm at step 1 (loss 4178201.5, gradient "
+                                                      "norm inf)")):
+        run(data_dir, tmp_path, "--run_name=diverged")
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-node resume, one synchronisation per step, prefetch, DDP buffers, TF32
+
+
+def test_batches_read_ahead_checkpoint_the_state_of_the_batches_used(data_dir):
+    from prepare_data import TokenLoader
+    plain, ahead = (TokenLoader(data_dir, "train", 4, 32, seed=3) for _ in range(2))
+    batches = train.DeviceBatches(ahead, torch.device("cpu"))
+    for _ in range(5):
+        state = plain.state_dict()
+        assert batches.state_dict() == state  # not the loader's own: it is one batch ahead
+        assert all(torch.equal(a, b) for a, b in zip(batches.next_batch(), plain.next_batch()))
+    assert ahead.state_dict() != plain.state_dict()
+
+
+def test_a_training_step_synchronises_with_the_device_once(data_dir, monkeypatch):
+    cpu = train.Dist(rank=0, world_size=1, device=torch.device("cpu"))
+    tc, model_settings = train.parse_config([CONFIG, f"--data_dir={data_dir}"])
+    model, optimizer, loader, _ = train.build(tc, train.build_model_config(model_settings, tc, load_meta(data_dir)),
+                                              cpu, ckpt=None)
+    syncs, counting = [], [True]
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        def counted(self, *args, _real=getattr(torch.Tensor, name), _name=name):
+            if counting[0]:
+                syncs.append(_name)
+            return _real(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    real_step = optimizer.step
+
+    def uncounted_step():  # CPU AdamW reads its step counters with .item(); CUDA's fused AdamW does not
+        counting[0] = False
+        real_step()
+        counting[0] = True
+    monkeypatch.setattr(optimizer, "step", uncounted_step)
+    train.train_step(model, optimizer, loader, 1e-3, 2, 1.0, cpu, nullcontext())
+    assert syncs == ["tolist"]
+
+
+def test_ddp_does_not_broadcast_the_constant_buffers(data_dir, tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tc, model_settings = train.parse_config([CONFIG, f"--data_dir={data_dir}"])
+        model = train.GPT(train.build_model_config(model_settings, tc, load_meta(data_dir)))
+        assert {name for name, _ in model.named_buffers()} == {"cos", "sin"}  # constants, the same on every rank
+        _, ddp = train.wrap(model, tc, train.Dist(rank=0, world_size=2, device=torch.device("cpu")))
+        assert isinstance(ddp, train.DistributedDataParallel) and ddp.broadcast_buffers is False
+        del ddp
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_float32_matmuls_stay_float32_on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        assert train.setup_distributed("cuda").device == torch.device("cuda", 0)
+        assert torch.get_float32_matmul_precision() == "highest"  # no TF32 for the routing and the loss
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+RANK1_SIGTERM_IN_STEP_2 = """
+import os, signal, sys
+import train
+real, calls = train.train_step, []
+def step(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+train.train_step = step
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def two_ranks(args_of_rank, code_of_rank=(None, None)):
+    """Run train.py as ranks 0 and 1 of a gloo group (as torchrun would, without its agent);
+    returns each rank's (exit status, stderr)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        code = code_of_rank[rank]
+        cmd = [sys.executable, *(["-c", code] if code else ["train.py"]), *args_of_rank(rank)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        return [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tmp_path):
+    run(data_dir, tmp_path, "--run_name=one")  # one process, 6 steps
+    base = [CONFIG, f"--data_dir={data_dir}", "--run_name=two"]
+    mine = [f"--out_dir={tmp_path}"]
+
+    # SIGTERM reaches rank 1 only; both ranks stop after the same step, rank 0 writes the checkpoint
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + mine, (None, RANK1_SIGTERM_IN_STEP_2))
+    assert (rc0, rc1) == (143, 143), err0 + err1
+    assert err0.splitlines()[-1].startswith("stopped by SIGTERM after step 2; checkpoint written to")
+    assert "Traceback" not in err0 + err1
+    assert load_checkpoint(tmp_path / "two")["step"] == 2 and steps(tmp_path / "two") == [1, 2]
+
+    # resume: rank 1's out_dir holds nothing (a node-local disk); it receives rank 0's checkpoint
+    elsewhere = [f"--out_dir={tmp_path / 'node1'}"]
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + (mine if rank == 0 else elsewhere) + ["--resume=true"])
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert not (tmp_path / "node1").exists()
+    one, two = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
+    assert two["step"] == 6 and steps(tmp_path / "two") == [1, 2, 3, 4, 5, 6]
+    for name, p in one["model"].items():
+        torch.testing.assert_close(two["model"][name], p, atol=1e-5, rtol=0, msg=name)
+    for (s1, l1), (s2, l2) in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
+        assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-5)
+
+    # a checkpoint rank 0 cannot read: the same error on both ranks, no hang
+    ckpt = tmp_path / "two" / "ckpt.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + (mine if rank == 0 else elsewhere) + ["--resume=true"])
+    assert (rc0, rc1) == (1, 1)
+    assert err0 == err1 and err0.startswith(f"error: {ckpt} is not a readable checkpoint") and err0.count("\n") == 1

@@ -5,6 +5,7 @@ Train a GPT with a depth-routing residual, on CPU, one GPU, or many through torc
     python train.py configs/demo.py --residual=standard --lr=2e-3    # any key can be overridden
     torchrun --standalone --nproc_per_node=8 train.py configs/rd_s.py
     python train.py configs/demo.py --resume=true                    # continue runs/demo exactly
+    python train.py configs/demo.py --overwrite=true                 # start runs/demo over
     python train.py --help                                           # every key, its type and default
 
 A config is a Python file that assigns keys (`residual = "block_attnres"`); `--key=value` overrides
@@ -18,11 +19,15 @@ batches, so runs that differ only in `residual` start from the same shared weigh
 batches, whatever their number of ranks.
 The run directory out_dir/run_name receives config.json (the resolved config), log.jsonl (one JSON
 object per logged step and per evaluation), ckpt.pt (see save_checkpoint) and, once the run has
-finished, summary.json (final val and test loss, median tokens/s, peak memory).
+finished, summary.json (final val and test loss, median tokens/s, peak memory). A run holds the
+directory's .lock for its life; a fresh run refuses a directory that holds another run unless
+overwrite=true. The first SIGINT or SIGTERM stops the run after the current step, with a checkpoint.
 """
 
 import difflib
 import gc
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -30,13 +35,15 @@ import random
 import re
 import resource
 import runpy
+import signal
 import statistics
 import sys
 import textwrap
+import threading
 import time
 import types
 import typing
-from contextlib import nullcontext, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -46,10 +53,12 @@ import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
 from model import GPT, GPTConfig, compile_model
-from prepare_data import DataError, TokenLoader, eval_batches, load_meta
+from prepare_data import DataError, DirLock, TokenLoader, check_split, eval_batches, load_meta, os_error_message
 
-CKPT_FORMAT = "depthres-ckpt-1"
-CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng")
+CKPT_FORMAT = "depthres-ckpt-2"
+CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng",
+             "checksum")
+RUN_FILES = ("config.json", "log.jsonl", "ckpt.pt", "summary.json")  # what a run directory holds
 
 
 class ConfigError(ValueError):
@@ -64,6 +73,21 @@ class DivergedError(RuntimeError):
     """Training produced a non-finite loss, gradient or weight."""
 
 
+class RunDirError(RuntimeError):
+    """A run directory that is in use, holds another run, or cannot be written (disk full, read-only)."""
+
+
+USER_ERRORS = (ConfigError, CheckpointError, DataError, DivergedError, RunDirError)  # one `error:` line each
+
+
+class Stopped(Exception):
+    """The run stopped early on SIGINT or SIGTERM, after writing a checkpoint; exit status 128 + signum."""
+
+    def __init__(self, signum, message):
+        super().__init__(message)
+        self.signum = signum
+
+
 def key(default, help):
     return field(default=default, metadata={"help": help})
 
@@ -74,6 +98,7 @@ class TrainConfig:
     out_dir: str = key("runs", "runs live in out_dir/run_name")
     run_name: str = key("", "default: the config file's name")
     resume: str = key("", "true: continue the run directory's checkpoint; or a run directory or checkpoint file")
+    overwrite: bool = key(False, "start afresh in a run directory that holds a run, deleting that run")
     seed: int = key(0, "model init, GPT(cfg, seed); also torch's global seed")
     data_seed: int = key(0, "order of the training batches")
     batch_tokens: int = key(8192, "tokens per optimizer step, all ranks together")
@@ -103,6 +128,11 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
 
+        for name in ("seed", "data_seed"):
+            need(0 <= getattr(self, name) < 2**32, f"{name} must be in [0, 2**32), got {getattr(self, name)}")
+        for name, typ in TRAIN_TYPES.items():
+            if typ is float:
+                need(math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("batch_tokens", "batch_size", "seq_len", "eval_interval", "eval_tokens", "log_interval"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "max_tokens", "warmup_steps", "ckpt_interval", "weight_decay", "grad_clip"):
@@ -110,11 +140,17 @@ class TrainConfig:
         need(self.max_steps > 0 or self.max_tokens >= self.batch_tokens,
              f"set max_steps, or max_tokens of at least batch_tokens={self.batch_tokens} "
              f"(got max_tokens={self.max_tokens})")
-        need(0 <= self.min_lr <= self.lr, f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
+        need(0 <= self.min_lr <= self.lr and self.lr > 0,
+             f"need 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
+        need(self.eps >= 0, f"eps must be >= 0, got {self.eps}")
+        need(self.eval_tokens >= self.seq_len, f"eval_tokens={self.eval_tokens} is less than one sequence of "
+             f"seq_len={self.seq_len} tokens: set eval_tokens >= {self.seq_len}")
         need(self.lr_schedule in ("cosine", "wsd"), f"lr_schedule must be cosine or wsd, got {self.lr_schedule!r}")
         need(0 <= self.decay_frac <= 1, f"decay_frac must be in [0, 1], got {self.decay_frac}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"betas must be in [0, 1), got {self.beta1}, {self.beta2}")
         need(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(not (self.overwrite and self.resume.lower() in ("true", "1")),
+             "resume=true continues the run that overwrite=true would delete: pass one of them")
 
 
 TRAIN_TYPES = typing.get_type_hints(TrainConfig)
@@ -253,12 +289,36 @@ def setup_distributed(device):
     if cuda and not torch.cuda.is_available():
         raise ConfigError("device=cuda, but CUDA is not available")
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
+    if cuda:  # float32 matmuls stay float32 (no TF32): the depth routing and the loss are computed in float32
         torch.cuda.set_device(dev)
-        torch.set_float32_matmul_precision("high")
     if world_size > 1:
         torch_dist.init_process_group("nccl" if cuda else "gloo")
     return Dist(rank, world_size, dev)
+
+
+def agreed(dist, fn):
+    """fn() on this rank, its error shared: when fn raises one of USER_ERRORS on any rank, every rank
+    raises the first such error, so all of them exit with the same line instead of waiting on the others."""
+    try:
+        result, error = fn(), None
+    except USER_ERRORS as e:
+        result, error = None, e
+    if dist.world_size > 1:
+        errors = [None] * dist.world_size
+        torch_dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+    return result
+
+
+def from_rank0(dist, obj):
+    """Rank 0's `obj` on every rank."""
+    if dist.world_size == 1:
+        return obj
+    box = [obj]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def seed_everything(seed):
@@ -306,28 +366,89 @@ def peak_flops(device):
 # Training and evaluation.
 
 
-def train_step(model, optimizer, loader, lr, accum, grad_clip, dist, autocast):
+class DeviceBatches:
+    """The batches of a TokenLoader on the device, one micro-batch ahead: the next batch is read and
+    its host-to-device copy issued (from pinned memory, asynchronously, on CUDA) before the current
+    one is computed on. state_dict() is the loader's state after the batches handed out, not after
+    the one read ahead, so a checkpoint resumes at the next batch training would have used."""
+
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, device
+        self.ahead = self._read()
+
+    def _read(self):
+        state = self.loader.state_dict()  # the state before this batch
+        x, y = self.loader.next_batch()
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        return state, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def next_batch(self):
+        _, x, y = self.ahead
+        self.ahead = self._read()
+        return x, y
+
+    def state_dict(self):
+        return self.ahead[0]
+
+
+class GracefulStop:
+    """While active, the first SIGINT or SIGTERM asks the run to stop after the current optimizer step
+    (train_loop writes a checkpoint, then raises Stopped); `signum` is that signal (None: none yet).
+    A second SIGINT stops at once (KeyboardInterrupt); a second SIGTERM is ignored (torchrun forwards
+    the signal it gets, so a worker may see one of each). Outside the main thread it does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, verbose=True):
+        self.verbose, self.signum, self.previous = verbose, None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            if self.verbose:  # os.write: print() may be busy in the interrupted code
+                os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
+                            "(Ctrl-C again to stop at once)\n".encode())
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+
+def train_step(model, optimizer, batches, lr, accum, grad_clip, dist, autocast, stop=None):
     """One optimizer step over `accum` micro-batches per rank. Returns (loss averaged over the whole
-    batch, gradient norm before clipping); the update is applied only when both are finite."""
+    batch, gradient norm before clipping, the signal number `stop` holds or 0), the same on every
+    rank, read from the device in one synchronisation; the update is applied only when loss and
+    norm are both finite."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = torch.zeros((), device=dist.device)
     for micro in range(accum):
-        x, y = (t.to(dist.device, non_blocking=True) for t in loader.next_batch())
+        x, y = batches.next_batch()
         sync = dist.world_size == 1 or micro == accum - 1  # DDP all-reduces gradients on the last one only
         with nullcontext() if sync else model.no_sync():
             with autocast:
                 _, loss = model(x, y)
             (loss / accum).backward()
         total += loss.detach()
+    signum = torch.full((), float(stop.signum or 0) if stop else 0.0, device=dist.device)
     if dist.world_size > 1:
         torch_dist.all_reduce(total)
-    loss = total.item() / (accum * dist.world_size)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf).item()
+        torch_dist.all_reduce(signum, op=torch_dist.ReduceOp.MAX)  # a signal to any rank stops them all
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    total, norm, signum = torch.stack([total, norm.float(), signum]).tolist()  # the step's one sync
+    loss = total / (accum * dist.world_size)
     if math.isfinite(loss) and math.isfinite(norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss, norm
+    return loss, norm, int(signum)
 
 
 @torch.no_grad()
@@ -342,28 +463,84 @@ def evaluate(model, split, tc, dist, autocast):
         sums[1] += y.numel()
     if dist.world_size > 1:
         torch_dist.all_reduce(sums)
-    return (sums[0] / sums[1]).item(), int(sums[1].item())
+    loss_sum, tokens = sums.tolist()
+    return loss_sum / tokens, int(tokens)
+
+
+@contextmanager
+def writing(path):
+    """An OSError while writing `path` (disk full, read-only, no permission) becomes one RunDirError line."""
+    try:
+        yield
+    except OSError as e:
+        raise RunDirError(os_error_message(e, path)) from None
+
+
+def write_file(path, data):
+    """Write bytes atomically and durably: a temporary file, fsync, rename, fsync of the directory.
+    A crash or a full disk leaves the old file or the new one, never part of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with writing(path):
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        sync_dir(path.parent)
+
+
+def sync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class RunLog:
-    """Log lines on stdout and JSON objects in log.jsonl, on rank 0 only."""
+    """Log lines on stdout and JSON objects appended to log.jsonl, on rank 0 only."""
 
-    def __init__(self, path, enabled, resume_step=None):
+    def __init__(self, path, enabled):
         self.path, self.enabled = path, enabled
-        if not enabled:
-            return
-        kept = []
-        if resume_step is not None and path.exists():  # drop what a killed run logged after its checkpoint
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-        path.write_text("".join(line + "\n" for line in kept))
 
     def __call__(self, line, record=None):
+        """Print `line` (unless None) and append `record` (unless None)."""
         if not self.enabled:
             return
-        print(line, flush=True)
+        if line is not None:
+            print(line, flush=True)
         if record is not None:
-            with open(self.path, "a") as f:
+            with writing(self.path), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def read_log(path, last_step):
+    """The lines of a log.jsonl whose step is at most `last_step`: what a run resumed from a
+    checkpoint at that step keeps (what a killed run logged after its checkpoint is redone). A
+    line that is not a JSON record (the torn last line of a kill or a full disk) is dropped, with
+    a note."""
+    if not path.exists():
+        return []
+    kept, torn = [], []
+    with writing(path):
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    for n, line in enumerate(lines, 1):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, TypeError, KeyError):
+            if line.strip():
+                torn.append(n)
+            continue
+        if step <= last_step:
+            kept.append(line)
+    if torn:
+        print(f"note: {path}: dropped {len(torn)} unreadable line(s) ({', '.join(map(str, torn[:5]))}), "
+              "as a kill or a full disk leaves them", file=sys.stderr)
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,47 +565,117 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def moved(x, device):
+    """A checkpoint-like tree of dicts, lists and tuples with every tensor on `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: moved(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(moved(v, device) for v in x)
+    return x
+
+
+def checksum(state):
+    """sha256 over a checkpoint's contents but "checksum": every tensor's dtype, shape and bytes and
+    every other value's type and repr, in order. Tensors must be on the CPU."""
+    h = hashlib.sha256()
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            t = x.contiguous().reshape(-1)
+            h.update(f"<tensor {t.dtype} {tuple(x.shape)}>".encode())
+            h.update(t.view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(f"<dict {len(x)}>".encode())
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"<{type(x).__name__} {len(x)}>".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"<{type(x).__name__} {x!r}>".encode())
+
+    walk({k: v for k, v in state.items() if k != "checksum"})
+    return h.hexdigest()
+
+
+class _RememberingWriter:
+    """A file's write(), remembering the OSError it raised: torch.save reports one as a RuntimeError."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
 def save_checkpoint(path, state):
-    """Write atomically: a temporary file in the same directory, then a rename over `path`.
+    """Write atomically and durably: a temporary file in the same directory, fsync, then a rename over
+    `path`. A kill or a full disk at any point leaves the previous checkpoint intact.
 
     The state is a dict with the keys CKPT_KEYS: "format" (CKPT_FORMAT), "model_config" (asdict of
     the GPTConfig), "model" (state_dict without wrapper prefixes), "tokenizer" (its name, for
     prepare_data.get_tokenizer), "step" (optimizer steps done), "train_config" (asdict of the
-    TrainConfig), "optimizer", "loader" (TokenLoader.state_dict) and "rng" (python, numpy, torch,
-    cuda). It holds only tensors and plain Python values, so torch.load(weights_only=True) reads it.
+    TrainConfig), "optimizer", "loader" (TokenLoader.state_dict), "rng" (python, numpy, torch,
+    cuda) and "checksum" (see checksum(); added here, verified by load_checkpoint). It holds only
+    tensors and plain Python values, so torch.load(weights_only=True) reads it.
     """
+    state = moved({k: v for k, v in state.items() if k != "checksum"}, "cpu")
+    state["checksum"] = checksum(state)
     tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with writing(path):
+        try:
+            with open(tmp, "wb") as f:
+                out = _RememberingWriter(f)
+                try:
+                    torch.save(state, out)
+                except RuntimeError:
+                    if out.error is not None:
+                        raise out.error from None
+                    raise
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        sync_dir(path.parent)
 
 
 def load_checkpoint(path_or_run_dir, map_location="cpu"):
-    """The checkpoint dict of a run directory (its ckpt.pt) or a checkpoint file, format checked."""
+    """The checkpoint dict of a run directory (its ckpt.pt) or a checkpoint file, format and checksum checked."""
     path = Path(path_or_run_dir)
     if path.is_dir():
         path = path / "ckpt.pt"
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {reason}") from None
     if not isinstance(ckpt, dict) or "format" not in ckpt:
         raise CheckpointError(f"{path} is not a train.py checkpoint (no format tag)")
     if ckpt["format"] != CKPT_FORMAT:
-        raise CheckpointError(f"{path} has format {ckpt['format']!r}; this train.py reads {CKPT_FORMAT!r}")
+        older = " (an older train.py's, without a checksum)" if ckpt["format"] == "depthres-ckpt-1" else ""
+        raise CheckpointError(f"{path} has format {ckpt['format']!r}{older}; this train.py reads {CKPT_FORMAT!r}")
     missing = [k for k in CKPT_KEYS if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: it is incomplete")
-    return ckpt
+    if checksum(ckpt) != ckpt["checksum"]:
+        raise CheckpointError(f"{path} is corrupt: its contents do not match the checksum written with it "
+                              "(damaged on disk or in a copy); use an intact copy or another checkpoint")
+    return ckpt if map_location in (None, "cpu") else moved(ckpt, map_location)
 
 
 def resume_path(tc, run_dir):
@@ -450,14 +697,21 @@ def check_resumable(ckpt, path, mc, tokenizer):
                               f"but data_dir holds {tokenizer!r} tokens")
 
 
-def last_good(saved_step, path):
-    if saved_step is None:
+def last_good(saved, good=True):
+    """What is kept of the run: `saved` is (step, path) of its last checkpoint, or None."""
+    if saved is None:
         return "no checkpoint was written"
-    return f"the last good checkpoint (step {saved_step}) is kept at {path}"
+    return f"the last {'good ' if good else ''}checkpoint (step {saved[0]}) is kept at {saved[1]}"
+
+
+def diverged(loss, norm, step, saved):
+    what = " and ".join(name for name, v in (("loss", loss), ("gradient norm", norm)) if not math.isfinite(v))
+    return (f"non-finite {what} at step {step} (loss {loss}, gradient norm {norm}): training diverged and "
+            f"stopped before this update; {last_good(saved)}. Try a lower lr or a longer warmup")
 
 
 def weights_finite(model):
-    return all(torch.isfinite(p).all() for p in model.parameters())
+    return bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,24 +729,84 @@ def main(argv=None):
     mc = build_model_config(model_settings, tc, meta)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     accum = grad_accum_steps(tc, world_size)
+    if tc.warmup_steps > total_steps(tc) and int(os.environ.get("RANK", 0)) == 0:
+        print(f"warning: warmup_steps={tc.warmup_steps} is more than the run's {total_steps(tc)} steps: the "
+              f"learning rate ends its warmup at {lr_at(total_steps(tc) - 1, tc, total_steps(tc)):.3g}, "
+              f"never reaching lr={tc.lr:g}", file=sys.stderr)
     run_dir = Path(tc.out_dir) / tc.run_name
-    source = resume_path(tc, run_dir)
-    ckpt = None
-    if source is not None:
-        ckpt = load_checkpoint(source)
-        check_resumable(ckpt, source, mc, meta["tokenizer"])
     dist = setup_distributed(tc.device)
+    claim = None
     try:
-        summary = train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, argv[0])
+        # before any compute: the data (one process per node reads it), then the run directory (rank 0)
+        agreed(dist, lambda: check_data(tc, meta) if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None)
+        claim = agreed(dist, lambda: claim_run_dir(tc, run_dir, mc, meta["tokenizer"]) if dist.master else None)
+        ckpt = from_rank0(dist, claim.ckpt if claim else None)  # only rank 0 reads out_dir
+        summary = train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, argv[0])
         if dist.world_size > 1:
             torch_dist.barrier()  # every rank is done with the group before any rank takes it down
         return summary
     finally:
+        if claim is not None:
+            claim.lock.release()
         if dist.world_size > 1:
             # DDP's reducer sits in reference cycles; collect it while its process group still exists,
             # or its gloo threads are torn down at interpreter exit and abort the process
             gc.collect()
             torch_dist.destroy_process_group()
+
+
+def check_data(tc, meta):
+    """Open and read every split this run uses (train, val, and test when it has tokens) as the run
+    will: a bad shard, an id outside the vocabulary or a split too short for seq_len is an error
+    now, not at the first evaluation or after the last step."""
+    for split in ["train", "val"] + (["test"] if meta["splits"].get("test", {}).get("tokens") else []):
+        tokens = check_split(tc.data_dir, split)
+        if split != "train" and tokens - 1 < tc.seq_len:
+            raise DataError(f"split {split!r} of {tc.data_dir} has {tokens} tokens, too few for one evaluation "
+                            f"sequence of seq_len + 1 = {tc.seq_len + 1}: use seq_len <= {tokens - 1}, or prepare "
+                            f"the data with a larger --{split}_fraction")
+    TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, seed=tc.data_seed)  # a window of seq_len + 1
+
+
+@dataclass
+class Claim:
+    """What rank 0 holds of the run directory: its lock, the checkpoint to start from (or None),
+    whether that is this directory's own run (resume=true), and the log lines that run keeps."""
+    lock: DirLock
+    ckpt: dict | None
+    continuing: bool
+    kept_log: list
+
+
+def claim_run_dir(tc, run_dir, mc, tokenizer):
+    """Lock the run directory for this run's life and check what it holds against what this run
+    would do with it; a Claim. Writes nothing in run_dir but its .lock."""
+    source = resume_path(tc, run_dir)
+    continuing = source is not None and source.resolve() in (run_dir.resolve(), (run_dir / "ckpt.pt").resolve())
+    ckpt = None
+    if source is not None and not continuing:  # a new run here, from another run's checkpoint
+        ckpt = load_checkpoint(source)
+        check_resumable(ckpt, source, mc, tokenizer)
+    if continuing and not run_dir.is_dir():
+        raise CheckpointError(f"no checkpoint at {run_dir / 'ckpt.pt'} (there is no run directory {run_dir})")
+    with writing(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    lock = DirLock(run_dir, "run", RunDirError)
+    try:
+        if continuing:
+            ckpt = load_checkpoint(source)
+            check_resumable(ckpt, source, mc, tokenizer)
+            return Claim(lock, ckpt, True, read_log(run_dir / "log.jsonl", ckpt["step"]))
+        held = [name for name in RUN_FILES if (run_dir / name).exists()]
+        if held and not tc.overwrite:
+            ways = ("continue it with --resume=true, or start over with --overwrite=true"
+                    if "ckpt.pt" in held and source is None else
+                    "replace it with --overwrite=true, or choose another run_name")
+            raise RunDirError(f"{run_dir} already holds a run ({', '.join(held)}): {ways}")
+        return Claim(lock, ckpt, False, [])
+    except BaseException:
+        lock.release()
+        raise
 
 
 def build(tc, mc, dist, ckpt):
@@ -510,24 +824,34 @@ def build(tc, mc, dist, ckpt):
     return raw_model, optimizer, loader, ckpt["step"]
 
 
+# DDP's flag for broadcasting buffers before every forward (torch 2.13 renamed broadcast_buffers)
+NO_BUFFER_SYNC = next(name for name in ("forward_sync_buffers", "broadcast_buffers")
+                      if name in inspect.signature(DistributedDataParallel).parameters)
+
+
 def wrap(raw_model, tc, dist):
     """(the model for evaluation: compiled if asked; the model for training: that one in DDP if distributed)"""
     model = compile_model(raw_model) if tc.compile else raw_model
     if dist.world_size == 1:
         return model, model
-    return model, DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+    # the model's only buffers are the constant rotary tables: nothing to broadcast before every forward
+    return model, DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+                                          **{NO_BUFFER_SYNC: False})
 
 
-def start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, config_path):
-    """Create the run directory with config.json; print what this run is and the loss to beat."""
+def start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config_path):
+    """Make the run directory this run's (rank 0): drop what this run replaces, write config.json and
+    the log it keeps. Print what this run is and the loss to beat."""
+    log = RunLog(run_dir / "log.jsonl", dist.master)
     if dist.master:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").unlink(missing_ok=True)  # written when this run finishes
+        for name in ("summary.json",) if claim.continuing else ("summary.json", "ckpt.pt"):
+            with writing(run_dir / name):
+                (run_dir / name).unlink(missing_ok=True)
         resolved = {"config_file": config_path, "train": asdict(tc), "model": asdict(mc),
                     "tokenizer": meta["tokenizer"], "world_size": dist.world_size, "grad_accum": accum,
                     "max_steps": total_steps(tc)}
-        (run_dir / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    log = RunLog(run_dir / "log.jsonl", dist.master, ckpt["step"] if ckpt is not None else None)
+        write_file(run_dir / "config.json", (json.dumps(resolved, indent=2) + "\n").encode())
+        write_file(run_dir / "log.jsonl", "".join(line + "\n" for line in claim.kept_log).encode())
     log(textwrap.fill(" ".join(f"{k}={v}" for k, v in {**asdict(tc), **asdict(mc)}.items()), 110,
                       initial_indent="config: ", subsequent_indent="        "))
     log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters, "
@@ -539,11 +863,9 @@ def start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, config_path):
         log(f"unigram baseline (val): {baseline:.4f} nats/token, perplexity {math.exp(baseline):.1f}: the loss to beat")
     if ckpt is not None:
         changed = [f"{k} {v!r} -> {getattr(tc, k)!r}" for k, v in ckpt["train_config"].items()
-                   if k != "resume" and getattr(tc, k, v) != v]
+                   if k not in ("resume", "overwrite") and getattr(tc, k, v) != v]
         log(f"resumed at step {ckpt['step']} from {resume_path(tc, run_dir)}"
             + (f"; changed: {', '.join(changed)}" if changed else ""))
-    elif (run_dir / "ckpt.pt").exists():
-        log(f"note: a fresh run; it will replace {run_dir / 'ckpt.pt'} (--resume=true would continue that one)")
     return log
 
 
@@ -565,66 +887,95 @@ def log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s):
     return tok_s
 
 
-def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, config_path):
+def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
     """The training loop, evaluations and checkpoints of one run; returns its summary."""
     raw_model, optimizer, loader, step = build(tc, mc, dist, ckpt)
+    batches = DeviceBatches(loader, dist.device)
     model, train_model = wrap(raw_model, tc, dist)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" else nullcontext()
-    log = start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, config_path)
+    log = start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config_path)
     peak = peak_flops(dist.device)
     mfu_per_token_s = raw_model.flops_per_token() / (peak * dist.world_size) if peak else None
     max_steps, ckpt_path = total_steps(tc), run_dir / "ckpt.pt"
-    saved_step = step if ckpt is not None else None
+    source = resume_path(tc, run_dir)
+    saved = None  # (step, path) of the last checkpoint
+    if ckpt is not None:
+        saved = (step, source / "ckpt.pt" if source.is_dir() else source)
+
+    def save():
+        save_checkpoint(ckpt_path, {
+            "format": CKPT_FORMAT, "model_config": asdict(mc), "model": raw_model.state_dict(),
+            "tokenizer": meta["tokenizer"], "step": step, "train_config": asdict(tc),
+            "optimizer": optimizer.state_dict(), "loader": batches.state_dict(), "rng": rng_state(dist.device)})
+
     val_loss, seconds, steps, speeds, t_start = None, 0.0, 0, [], time.time()
-    while step < max_steps:
-        lr = lr_at(step, tc, max_steps)
-        t0 = time.perf_counter()
-        loss, norm = train_step(train_model, optimizer, loader, lr, accum, tc.grad_clip, dist, autocast)
-        seconds, steps, step = seconds + time.perf_counter() - t0, steps + 1, step + 1
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            raise DivergedError(f"non-finite loss {loss} (gradient norm {norm}) at step {step}: training diverged and "
-                                f"stopped before this update; {last_good(saved_step, ckpt_path)}. "
-                                "Try a lower lr or a longer warmup")
-        if step % tc.log_interval == 0 or step == max_steps:
-            speeds.append(log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s))
-            seconds, steps = 0.0, 0
-        if step % tc.eval_interval == 0 or step == max_steps:
+    try:
+        with GracefulStop(verbose=dist.master) as stop:
+            while step < max_steps:
+                lr = lr_at(step, tc, max_steps)
+                t0 = time.perf_counter()
+                loss, norm, signum = train_step(train_model, optimizer, batches, lr, accum, tc.grad_clip, dist,
+                                                autocast, stop)
+                seconds, steps, step = seconds + time.perf_counter() - t0, steps + 1, step + 1
+                if not (math.isfinite(loss) and math.isfinite(norm)):
+                    raise DivergedError(diverged(loss, norm, step, saved))
+                if step % tc.log_interval == 0 or step == max_steps:
+                    speeds.append(log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s))
+                    seconds, steps = 0.0, 0
+                if step % tc.eval_interval == 0 or step == max_steps:
+                    val_loss, tokens = evaluate(model, "val", tc, dist, autocast)
+                    log_eval(log, "val", step, val_loss, tokens)
+                stopping = signum and step < max_steps
+                if (tc.ckpt_interval and step % tc.ckpt_interval == 0) or step == max_steps or stopping:
+                    if not weights_finite(raw_model):
+                        raise DivergedError(f"non-finite weights after step {step}; {last_good(saved)}")
+                    agreed(dist, lambda: save() if dist.master else None)  # a failed write stops every rank
+                    saved = (step, ckpt_path)
+                if stopping:
+                    name = signal.Signals(signum).name
+                    log(None, {"kind": "stop", "step": step, "signal": name})
+                    raise Stopped(signum, f"stopped by {name} after step {step}; checkpoint written to {ckpt_path}; "
+                                          "resume with --resume=true")
+
+        if val_loss is None:  # resumed at the last step: nothing to train, evaluate anyway
             val_loss, tokens = evaluate(model, "val", tc, dist, autocast)
             log_eval(log, "val", step, val_loss, tokens)
-        if (tc.ckpt_interval and step % tc.ckpt_interval == 0) or step == max_steps:
-            if not weights_finite(raw_model):
-                raise DivergedError(f"non-finite weights after step {step}; {last_good(saved_step, ckpt_path)}")
-            if dist.master:
-                save_checkpoint(ckpt_path, {
-                    "format": CKPT_FORMAT, "model_config": asdict(mc), "model": raw_model.state_dict(),
-                    "tokenizer": meta["tokenizer"], "step": step, "train_config": asdict(tc),
-                    "optimizer": optimizer.state_dict(), "loader": loader.state_dict(), "rng": rng_state(dist.device)})
-            saved_step = step
-
-    if val_loss is None:  # resumed at the last step: nothing to train, evaluate anyway
-        val_loss, tokens = evaluate(model, "val", tc, dist, autocast)
-        log_eval(log, "val", step, val_loss, tokens)
-    test_loss = None
-    if meta["splits"].get("test", {}).get("tokens"):
-        test_loss, tokens = evaluate(model, "test", tc, dist, autocast)
-        log_eval(log, "test", step, test_loss, tokens)
-    cuda = dist.device.type == "cuda"
-    summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
-               "unigram_baseline": meta.get("unigram_baseline_nats"), "seconds": time.time() - t_start,
-               "tokens_per_s": statistics.median(speeds) if speeds else None,  # median over log intervals
-               # CUDA: peak allocated; CPU: the process' peak resident set (the whole run's, one process)
-               "peak_memory_bytes": torch.cuda.max_memory_allocated(dist.device) if cuda else
-               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if dist.master:
-        tmp = run_dir / ".summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, run_dir / "summary.json")
+        test_loss = None
+        if meta["splits"].get("test", {}).get("tokens"):
+            test_loss, tokens = evaluate(model, "test", tc, dist, autocast)
+            log_eval(log, "test", step, test_loss, tokens)
+        cuda = dist.device.type == "cuda"
+        summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
+                   "unigram_baseline": meta.get("unigram_baseline_nats"), "seconds": time.time() - t_start,
+                   "tokens_per_s": statistics.median(speeds) if speeds else None,  # median over log intervals
+                   # CUDA: peak allocated; CPU: the process' peak resident set (the whole run's, one process)
+                   "peak_memory_bytes": torch.cuda.max_memory_allocated(dist.device) if cuda else
+                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if dist.master:
+            write_file(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    except RunDirError as e:  # a write failed: say what is kept
+        raise RunDirError(f"{e}; {last_good(saved, good=False)}") from None
     log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return summary
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """The command line. Exit status: 0 done; 1 with one `error:` line (bad input, a failed write,
+    divergence); 128 + signal number after a stop on SIGINT (130) or SIGTERM (143)."""
     try:
-        main()
-    except (ConfigError, CheckpointError, DataError, DivergedError) as e:
-        sys.exit(f"error: {e}")
+        main(argv)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Stopped as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(e, file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("interrupted; the last checkpoint, if any, is kept (--resume=true continues from it)", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
