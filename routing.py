@@ -41,12 +41,33 @@ def float32_routing(t):
     return torch.autocast(t.device.type, enabled=False)
 
 
-def rms_inv(k):
-    """1 / rms(k) over channels, [...] for k [..., d]: RMSNorm(k) = k * rms_inv(k). A source's norm
-    factor does not depend on the query, so the streams compute it once per source."""
+class _RMSInv(Function):
+    """inv = (|k|^2 / d + eps)^(-1/2) with a one-pass backward, dinv/dk = -inv^3 k / d; saves k (a
+    reference) and inv."""
+
+    @staticmethod
+    def forward(ctx, k):
+        inv = _rms_inv(k)
+        ctx.save_for_backward(k, inv)
+        return inv
+
+    @staticmethod
+    def backward(ctx, g):
+        k, inv = ctx.saved_tensors
+        with float32_routing(k):
+            return ((g * inv.pow(3) / -k.size(-1)).unsqueeze(-1) * k.to(inv.dtype)).to(k.dtype)
+
+
+def _rms_inv(k):
     dt = compute_dtype(k)
     with float32_routing(k):
         return torch.rsqrt(torch.linalg.vector_norm(k, dim=-1, dtype=dt).square() / k.size(-1) + torch.finfo(dt).eps)
+
+
+def rms_inv(k):
+    """1 / rms(k) over channels, [...] for k [..., d]: RMSNorm(k) = k * rms_inv(k). A source's norm
+    factor does not depend on the query, so the streams compute it once per source."""
+    return _RMSInv.apply(k) if _needs_grad(k) else _rms_inv(k)
 
 
 def _needs_grad(*tensors):
@@ -72,15 +93,14 @@ def _phase1(W, inv, S, streams):
     outputs of its queries [N, Q/T, d]) and the weights a, logits' dot products dots, both [N, n, Q]."""
     M, N, n, d = S.shape
     Qt = len(W) // len(streams)
-    dots, l = S.new_empty(N, n, len(W)), S.new_empty(N, n, len(W))
-    for t, (ks, _) in enumerate(streams):
-        q = slice(t * Qt, (t + 1) * Qt)
-        dots[:, :, q] = (S[ks].view(N * n, d) @ W[q].T).view(N, n, Qt)  # w_q . k_r
-        l[:, :, q] = dots[:, :, q] * inv[ks].unsqueeze(-1)
+    rows = [slice(t * Qt, (t + 1) * Qt) for t in range(len(streams))]
+    dots = [(S[ks].view(N * n, d) @ W[q].T).view(N, n, Qt) for q, (ks, _) in zip(rows, streams)]  # w_q . k_r
+    l = [dots_t * inv[ks].unsqueeze(-1) for dots_t, (ks, _) in zip(dots, streams)]
+    dots, l = (dots[0], l[0]) if len(streams) == 1 else (torch.cat(dots, -1), torch.cat(l, -1))
     lse = l.logsumexp(1)
     a = (l - lse.unsqueeze(1)).exp_()
-    O = [torch.bmm(a[:, :, t * Qt:(t + 1) * Qt].transpose(1, 2), S[vs]) for t, (_, vs) in enumerate(streams)]
-    return lse, O, a, dots  # o_q = sum_r a_rq v_r
+    O = [torch.bmm(a[:, :, q].transpose(1, 2), S[vs]) for q, (_, vs) in zip(rows, streams)]  # o_q = sum_r a_rq v_r
+    return lse, O, a, dots
 
 
 class _Phase1(Function):
@@ -105,28 +125,29 @@ class _Phase1(Function):
         with float32_routing(inv):
             n, M, N = inv.shape
             S = _stack(sources, M, N, inv.dtype)
-            Wf, invT = W.to(inv.dtype), inv.permute(1, 2, 0)
-            d, T = S.size(-1), len(ctx.streams)
-            Qt = len(W) // T
-            g_O = torch.zeros((T, N, Qt, d), dtype=inv.dtype, device=inv.device)
-            for q, g in enumerate(g_o):
-                if g is not None:
-                    g_O[q // Qt, :, q % Qt] = g
-            g_lse = torch.zeros_like(dots[:, 0]) if g_lse is None else g_lse
-            E = torch.empty_like(dots)  # E_rq = g_q . v_r
-            gS = torch.zeros_like(S)
-            for t, (_, vs) in enumerate(ctx.streams):
-                q = slice(t * Qt, (t + 1) * Qt)
-                E[:, :, q] = torch.bmm(S[vs], g_O[t].transpose(1, 2))
-                gS[vs].baddbmm_(a[:, :, q], g_O[t])  # dL/dv_r = sum_q a_rq g_q
-            dl = a * (E - (a * E).sum(1, keepdim=True) + g_lse.unsqueeze(1))  # dL/dl_rq: softmax and lse backward
-            gW, g_inv = torch.empty_like(Wf), torch.zeros_like(invT)
-            for t, (ks, _) in enumerate(ctx.streams):
-                q = slice(t * Qt, (t + 1) * Qt)
+            Wf, invT, d = W.to(inv.dtype), inv.permute(1, 2, 0), S.size(-1)
+            Qt = len(W) // len(ctx.streams)
+            rows = [slice(t * Qt, (t + 1) * Qt) for t in range(len(ctx.streams))]
+            zero = None
+            if any(g is None for g in g_o):
+                zero = torch.zeros((N, d), dtype=inv.dtype, device=inv.device)
+            G = [torch.stack([zero if g is None else g.to(inv.dtype) for g in g_o[q]], 1) for q in rows]  # [N, Qt, d]
+            E = [torch.bmm(S[vs], G_t.transpose(1, 2)) for G_t, (_, vs) in zip(G, ctx.streams)]  # E_rq = g_q . v_r
+            E = E[0] if len(E) == 1 else torch.cat(E, -1)
+            dl = a * (E - (a * E).sum(1, keepdim=True))  # dL/dl_rq: the softmax's backward ..
+            if g_lse is not None:
+                dl.addcmul_(a, g_lse.unsqueeze(1))  # .. and lse's, dlse/dl = a
+            gS, gW, g_inv = [None] * M, torch.empty_like(Wf), torch.zeros_like(invT)
+            for q, G_t, (ks, vs) in zip(rows, G, ctx.streams):
+                gv = torch.bmm(a[:, :, q], G_t)  # dL/dv_r = sum_q a_rq g_q
+                gS[vs] = gv if gS[vs] is None else gS[vs].add_(gv)
                 C = (dl[:, :, q] * invT[ks].unsqueeze(-1)).reshape(N * n, Qt)  # dL/d(w_q . k_r)
+                if gS[ks] is None:
+                    gS[ks] = torch.zeros_like(S[ks])
                 gS[ks].view(N * n, d).addmm_(C, Wf[q])  # dL/dk_r
                 gW[q] = C.T @ S[ks].view(N * n, d)
                 g_inv[ks] += (dl[:, :, q] * dots[:, :, q]).sum(-1)
+            gS = torch.stack([torch.zeros_like(S[0]) if g is None else g for g in gS]) if M > 1 else gS[0].unsqueeze(0)
         g_src = [gS[:, :, r].reshape(s.shape).to(s.dtype) for r, s in enumerate(sources)]
         return gW.to(W.dtype), g_inv.permute(2, 0, 1), None, *g_src
 
@@ -134,8 +155,8 @@ class _Phase1(Function):
 def phase1(W, sources, inv, streams=None):
     """Phase 1 of queries W [Q, d] over `sources` with their norm factors `inv`. One stream
     (streams=None): sources [*, d], inv [*]. Several: sources [M, *, d], inv [M, *], and streams[t] =
-    (key stream, value stream) of target t. Returns lse [N, Q], O [T, N, Q/T, d] (query row
-    t * Q/T + i is O[t, :, i]) and a [N, n, Q]."""
+    (key stream, value stream) of target t. Returns lse [N, Q], a [N, n, Q] and o_q [N, d] for
+    each query row q."""
     M = 1 if streams is None else sources[0].size(0)
     streams = streams or ((0, 0),)
     with float32_routing(W):
