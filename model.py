@@ -25,7 +25,7 @@ import torch._functorch.config
 import torch.nn as nn
 import torch.nn.functional as F
 
-from routing import TwoPhaseRouter, compute_dtype, float32_routing, rms_inv
+from routing import TwoPhaseRouter, compute_dtype, float32_routing, rms_inv, transport
 
 RESIDUALS = ("standard", "full_attnres", "block_attnres", "rd_attnres", "dar", "hc", "mhc")
 RD_MODES = ("decoupled", "tied", "average", "frozen_v")
@@ -341,6 +341,13 @@ class DualAttnRes(nn.Module):
         return _DARStream(self, x0, record)
 
 
+def transport_reference(P, rho, beta, y):
+    """P'_m = rho P_m + (1 - rho) P_o + beta_m y; routing.transport computes it with less memory traffic."""
+    P_0 = rho * P[0] + (1 - rho) * P[1] + beta[0] * y
+    P_1 = (1 - rho) * P[0] + rho * P[1] + beta[1] * y
+    return torch.stack([P_0, P_1])
+
+
 class _DARStream(_BlockHistory):
     """Every state holds both streams in one tensor [2, B, T, d], stream m at index m, so that one
     router serves both targets; the query rows of a chunk are target 0's, then target 1's."""
@@ -382,15 +389,13 @@ class _DARStream(_BlockHistory):
         return self._retrieve(j, _site_name(j))
 
     def write(self, j, y):
-        beta = 2 * torch.sigmoid(self.m.theta_beta[j]).view(2, 1, 1, 1)
+        beta = 2 * torch.sigmoid(self.m.theta_beta[j])
         P = self.partial
         if P is None:  # first sublayer of a block
-            self.partial = beta * y
+            self.partial = beta.view(2, 1, 1, 1) * y
         else:  # P_m <- rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams
             rho = torch.sigmoid(self.m.theta_rho[j])
-            M = torch.stack([torch.stack([rho, 1 - rho]), torch.stack([1 - rho, rho])])
-            with float32_routing(y):  # a matmul over the stream axis: saves no new source-sized tensor
-                self.partial = (M.to(P.dtype) @ P.flatten(1)).view_as(P) + beta * y
+            self.partial = (transport if self.m.impl == "two_phase" else transport_reference)(P, rho, beta, y)
         if self.record is not None:  # each stream's state: everything it holds, x0 + its blocks + P_m
             self.record[f"state.{j}"] = (sum(self.completed) + self.partial).detach()
 

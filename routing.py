@@ -24,7 +24,7 @@ merge recomputes g . o_t = sum_r a_rt (g . v_r) from the completed sources inste
 
 Tensors: a source is [*, d] (one stream) or [M, *, d] (DAR's two streams); N tokens = prod(*).
 Queries are grouped by target t (AttnRes: one target; DAR: two), rows target-major, and target t
-reads keys from stream key_of[t] and values from stream value_of[t] of every source.
+reads keys from stream streams[t][0] and values from stream streams[t][1] of every source.
 Everything runs in float32 (float64 for float64 models) with autocast off, forward and backward.
 """
 
@@ -345,3 +345,45 @@ class TwoPhaseRouter:
         o, lse, a = [self.o[q] for q in rows], self.lse[:, list(rows)].T, self.a[:, :, list(rows)]
         h = fused_merge(o, lse, a, alpha, self.W[list(rows)], self.streams, recent, inv, self.completed)
         return h.view(self.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# DAR's write, elementwise.
+
+
+def _transport(P, rho, beta, y):
+    out = torch.empty_like(P)
+    torch.lerp(P[1], P[0], rho, out=out[0])  # P_o + rho (P_m - P_o)
+    torch.lerp(P[0], P[1], rho, out=out[1])
+    return out.addcmul_(beta.to(P.dtype).view(2, *[1] * y.dim()), y.to(P.dtype))
+
+
+class _Transport(Function):
+    """P'_m = rho P_m + (1 - rho) P_o + beta_m y (o = 1 - m): DAR's doubly-stochastic transport of
+    the two streams' partial states and its gated write. Elementwise, forward and backward, saving
+    references to P and y only (autograd's backward of the same thing as a 2 x 2 matmul over the
+    streams runs skinny matmuls, several times slower on CPU)."""
+
+    @staticmethod
+    def forward(ctx, P, rho, beta, y):  # P [2, *, d], rho [], beta [2], y [*, d]
+        ctx.save_for_backward(P, rho, beta, y)
+        return _transport(P, rho, beta, y)
+
+    @staticmethod
+    def backward(ctx, g):
+        P, rho, beta, y = ctx.saved_tensors
+        with float32_routing(P):
+            g = g.to(P.dtype)
+            g_P = torch.empty_like(g)
+            torch.lerp(g[1], g[0], rho, out=g_P[0])
+            torch.lerp(g[0], g[1], rho, out=g_P[1])
+            g_rho = ((g[0] - g[1]) * (P[0] - P[1])).sum()  # dP'_m/drho = P_m - P_o
+            g_beta = g.flatten(1) @ y.to(P.dtype).flatten()
+            g_y = (beta[0] * g[0]).addcmul_(beta[1].to(g.dtype), g[1])
+        return g_P, g_rho.to(rho.dtype), g_beta.to(beta.dtype), g_y.to(y.dtype)
+
+
+def transport(P, rho, beta, y):
+    """DAR's write P' = [[rho, 1 - rho], [1 - rho, rho]] P + beta y, in P's dtype (float32 or float64)."""
+    with float32_routing(P):
+        return _Transport.apply(P, rho, beta, y) if _needs_grad(P, rho, beta, y) else _transport(P, rho, beta, y)

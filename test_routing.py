@@ -159,3 +159,20 @@ def test_saved_activations_stay_linear_in_the_sources(residual, per_site):
     source = Bt * Tt * dm * 4
     assert extra < (per_site * (L + 1) + L / 2) * source
     assert extra <= saved(residual=residual, depth_impl="reference") - saved(residual="standard")
+
+
+def test_dar_transport_equals_its_reference():
+    from model import transport_reference
+    from routing import transport
+    g = torch.Generator().manual_seed(0)
+    P = torch.randn(2, B, T, d, generator=g, dtype=torch.float64).requires_grad_()
+    y = torch.randn(B, T, d, generator=g, dtype=torch.float64).requires_grad_()
+    rho = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+    beta = torch.tensor([1.3, 0.4], dtype=torch.float64, requires_grad=True)
+    gout = torch.randn(2, B, T, d, generator=g, dtype=torch.float64)
+    fast = [transport(P, rho, beta, y), *torch.autograd.grad((transport(P, rho, beta, y) * gout).sum(), (P, rho, beta, y))]
+    ref = [transport_reference(P, rho, beta, y),
+           *torch.autograd.grad((transport_reference(P, rho, beta, y) * gout).sum(), (P, rho, beta, y))]
+    for f, r in zip(fast, ref):
+        torch.testing.assert_close(f, r, rtol=0, atol=1e-12)
+    torch.autograd.gradcheck(transport, (P, rho, beta, y))
