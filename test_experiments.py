@@ -4,6 +4,7 @@ a tiny sweep."""
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -14,6 +15,7 @@ import torch
 
 import diagnose
 import sweep
+import train
 from model import GPT, GPTConfig
 
 
@@ -171,7 +173,6 @@ def test_diagnostics_of_denseformer_muddformer_and_delta():
 
 @pytest.mark.parametrize("residual", ["denseformer", "muddformer", "delta_attnres"])
 def test_diagnose_command_on_a_checkpoint(residual, tmp_path, byte_data):
-    import train
     train.main(["configs/test.py", f"--data_dir={byte_data}", f"--out_dir={tmp_path}", f"--residual={residual}",
                 "--max_steps=2", "--eval_interval=2", "--ckpt_interval=2"])
     out = diagnose.diagnose(str(tmp_path / "test"), tokens=256, batch_size=2)
@@ -214,3 +215,13 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
     assert (tmp_path / "runs" / "results.csv").read_text().count("\n") == 5
     again = subprocess.run(cmd, capture_output=True, text=True)  # everything finished: nothing reruns
     assert again.returncode == 0 and "===" not in again.stdout and "sweep:" not in again.stdout
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(Path(__file__).parent))
+                                        for p in (Path(__file__).parent / "configs").glob("sweep_*.py")))
+def test_every_sweep_variant_is_a_valid_config(path):
+    spec = sweep.load_sweep(path)
+    for overrides in spec["variants"].values():
+        argv = [spec["base"]] + [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(overrides)]
+        tc, model_settings = train.parse_config(argv)
+        train.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
