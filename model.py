@@ -560,7 +560,7 @@ class DenseFormer(nn.Module):
     a depth-weighted average (DWA) every p-th layer, over the outputs of every k-th layer:
         Y_i = sum_{j in S(i)} alpha_{i,j} X_j  if p | i, else Y_i = X_i;   S(i) = {0 <= j <= i: j = i mod k}
     Layer i+1 reads Y_i: its attention reads Y_i, its MLP m = Y_i + attn, and X_{i+1} = m + MLP(norm(m)).
-    The readout is Y_D. alpha[i] holds alpha_{i,j} for j in S(i), oldest first, the current output
+    The readout is Y_D. alpha["i"] holds alpha_{i,j} for j in S(i), oldest first, the current output
     last; free reals (no softmax, no normalisation). Init alpha_{i,i} = 1, the rest 0: Y_i = X_i,
     exactly the standard residual (the paper's and its code's init)."""
 
@@ -592,8 +592,8 @@ class _DenseStream:
         if j % 2 == 0:
             self.h = self.Y + y  # m = Y_i + attn
             return
-        self.X.append(self.h + y)  # X_{i+1}
-        i, m = len(self.X) - 1, self.m
+        self.X.append(self.h + y)  # X_i
+        i, m = len(self.X) - 1, self.m  # layer i (1-based) has ended
         self.Y = self.X[-1]
         if i % m.p == 0:  # DWA: Y_i = sum_{j in S(i)} alpha_{i,j} X_j
             alpha = m.alpha[str(i)]
@@ -612,26 +612,28 @@ def round64(x):
 
 class MUDDFormer(nn.Module):
     """MUDDFormer (Xiao et al., arXiv 2502.12170), section 7.2: multiway dynamic dense connections.
-    After layer i (i = 0..D-1), over the sources X_0..X_{i+1} (n_i = i + 2 of them), per token:
-        A_i   = W2_i GELU(W1_i RMSNorm(X_{i+1})) + a_i      [C_i, n_i]: C_i = 4 ways Q, K, V, R (1 after the last layer)
+    After layer i (i = 1..D), over the sources X_0..X_i, per token:
+        A_i   = W2_i GELU(W1_i RMSNorm(X_i)) + a_i      [C_i, i+1]: C_i = 4 ways Q, K, V, R; C_D = 1
         Z_i^c = sum_j A_i[c, j] X_j
-    Layer i+1:  attn = Attn(q from norm(Z^Q), k from norm(Z^K), v from norm(Z^V));  m = Z^R + attn;
-                X_{i+2} = m + MLP(norm(m))   (R is the residual base; the MLP reads the plain in-layer residual)
-    The readout is the last layer's one way. Hidden width H_i = round64(C_i n_i e_i), e_i = 1, and 4
-    after the last layer (the reference code's rule). W1 and W2 have no bias; a_i is the static part.
+    Layer i+1:  attn = Attn(q from norm(Z_i^Q), k from norm(Z_i^K), v from norm(Z_i^V));  m = Z_i^R + attn;
+                X_{i+1} = m + MLP(norm(m))   (R is the residual base; the MLP reads the plain in-layer residual)
+    The readout is Z_D, the last layer's one way. Hidden width H_i = round64(C_i (i+1) e_i), e_i = 1,
+    and 4 after the last layer (the reference code's rule). W1, W2: no bias; a_i: the static part.
+    W1[i-1], W2[i-1], a[i-1] hold W1_i, W2_i, a_i.
     Init (the reference's training code): W1 ~ normal(0, 1/d), W2 = 0, a_i one-hot on the current
-    output X_{i+1} in every way, so every Z^c = X_{i+1}: exactly the standard residual. (W1 then
-    starts with a zero gradient: it sits behind W2 = 0.)"""
+    output X_i in every way, so every Z^c = X_i: exactly the standard residual. (W1 then starts with
+    a zero gradient: it sits behind W2 = 0.)"""
 
     def __init__(self, cfg):
         super().__init__()
         D, d = cfg.n_layer, cfg.n_embd
-        ways = [4] * (D - 1) + [1]
-        expand = [1] * (D - 1) + [4]
-        hidden = [round64(C * (i + 2) * e) for i, (C, e) in enumerate(zip(ways, expand))]
+        ways = [4] * (D - 1) + [1]  # C_i: Q, K, V, R; one way after the last layer
+        expand = [1] * (D - 1) + [4]  # e_i
+        n = range(2, D + 2)  # sources after layer i = 1..D: i + 1
+        hidden = [round64(C * n_i * e) for C, n_i, e in zip(ways, n, expand)]
         self.W1 = nn.ParameterList(nn.Parameter(torch.zeros(d, H)) for H in hidden)
-        self.W2 = nn.ParameterList(nn.Parameter(torch.zeros(H, C * (i + 2))) for i, (H, C) in enumerate(zip(hidden, ways)))
-        self.a = nn.ParameterList(nn.Parameter(torch.zeros(C, i + 2)) for i, C in enumerate(ways))
+        self.W2 = nn.ParameterList(nn.Parameter(torch.zeros(H, C * n_i)) for H, C, n_i in zip(hidden, ways, n))
+        self.a = nn.ParameterList(nn.Parameter(torch.zeros(C, n_i)) for C, n_i in zip(ways, n))
 
     @torch.no_grad()
     def reset_parameters(self, rng):
@@ -639,23 +641,23 @@ class MUDDFormer(nn.Module):
             W1.copy_(torch.empty(W1.shape).normal_(0.0, W1.size(0) ** -0.5, generator=rng(f"W1.{i}")))
             W2.zero_()
             a.zero_()
-            a[:, -1] = 1.0  # every way reads the current output X_{i+1}
+            a[:, -1] = 1.0  # every way reads the current output X_i
 
     def start(self, x0, record=None):
         return _MuddStream(self, x0, record)
 
     def weights(self, i, X):
-        """A_i [C_i, n_i, B, T] (way-major) from the newest output X = X_{i+1}, in float32."""
-        dt = compute_dtype(X)
+        """A_i [C_i, i+1, B, T] (way-major) from the output of layer i, X = X_i, in float32."""
+        W1, W2, a, dt = self.W1[i - 1], self.W2[i - 1], self.a[i - 1], compute_dtype(X)
         with float32_routing(X):
-            A = F.gelu(norm(X.to(dt)) @ self.W1[i].to(dt)) @ self.W2[i].to(dt) + self.a[i].flatten().to(dt)
-        return A.unflatten(-1, self.a[i].shape).permute(2, 3, 0, 1)
+            A = F.gelu(norm(X.to(dt)) @ W1.to(dt)) @ W2.to(dt) + a.flatten().to(dt)
+        return A.unflatten(-1, a.shape).permute(2, 3, 0, 1)
 
 
 class _MuddStream:
     def __init__(self, mod, x0, record):
         self.m, self.record = mod, record
-        self.X, self.Z = [x0], (x0,) * 4  # layer 0 reads x0 in every way
+        self.X, self.Z = [x0], (x0,) * 4  # the first layer reads x0 in every way
 
     def read(self, j):
         return self.Z[:3] if j % 2 == 0 else self.h  # (Z^Q, Z^K, Z^V); the MLP reads m
@@ -664,12 +666,12 @@ class _MuddStream:
         if j % 2 == 0:
             self.h = self.Z[3] + y  # m = Z^R + attn
             return
-        self.X.append(self.h + y)  # X_{i+1}
-        i = j // 2
+        self.X.append(self.h + y)  # X_i
+        i = len(self.X) - 1  # layer i (1-based) has ended
         A = self.m.weights(i, self.X[-1])
-        self.Z = sum(A[:, r].unsqueeze(-1) * X for r, X in enumerate(self.X)).unbind(0)  # Z^c = sum_j A[c, j] X_j
-        if self.record is not None:  # named by the site that reads the mix
-            site = f"attn.{i + 1}" if len(self.Z) > 1 else "readout"
+        self.Z = sum(A[:, j].unsqueeze(-1) * X for j, X in enumerate(self.X)).unbind(0)  # Z_i^c = sum_j A_i[c, j] X_j
+        if self.record is not None:  # named by the site that reads the mix: the next layer's attention
+            site = f"attn.{i}" if len(self.Z) > 1 else "readout"
             self.record[site] = (A if len(self.Z) > 1 else A[0]).detach()  # [4, n, B, T] or [n, B, T]
 
     def readout(self):
