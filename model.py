@@ -888,7 +888,8 @@ class GPT(nn.Module):
         """idx [B, T] token ids. Returns (logits, loss); loss is None without targets.
         kv_cache: a KVCache for incremental decoding. routing: a dict to fill with each site's
         depth-routing weights [n_sources, B, T] (RD-AttnRes attention sites: [n, 2, B, T], QK
-        route then V route)."""
+        route then V route; MUDDFormer: [4 ways, n, B, T] at the attention that reads a mix;
+        DenseFormer: "dwa.i", the static weights [|S(i)|] of the DWA after layer i)."""
         B, T = idx.shape
         P = kv_cache.pos if kv_cache is not None else 0
         if P + T > self.cfg.block_size:
