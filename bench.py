@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+import typing
 
 import torch
 import torch._dynamo
@@ -32,7 +33,7 @@ import torch._dynamo
 from model import GPT, GPTConfig, ReferenceRouter, compile_model
 from routing import TwoPhaseRouter, rms_inv
 
-DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc"
+DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc,denseformer,muddformer,delta_attnres"
 
 
 def parse_variant(spec):
@@ -40,8 +41,9 @@ def parse_variant(spec):
     kw = dict(residual=name)
     for pair in pairs:
         key, value = pair.split("=")
-        field = GPTConfig.__dataclass_fields__[key]
-        kw[key] = {int: int, float: float, bool: lambda v: v.lower() in ("1", "true")}.get(field.type, str)(value)
+        typ = GPTConfig.__dataclass_fields__[key].type
+        typ = next((t for t in typing.get_args(typ) if t is not type(None)), typ)  # int | None -> int
+        kw[key] = {int: int, float: float, bool: lambda v: v.lower() in ("1", "true")}.get(typ, str)(value)
     return kw
 
 

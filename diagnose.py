@@ -5,6 +5,9 @@ What did a model's depth routing learn? Diagnostics from a checkpoint, on held-o
         rd_attnres   Jensen-Shannon divergence between the QK and V routes, per layer and mean
         dar          linear CKA between the two streams per layer, and each stream's rescue gain
         hc, mhc      the mean residual mixing matrices
+        full_attnres, block_attnres, delta_attnres   the mean largest routing weight per site
+        denseformer  the DWA weight matrix (static: no tokens needed)
+        muddformer   the mean per-token weights per way (Q, K, V, R), on the newest output and on x0
     python diagnose.py --curves runs/sweep/*/            # validation-loss curves across runs
 
 Writes diagnostics.json and PNG plots into --out (default: the run directory). Plots need
@@ -107,6 +110,36 @@ def dar_rescue_gains(model, batches, base_loss):
     return gains
 
 
+def max_weight_per_site(records, n_layer):
+    """{site: the largest routing weight of a token, averaged over tokens}, for one-route sites with
+    more than one source (the Delta AttnRes paper compares this peak across variants)."""
+    out = {}
+    for site in site_names(n_layer):
+        if site in records[0] and records[0][site].dim() == 3 and records[0][site].size(0) > 1:
+            out[site] = torch.cat([r[site].amax(0).flatten() for r in records]).mean().item()
+    return out
+
+
+def dwa_weights(records, n_layer, k):
+    """DenseFormer: {"dwa.i": alpha_{i,j} over the sources j = 0..n_layer, NaN where j is not in S(i)}."""
+    out = {}
+    for i in range(1, n_layer + 1):
+        if f"dwa.{i}" in records[0]:
+            row = torch.full((n_layer + 1,), float("nan"))
+            row[i % k:i + 1:k] = records[0][f"dwa.{i}"].float()  # static weights: one batch tells
+            out[f"dwa.{i}"] = row
+    return out
+
+
+def mudd_way_summary(maps):
+    """MUDDFormer: per way, the mean weight on the newest layer output (1 at init) and on the
+    embedding (0 at init), over the sites that read a 4-way mix."""
+    ways = [m for site, m in maps.items() if m.dim() == 2]  # [4 ways, n sources]
+    return {way: dict(newest=statistics.fmean(m[c, -1].item() for m in ways),
+                      embedding=statistics.fmean(m[c, 0].item() for m in ways))
+            for c, way in enumerate("QKVR")}
+
+
 def mixing_matrices(records, n_layer):
     """{site: mean H_res (mhc) / Ar (hc) over tokens, [n, n]}."""
     return {site: torch.cat([r[site + "/res"].flatten(0, 1) for r in records]).mean(0)
@@ -126,27 +159,36 @@ def pyplot():
         return None
 
 
+ROUTE_NAMES = {"rd_attnres": ("QK route", "V route"), "dar": ("stream 0", "stream 1"),
+               "muddformer": ("Q way", "K way", "V way", "R way"), "denseformer": ("DWA weights",)}
+
+
 def plot_routing_maps(maps, path, title, residual):
     """One heatmap per route: rows are sites in depth order, columns are sources (0 = embedding).
-    RD-AttnRes: the QK and V routes (MLP sites and readout appear in both); DAR: one per stream."""
+    RD-AttnRes: the QK and V routes (MLP sites and readout appear in both); DAR: one per stream;
+    MUDDFormer: one per way (the readout's one way in each). DenseFormer and MUDDFormer weights are
+    free reals, not a softmax: a diverging colour scale centred on 0."""
     plt = pyplot()
     if plt is None:
         return None
-    names = {"rd_attnres": ("QK route", "V route"), "dar": ("stream 0", "stream 1")}.get(residual, ("routing weights",))
+    names = ROUTE_NAMES.get(residual, ("routing weights",))
     routes = {name: {} for name in names}
     for site, m in maps.items():
         for r, name in enumerate(names):
             if m.dim() == 1:
                 routes[name][site] = m
-            else:  # RD attention sites [n, 2 routes]; DAR sites [2 targets, n]
+            else:  # RD attention sites [n, 2 routes]; DAR sites [2 targets, n]; MUDD sites [4 ways, n]
                 routes[name][site] = m[:, r] if residual == "rd_attnres" else m[r]
+    signed = residual in ("denseformer", "muddformer")
+    top = max(v.nan_to_num().abs().max().item() for v in maps.values()) if signed else 1.0
+    scale = dict(cmap="RdBu_r", vmin=-top, vmax=top) if signed else dict(cmap="viridis", vmin=0, vmax=1)
     fig, axes = plt.subplots(1, len(routes), figsize=(4.5 * len(routes), 6), squeeze=False)
     for ax, (name, rows) in zip(axes[0], routes.items()):
         width = max(len(v) for v in rows.values())
         grid = torch.full((len(rows), width), float("nan"))
         for r, v in enumerate(rows.values()):
             grid[r, :len(v)] = v
-        im = ax.imshow(grid.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        im = ax.imshow(grid.numpy(), aspect="auto", **scale)
         ax.set_yticks(range(len(rows)), list(rows), fontsize=6)
         ax.set_xlabel("source (0 = embedding)")
         ax.set_title(name or "routing weights", fontsize=9)
@@ -201,8 +243,16 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu"):
     loss, records = collect(model, batches)
     out = dict(checkpoint=ckpt_path, residual=cfg.residual, step=ckpt["step"], val_loss=loss)
     n = cfg.n_layer
-    if cfg.residual != "standard" and cfg.residual not in ("hc", "mhc"):
+    if cfg.residual not in ("standard", "hc", "mhc", "denseformer"):
         out["routing_maps"] = {k: v.tolist() for k, v in routing_maps(records, n).items()}
+    if cfg.residual in ("full_attnres", "block_attnres", "delta_attnres"):
+        peak = max_weight_per_site(records, n)
+        out["max_weight_per_site"], out["max_weight_mean"] = peak, statistics.fmean(peak.values()) if peak else None
+    if cfg.residual == "denseformer":  # NaN (j not in S(i)) as null in the JSON
+        dwa = dwa_weights(records, n, cfg.denseformer_dilation or 1)
+        out["dwa_weights"] = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in dwa.items()}
+    if cfg.residual == "muddformer":
+        out["mudd_ways"] = mudd_way_summary(routing_maps(records, n))
     if cfg.residual == "rd_attnres" and (cfg.rd_mode or "decoupled") != "tied":
         js = rd_js_per_layer(records, n)
         out["js_qk_v_per_layer"], out["js_qk_v_mean"] = js, sum(js) / n
@@ -215,8 +265,8 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu"):
 
     out_dir = out_dir or (ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(ckpt_path))
     os.makedirs(out_dir, exist_ok=True)
-    if "routing_maps" in out:
-        maps = {k: torch.tensor(v) for k, v in out["routing_maps"].items()}
+    if "routing_maps" in out or "dwa_weights" in out:
+        maps = routing_maps(records, n) if "routing_maps" in out else dwa
         out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
                                                 f"{cfg.residual}, step {ckpt['step']}", cfg.residual)
     with open(os.path.join(out_dir, "diagnostics.json"), "w") as f:
@@ -233,6 +283,17 @@ def summary(d):
         lines.append("stream CKA per layer: " + " ".join(f"{x:.3f}" for x in d["cka_per_layer"]))
         lines.append("rescue gain per layer (stream 0 / stream 1): " +
                      " ".join(f"{g['stream0']:.2f}/{g['stream1']:.2f}" for g in d["rescue_gain_per_layer"]))
+    if d.get("max_weight_mean") is not None:
+        lines.append("largest routing weight per token, mean per site: " +
+                     " ".join(f"{x:.2f}" for x in d["max_weight_per_site"].values()) + f"  mean {d['max_weight_mean']:.3f}")
+    if "dwa_weights" in d:
+        lines.append("DWA weight on the current output (init 1): " +
+                     " ".join(f"{k}={[x for x in v if x is not None][-1]:.2f}" for k, v in d["dwa_weights"].items()))
+        last = list(d["dwa_weights"])[-1]
+        lines.append(f"{last} over x0, X_1, ..: " + " ".join("-" if x is None else f"{x:.2f}" for x in d["dwa_weights"][last]))
+    if "mudd_ways" in d:
+        lines.append("MUDD mean weight per way, on the newest output (init 1) / on x0 (init 0): " +
+                     " ".join(f"{w} {v['newest']:.2f}/{v['embedding']:.2f}" for w, v in d["mudd_ways"].items()))
     if "mixing_matrices" in d:
         last = list(d["mixing_matrices"])[-1]
         lines.append(f"mean mixing matrix at {last}: " + str([[round(x, 3) for x in row] for row in d["mixing_matrices"][last]]))

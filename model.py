@@ -11,6 +11,9 @@ themselves never change. The math contract is VARIANTS.md; section numbers below
     rd_attnres     Block AttnRes, but attention reads Q/K and V through two routes (section 4)
     dar            two streams; each retrieves its history with keys from the other (section 5)
     hc, mhc        n streams mixed by (manifold-constrained) Hyper-Connections (section 6)
+    denseformer    after every p-th layer, a static weighted average of x0 and the layer outputs (section 7.1)
+    muddformer     per-token weighted sums of x0 and the layer outputs, one per input Q, K, V, R (section 7.2)
+    delta_attnres  the standard stream plus depth attention over earlier outputs or blocks (section 7.3)
 
 One primitive, `depth_attention` (routing weights, then the weighted sum), carries AttnRes, RD-AttnRes
 and DAR; routing.py computes it fast (two-phase, block-wise) and is tested equal to it.
@@ -27,7 +30,8 @@ import torch.nn.functional as F
 
 from routing import TwoPhaseRouter, compute_dtype, float32_routing, rms_inv, transport
 
-RESIDUALS = ("standard", "full_attnres", "block_attnres", "rd_attnres", "dar", "hc", "mhc")
+RESIDUALS = ("standard", "full_attnres", "block_attnres", "rd_attnres", "dar", "hc", "mhc",
+             "denseformer", "muddformer", "delta_attnres")
 RD_MODES = ("decoupled", "tied", "average", "frozen_v")
 DAR_ROUTINGS = ("cross", "self_kv", "cross_v", "fixed_kv", "sep_v")
 DEPTH_IMPLS = ("two_phase", "reference")
@@ -51,6 +55,9 @@ class GPTConfig:
     dar_include_partial: bool = True  # the current in-block state is a candidate source
     dar_routing: str | None = None  # dar only; None means "cross"
     hc_streams: int = 4  # n, for hc and mhc (mhc with 2 is the DAR paper's mHC-2 baseline)
+    denseformer_dilation: int | None = None  # k, in transformer layers; denseformer only; None means 1
+    denseformer_period: int | None = None  # p, a DWA after every p-th layer; denseformer only; None means 1
+    delta_block_size: int | None = None  # S, in sublayers; delta_attnres only; None means 1 (per sublayer)
     depth_impl: str = "two_phase"  # "two_phase" (routing.py) or "reference" (plain autograd, site by site)
     depth_chunk: int = 4  # two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)
 
@@ -75,6 +82,17 @@ class GPTConfig:
         need(self.depth_impl in DEPTH_IMPLS, f"unknown depth_impl {self.depth_impl!r}; choose one of {', '.join(DEPTH_IMPLS)}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, residual in (("denseformer_dilation", "denseformer"), ("denseformer_period", "denseformer"),
+                               ("delta_block_size", "delta_attnres")):
+            value = getattr(self, name)
+            need(value is None or self.residual == residual,
+                 f"{name}={value!r} only applies to residual={residual!r} (got residual={self.residual!r}); drop {name}")
+        for name in ("denseformer_dilation", "denseformer_period"):
+            value = getattr(self, name)
+            need(value is None or 1 <= value <= self.n_layer,
+                 f"{name} counts transformer layers and must be between 1 and n_layer={self.n_layer}, got {value}")
+        need(self.delta_block_size is None or self.delta_block_size >= 1,
+             f"delta_block_size counts sublayers and must be >= 1, got {self.delta_block_size}")
         need(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         need((self.n_embd // self.n_head) % 2 == 0, f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
         need(self.logit_softcap >= 0, f"logit_softcap must be >= 0, got {self.logit_softcap}")
@@ -536,6 +554,188 @@ class _MultiStream:
 
 
 # ----------------------------------------------------------------------------------------------
+# Section 7. DenseFormer and MUDDFormer connect whole transformer layers, as their papers do: they
+# keep the layer outputs X_0 = x0, X_1, .., X_D (D = n_layer; X_i is the state after layer i, its
+# internal residual included) and feed each layer a mix of them. Delta AttnRes routes per sublayer
+# (or block) and adds its routing to the standard stream instead of replacing it.
+
+
+class DenseFormer(nn.Module):
+    """DenseFormer (Pagliardini et al., arXiv 2402.02622), section 7.1. After layer i (i = 1..D),
+    a depth-weighted average (DWA) every p-th layer, over the outputs of every k-th layer:
+        Y_i = sum_{j in S(i)} alpha_{i,j} X_j  if p | i, else Y_i = X_i;   S(i) = {0 <= j <= i: j = i mod k}
+    Layer i+1 reads Y_i: its attention reads Y_i, its MLP m = Y_i + attn, and X_{i+1} = m + MLP(norm(m)).
+    The readout is Y_D. alpha["i"] holds alpha_{i,j} for j in S(i), oldest first, the current output
+    last; free reals (no softmax, no normalisation). Init alpha_{i,i} = 1, the rest 0: Y_i = X_i,
+    exactly the standard residual (the paper's and its code's init)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.k, self.p = cfg.denseformer_dilation or 1, cfg.denseformer_period or 1
+        self.alpha = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(i // self.k + 1))  # |S(i)|
+                                       for i in range(self.p, cfg.n_layer + 1, self.p)})
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        for a in self.alpha.values():
+            a.zero_()
+            a[-1] = 1.0  # alpha_{i,i} = 1: the identity
+
+    def start(self, x0, record=None):
+        return _DenseStream(self, x0, record)
+
+
+class _DenseStream:
+    def __init__(self, mod, x0, record):
+        self.m, self.record = mod, record
+        self.X, self.Y = [x0], x0  # X_0 = x0, Y_0 = X_0
+
+    def read(self, j):
+        return self.Y if j % 2 == 0 else self.h  # the attention reads Y_i, the MLP the in-layer residual
+
+    def write(self, j, y):
+        if j % 2 == 0:
+            self.h = self.Y + y  # m = Y_i + attn
+            return
+        self.X.append(self.h + y)  # X_i
+        i, m = len(self.X) - 1, self.m  # layer i (1-based) has ended
+        self.Y = self.X[-1]
+        if i % m.p == 0:  # DWA: Y_i = sum_{j in S(i)} alpha_{i,j} X_j
+            alpha = m.alpha[str(i)]
+            self.Y = sum(a * X for a, X in zip(alpha.unbind(), self.X[i % m.k::m.k]))
+            if self.record is not None:
+                self.record[f"dwa.{i}"] = alpha.detach()  # [|S(i)|], static: the same for every token
+
+    def readout(self):
+        return self.Y
+
+
+def round64(x):
+    """The MUDDFormer code's hidden-size rule: the next multiple of 64 strictly above x (64 -> 128)."""
+    return (x // 64 + 1) * 64
+
+
+class MUDDFormer(nn.Module):
+    """MUDDFormer (Xiao et al., arXiv 2502.12170), section 7.2: multiway dynamic dense connections.
+    After layer i (i = 1..D), over the sources X_0..X_i, per token:
+        A_i   = W2_i GELU(W1_i RMSNorm(X_i)) + a_i      [C_i, i+1]: C_i = 4 ways Q, K, V, R; C_D = 1
+        Z_i^c = sum_j A_i[c, j] X_j
+    Layer i+1:  attn = Attn(q from norm(Z_i^Q), k from norm(Z_i^K), v from norm(Z_i^V));  m = Z_i^R + attn;
+                X_{i+1} = m + MLP(norm(m))   (R is the residual base; the MLP reads the plain in-layer residual)
+    The readout is Z_D, the last layer's one way. Hidden width H_i = round64(C_i (i+1) e_i), e_i = 1,
+    and 4 after the last layer (the reference code's rule). W1, W2: no bias; a_i: the static part.
+    W1[i-1], W2[i-1], a[i-1] hold W1_i, W2_i, a_i.
+    Init (the reference's training code): W1 ~ normal(0, 1/d), W2 = 0, a_i one-hot on the current
+    output X_i in every way, so every Z^c = X_i: exactly the standard residual. (W1 then starts with
+    a zero gradient: it sits behind W2 = 0.)"""
+
+    def __init__(self, cfg):
+        super().__init__()
+        D, d = cfg.n_layer, cfg.n_embd
+        ways = [4] * (D - 1) + [1]  # C_i: Q, K, V, R; one way after the last layer
+        expand = [1] * (D - 1) + [4]  # e_i
+        n = range(2, D + 2)  # sources after layer i = 1..D: i + 1
+        hidden = [round64(C * n_i * e) for C, n_i, e in zip(ways, n, expand)]
+        self.W1 = nn.ParameterList(nn.Parameter(torch.zeros(d, H)) for H in hidden)
+        self.W2 = nn.ParameterList(nn.Parameter(torch.zeros(H, C * n_i)) for H, C, n_i in zip(hidden, ways, n))
+        self.a = nn.ParameterList(nn.Parameter(torch.zeros(C, n_i)) for C, n_i in zip(ways, n))
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        for i, (W1, W2, a) in enumerate(zip(self.W1, self.W2, self.a)):
+            W1.copy_(torch.empty(W1.shape).normal_(0.0, W1.size(0) ** -0.5, generator=rng(f"W1.{i}")))
+            W2.zero_()
+            a.zero_()
+            a[:, -1] = 1.0  # every way reads the current output X_i
+
+    def start(self, x0, record=None):
+        return _MuddStream(self, x0, record)
+
+    def weights(self, i, X):
+        """A_i [C_i, i+1, B, T] (way-major) from the output of layer i, X = X_i, in float32."""
+        W1, W2, a, dt = self.W1[i - 1], self.W2[i - 1], self.a[i - 1], compute_dtype(X)
+        with float32_routing(X):
+            A = F.gelu(norm(X.to(dt)) @ W1.to(dt)) @ W2.to(dt) + a.flatten().to(dt)
+        return A.unflatten(-1, a.shape).permute(2, 3, 0, 1)
+
+
+class _MuddStream:
+    def __init__(self, mod, x0, record):
+        self.m, self.record = mod, record
+        self.X, self.Z = [x0], (x0,) * 4  # the first layer reads x0 in every way
+
+    def read(self, j):
+        return self.Z[:3] if j % 2 == 0 else self.h  # (Z^Q, Z^K, Z^V); the MLP reads m
+
+    def write(self, j, y):
+        if j % 2 == 0:
+            self.h = self.Z[3] + y  # m = Z^R + attn
+            return
+        self.X.append(self.h + y)  # X_i
+        i = len(self.X) - 1  # layer i (1-based) has ended
+        A = self.m.weights(i, self.X[-1])
+        self.Z = sum(A[:, j].unsqueeze(-1) * X for j, X in enumerate(self.X)).unbind(0)  # Z_i^c = sum_j A_i[c, j] X_j
+        if self.record is not None:  # named by the site that reads the mix: the next layer's attention
+            site = f"attn.{i}" if len(self.Z) > 1 else "readout"
+            self.record[site] = (A if len(self.Z) > 1 else A[0]).detach()  # [4, n, B, T] or [n, B, T]
+
+    def readout(self):
+        return self.Z[0]
+
+
+class DeltaAttnRes(nn.Module):
+    """Delta Attention Residuals (Luo, Cai, Hu, arXiv 2605.18855), section 7.3: additive routing.
+    The standard residual stream stays as it is; each sublayer's input adds depth attention over the
+    completed sources (S = delta_block_size sublayers per block; S = 1: every earlier output):
+        h~_j = x0 + y_0 + .. + y_{j-1}
+        h_j  = h~_j + depth_attention([x0, b_1, .., b_m], w_j)   b = completed block sums (S = 1: y_0..y_{j-1})
+        y_j  = F_j(PreNorm_j(h_j)),  h~_{j+1} = h~_j + y_j         (the routed h_j is never written back)
+    The open block reaches h_j only through h~_j. The readout is h~_L (no readout query). w_j is
+    zero-initialised; w_0 is inert (sublayer 0 routes over x0 alone: h_0 = 2 x0, x0 after the norm)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.L = 2 * cfg.n_layer
+        self.S = cfg.delta_block_size or 1
+        self.chunk = _chunk(self.S, cfg)
+        self.impl = cfg.depth_impl
+        self.w = nn.Parameter(torch.zeros(self.L, cfg.n_embd))
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        self.w.zero_()  # uniform routing at init: S = 1 is then the standard residual up to the norms' eps
+
+    def start(self, x0, record=None):
+        return _DeltaStream(self, x0, record)
+
+
+class _DeltaStream(_BlockHistory):
+    def __init__(self, mod, x0, record):
+        super().__init__(mod, x0, record)
+        self.h, self.dtype = x0, x0.dtype  # h~, the standard stream
+
+    def read(self, j):
+        m = self.m
+        if j > 0 and j % m.S == 0:  # a block boundary closes the partial sum: b = sum of the block's y
+            self._close_block()
+        if j % m.chunk == 0:
+            self._open(m.w[j:j + m.chunk])
+        recent, inv = self._recent(with_partial=False)  # completed blocks only
+        if self.record is None:
+            return self.h + self.router.read(j % m.chunk, recent, inv)
+        r, a = self.router.attend(j % m.chunk, recent)
+        self.record[_site_name(j)] = a.detach()  # [n, B, T]
+        return self.h + r
+
+    def write(self, j, y):
+        self.h = self.h + y
+        self.partial = y if self.partial is None else self.partial.to(self.dtype) + y
+
+    def readout(self):
+        return self.h
+
+
+# ----------------------------------------------------------------------------------------------
 # The transformer: RMSNorm pre-norms without gains, rotary attention with QK-norm, ReLU^2 MLP.
 
 
@@ -577,13 +777,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=False)
 
     def forward(self, h, cos, sin, layer, cache=None):
-        """h is the sublayer input, or (h_QK, h_V) when RD-AttnRes routes values separately."""
-        h_qk, h_v = h if isinstance(h, tuple) else (h, None)
-        x_qk = norm(h_qk)
-        x_v = x_qk if h_v is None else norm(h_v)
-        B, T, _ = x_qk.shape
-        q = self.c_q(x_qk).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x_qk).view(B, T, self.n_head, self.head_dim)
+        """h is the sublayer input h, or (h_QK, h_V) (RD-AttnRes routes values separately), or
+        (h_Q, h_K, h_V) (MUDDFormer). Each distinct input is normalised once."""
+        h = h if isinstance(h, tuple) else (h,)
+        h_q, h_k, h_v = h if len(h) == 3 else (h[0], h[0], h[-1])
+        x_q = norm(h_q)
+        x_k = x_q if h_k is h_q else norm(h_k)
+        x_v = x_q if h_v is h_q else x_k if h_v is h_k else norm(h_v)
+        B, T, _ = x_q.shape
+        q = self.c_q(x_q).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x_k).view(B, T, self.n_head, self.head_dim)
         v = self.c_v(x_v).view(B, T, self.n_head, self.head_dim)
         q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)  # QK-norm, then RoPE
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -624,6 +827,12 @@ def make_residual(cfg):
         return HyperConnections(cfg)
     if cfg.residual == "mhc":
         return ManifoldHC(cfg)
+    if cfg.residual == "denseformer":
+        return DenseFormer(cfg)
+    if cfg.residual == "muddformer":
+        return MUDDFormer(cfg)
+    if cfg.residual == "delta_attnres":
+        return DeltaAttnRes(cfg)
     return AttnRes(cfg)
 
 
@@ -684,7 +893,8 @@ class GPT(nn.Module):
         """idx [B, T] token ids. Returns (logits, loss); loss is None without targets.
         kv_cache: a KVCache for incremental decoding. routing: a dict to fill with each site's
         depth-routing weights [n_sources, B, T] (RD-AttnRes attention sites: [n, 2, B, T], QK
-        route then V route)."""
+        route then V route; MUDDFormer: [4 ways, n, B, T] at the attention that reads a mix;
+        DenseFormer: "dwa.i", the static weights [|S(i)|] of the DWA after layer i)."""
         B, T = idx.shape
         P = kv_cache.pos if kv_cache is not None else 0
         if P + T > self.cfg.block_size:

@@ -4,9 +4,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import bench
-from model import GPT, GPTConfig, KVCache, norm
+import model as model_module
+from model import GPT, GPTConfig, KVCache, MUDDFormer, depth_attention, norm
 
 VARIANTS = [
     dict(residual="standard"),
@@ -22,17 +24,24 @@ VARIANTS = [
     dict(residual="hc"),
     dict(residual="mhc"),
     dict(residual="mhc", hc_streams=2),
+    dict(residual="denseformer"),
+    dict(residual="denseformer", denseformer_dilation=2, denseformer_period=2),  # one DWA, after layer 2 of 3
+    dict(residual="muddformer"),
+    dict(residual="delta_attnres"),
+    dict(residual="delta_attnres", delta_block_size=4),
 ]
 IDS = ["-".join(map(str, v.values())) for v in VARIANTS]
-ATTNRES = [v for v in VARIANTS[1:] if v["residual"].endswith("attnres")]
+ATTNRES = [v for v in VARIANTS if v["residual"] in ("full_attnres", "block_attnres", "rd_attnres")]
 DAR = [v for v in VARIANTS if v["residual"] == "dar"]
 # Parameters whose gradient is zero at init by construction, not by accident:
 #   hc: s * tanh(RMSNorm(H) W) with W = 0 (the paper's init) gives the scales s no gradient, and
 #   its streams start equal (B = 1, Ar = I), so dL/dAm_i = g . H_i = g . h = 0: the branch input h
 #   feeds a scale-invariant norm, whose gradient is orthogonal to h;
 #   dar fixed_kv: both targets read the same keys and values, so r_0 = r_1 while their queries are
-#   equal (zero at init) and the fusion gate alpha gets none.
-ZERO_GRAD_AT_INIT = {"hc": {"router.s_alpha", "router.s_beta", "router.Am"}, "fixed_kv": {"router.theta_alpha"}}
+#   equal (zero at init) and the fusion gate alpha gets none;
+#   muddformer: W1 sits behind W2 = 0 (the reference's init), so W1 (router.W1.<layer>) gets none.
+ZERO_GRAD_AT_INIT = {"hc": {"router.s_alpha", "router.s_beta", "router.Am"}, "fixed_kv": {"router.theta_alpha"},
+                     "muddformer": {"router.W1"}}
 
 
 def tiny(seed=0, dtype=torch.float64, **kw):
@@ -188,7 +197,8 @@ def test_causal(variant):
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_first_input_is_embedding_and_all_params_get_grads(variant):
     """AttnRes-family sublayer 0 reads x0 itself; the multi-stream variants read a multiple of it
-    (mhc's one-hot-ish read, dar's two gates summing to 1), which the pre-norm makes x0 again."""
+    (mhc's one-hot-ish read, dar's two gates summing to 1), and delta_attnres x0 + x0, which the
+    pre-norm makes x0 again."""
     model = tiny(**variant)
     seen = []
     model.blocks[0].attn.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
@@ -196,15 +206,16 @@ def test_first_input_is_embedding_and_all_params_get_grads(variant):
     loss_and_grads(model, idx)
     h0 = seen[0] if not isinstance(seen[0], tuple) else seen[0][0]
     x0 = model.wte(idx)
-    if variant["residual"] in ("dar", "mhc"):
-        torch.testing.assert_close(norm(h0), norm(x0), rtol=0, atol=1e-12)
+    if variant["residual"] in ("dar", "mhc", "delta_attnres"):
+        eps_effect = 1e-11 if variant["residual"] == "delta_attnres" else 1e-12  # 2 x0: the norm's eps counts half
+        torch.testing.assert_close(norm(h0), norm(x0), rtol=0, atol=eps_effect)
     else:
         assert torch.equal(h0, x0)
     exempt = ZERO_GRAD_AT_INIT.get(variant.get("dar_routing", variant["residual"]), set())
     for n, p in model.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and torch.isfinite(p.grad).all(), n
-            if n in exempt:
+            if n in exempt or n.rsplit(".", 1)[0] in exempt:
                 assert p.grad.abs().max() < 1e-13, f"{n} was expected to start with a zero gradient"
             else:
                 assert p.grad.abs().max() > 1e-12, f"{n} has an all-zero gradient at init"
@@ -226,6 +237,13 @@ def test_first_input_is_embedding_and_all_params_get_grads(variant):
     (dict(residual="dar", dar_block_size=0), "dar_block_size counts transformer layers and must be >= 1"),
     (dict(depth_chunk=0), "depth_chunk counts sublayers and must be >= 1"),
     (dict(residual="mhc", hc_streams=0), "hc_streams must be >= 1"),
+    (dict(residual="standard", denseformer_dilation=2), "denseformer_dilation=2 only applies to residual='denseformer'"),
+    (dict(residual="muddformer", denseformer_period=2), "denseformer_period=2 only applies to residual='denseformer'"),
+    (dict(residual="denseformer", n_layer=4, denseformer_period=5),
+     "denseformer_period counts transformer layers and must be between 1 and n_layer=4, got 5"),
+    (dict(residual="denseformer", denseformer_dilation=0), "denseformer_dilation .* between 1 and n_layer"),
+    (dict(residual="block_attnres", delta_block_size=4), "delta_block_size=4 only applies to residual='delta_attnres'"),
+    (dict(residual="delta_attnres", delta_block_size=0), "delta_block_size counts sublayers and must be >= 1"),
 ])
 def test_bad_config_raises_clear_error(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -422,3 +440,161 @@ def test_step0_loss_is_log_vocab(variant):
     model = tiny(**variant)
     _, loss = model(tokens(B=4, T=16), tokens(B=4, T=16, seed=1))
     assert abs(loss.item() - math.log(61)) < 0.05
+
+
+
+# --- 7. DenseFormer, MUDDFormer, Delta AttnRes ----------------------------------------------------------
+
+def run_layers(model, idx, after_layer):
+    """The layer loop of the per-layer variants (VARIANTS.md section 7): layer i's attention reads
+    `inp` (a tensor, or a (Q, K, V) tuple), its MLP reads m = base + attn, and after_layer(i, X) gives
+    the next (inp, base) from the layer outputs X = [x0, X_1, .., X_{i+1}]; the readout is the last base."""
+    cos, sin = model.cos[:idx.size(1)], model.sin[:idx.size(1)]
+    X = [model.wte(idx)]
+    inp = base = X[0]
+    for i, block in enumerate(model.blocks):
+        m = base + block.attn(inp, cos, sin, i)
+        X.append(m + block.mlp(m))
+        inp, base = after_layer(i, X)
+    return model.lm_head(norm(base))
+
+
+def denseformer_textbook_logits(model, idx):
+    """Y_i = sum_{j in S(i)} alpha_{i,j} X_j if p | i, else X_i; S(i) = {0 <= j <= i: j = i mod k}."""
+    k, p = model.cfg.denseformer_dilation or 1, model.cfg.denseformer_period or 1
+
+    def dwa(i, X):
+        i += 1  # X_i is the output of the i-th layer
+        if i % p:
+            return X[i], X[i]
+        S = [j for j in range(i + 1) if j % k == i % k]
+        Y = sum(model.router.alpha[str(i)][n] * X[j] for n, j in enumerate(S))
+        return Y, Y
+
+    return run_layers(model, idx, dwa)
+
+
+DENSE_KP = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (3, 3)]  # 3 layers: p = 2 leaves the last one without a DWA
+
+
+@pytest.mark.parametrize("k, p", DENSE_KP)
+def test_denseformer_at_identity_init_is_standard_exactly(k, p):
+    idx = tokens()
+    ref, _ = tiny(residual="standard")(idx)
+    out, _ = tiny(residual="denseformer", denseformer_dilation=k, denseformer_period=p)(idx)
+    assert torch.equal(out, ref)  # 0 * X_j + .. + 1 * X_i = X_i in IEEE arithmetic
+
+
+@pytest.mark.parametrize("k, p", DENSE_KP)
+def test_denseformer_matches_its_textbook_definition(k, p):
+    model = tiny(residual="denseformer", denseformer_dilation=k, denseformer_period=p)
+    randomize_routing(model)
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], denseformer_textbook_logits(model, idx), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("k, p, count", [(1, 1, 90), (2, 1, 48), (4, 5, 5), (1, 12, 13)])
+def test_denseformer_parameter_count(k, p, count):
+    """P = sum over the DWAs i (p | i) of |S(i)| = floor(i / k) + 1; 12 layers, 1x1: D (D + 3) / 2 = 90."""
+    cfg = GPTConfig(n_layer=12, n_embd=8, n_head=2, residual="denseformer", denseformer_dilation=k, denseformer_period=p)
+    assert sum(a.numel() for a in model_module.DenseFormer(cfg).parameters()) == count
+
+
+def mudd_textbook_logits(model, idx):
+    """A_i = W2_i GELU(W1_i RMSNorm(X_{i+1})) + a_i per token, way-major [C, n]; Z^c = sum_j A[c, j] X_j;
+    the next attention reads (Z^Q, Z^K, Z^V), the next residual base is Z^R; the readout is the last
+    layer's one way."""
+    R = model.router
+
+    def mix(i, X):
+        A = F.gelu(norm(X[-1]) @ R.W1[i]) @ R.W2[i] + R.a[i].flatten()  # [B, T, C * n]
+        Z = torch.einsum("btcn,nbtd->cbtd", A.unflatten(-1, R.a[i].shape), torch.stack(X))
+        return (tuple(Z[:3]), Z[3]) if len(Z) == 4 else (None, Z[0])
+
+    return run_layers(model, idx, mix)
+
+
+def test_muddformer_at_init_is_standard_exactly():
+    idx = tokens()
+    assert torch.equal(tiny(residual="muddformer")(idx)[0], tiny(residual="standard")(idx)[0])
+
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_muddformer_matches_its_textbook_definition(n_layer):
+    model = tiny(residual="muddformer", n_layer=n_layer)
+    randomize_routing(model)
+    with torch.no_grad():
+        for W in model.router.W2:
+            W.mul_(0.1)  # random dynamic weights at a scale that keeps activations sane
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], mudd_textbook_logits(model, idx), rtol=0, atol=1e-10)
+
+
+def test_muddformer_parameter_count():
+    """Per layer d H_i + H_i C_i n_i + C_i n_i with H_i = round64(C_i n_i e_i): 610,689 at 12 x 768
+    (the design note's count of the reference's rule); every layer's H_i is 64 there."""
+    cfg = GPTConfig(n_layer=12, n_embd=768, residual="muddformer")
+    router = MUDDFormer(cfg)
+    assert sum(p.numel() for p in router.parameters()) == 610_689
+    assert [W.size(1) for W in router.W1] == [64] * 12
+    assert [tuple(a.shape) for a in router.a][::11] == [(4, 2), (1, 13)]  # 4 ways, then the readout's one
+
+
+def test_attention_reads_one_two_or_three_inputs_and_normalises_each_once(monkeypatch):
+    """h, (h_QK, h_V) and (h_Q, h_K, h_V) are one code path: a repeated input is the same input."""
+    model = tiny()
+    attn, cos, sin = model.blocks[0].attn, model.cos[:12], model.sin[:12]
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(2, 12, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    calls = []
+    monkeypatch.setattr(model_module, "norm", lambda x: calls.append(x) or norm(x))
+
+    def run(h):
+        calls.clear()
+        return attn(h, cos, sin, 0), len(calls) - 2  # minus QK-norm's two calls
+
+    (one, n1), (same3, n3), (rd, n2), (rd3, n2b), (qkv, n3b) = map(run, [a, (a, a, a), (a, b), (a, a, b), (a, b, c)])
+    assert (n1, n3, n2, n2b, n3b) == (1, 1, 2, 2, 3)
+    assert torch.equal(one, same3) and torch.equal(rd, rd3)
+    # (a, b, c): queries from a, keys from b, values from c
+    q, k, v = (lin(norm(x)).view(2, 12, 2, 16) for lin, x in ((attn.c_q, a), (attn.c_k, b), (attn.c_v, c)))
+    q, k = model_module.rotary(norm(q), cos, sin), model_module.rotary(norm(k), cos, sin)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    torch.testing.assert_close(qkv, attn.c_proj(y.transpose(1, 2).reshape(2, 12, 32)), rtol=0, atol=1e-12)
+
+
+def delta_textbook_logits(model, idx):
+    """h_j = h~_j + depth_attention([x0, b_1, .., b_m], w_j), b_m = sum of the y of completed block m
+    (S sublayers each); y_j = F_j(norm(h_j)); h~_{j+1} = h~_j + y_j; the readout is h~_L."""
+    S, w = model.cfg.delta_block_size or 1, model.router.w
+    cos, sin = model.cos[:idx.size(1)], model.sin[:idx.size(1)]
+    x0 = model.wte(idx)
+    h, ys = x0, []
+    for j in range(2 * model.cfg.n_layer):
+        blocks = [sum(ys[b * S:(b + 1) * S]) for b in range(j // S)]
+        h_j = h + depth_attention(w[j], [x0] + blocks)[0]
+        block = model.blocks[j // 2]
+        ys.append(block.attn(h_j, cos, sin, j // 2) if j % 2 == 0 else block.mlp(h_j))
+        h = h + ys[-1]
+    return model.lm_head(norm(h))
+
+
+def test_delta_with_zero_queries_and_s1_equals_standard():
+    """S = 1, uniform weights: h_j = h~_j + h~_j / (j + 1), a positive multiple of the standard input."""
+    idx = tokens()
+    ref, _ = tiny(residual="standard")(idx)
+    torch.testing.assert_close(tiny(residual="delta_attnres")(idx)[0], ref, rtol=0, atol=1e-9)
+    block = tiny(residual="delta_attnres", delta_block_size=4)(idx)[0]
+    assert (block - ref).abs().max() > 1e-4  # S > 1 is not an exact reduction (section 7.3)
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 7])
+def test_delta_matches_its_textbook_definition(S):
+    model = tiny(residual="delta_attnres", delta_block_size=S)
+    randomize_routing(model)
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], delta_textbook_logits(model, idx), rtol=0, atol=1e-10)
+
+
+def test_delta_adds_one_vector_per_sublayer():
+    assert tiny(residual="delta_attnres").num_params() == tiny().num_params() + 2 * 3 * 32

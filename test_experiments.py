@@ -4,6 +4,7 @@ a tiny sweep."""
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -14,6 +15,7 @@ import torch
 
 import diagnose
 import sweep
+import train
 from model import GPT, GPTConfig
 
 
@@ -138,6 +140,47 @@ def test_diagnostics_on_every_variant_family():
             assert torch.allclose(mix["mlp.1"].sum(-2), torch.ones(2), atol=1e-5)  # Sinkhorn ends on columns
 
 
+def test_diagnostics_of_denseformer_muddformer_and_delta():
+    """DWA weights land on their sources S(i); MUDD maps are [4 ways, n] per attention site and [n] at
+    the readout; Delta's routing weights are distributions, their per-token peak between 1/n and 1."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 50, (2, 12), generator=g),) * 2 for _ in range(2)]
+    for kw in (dict(residual="denseformer", denseformer_dilation=2), dict(residual="muddformer"),
+               dict(residual="delta_attnres")):
+        model = GPT(GPTConfig(vocab_size=50, block_size=12, n_layer=3, n_head=2, n_embd=16, **kw))
+        with torch.no_grad():
+            for p in model.router.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+        _, records = diagnose.collect(model, batches)
+        if kw["residual"] == "denseformer":  # k = 2: S(1) = {1}, S(2) = {0, 2}, S(3) = {1, 3}
+            dwa = diagnose.dwa_weights(records, 3, 2)
+            assert [torch.isnan(v).tolist() for v in dwa.values()] == [
+                [True, False, True, True], [False, True, False, True], [True, False, True, False]]
+            assert torch.equal(dwa["dwa.3"][[1, 3]], model.router.alpha["3"].detach())
+        elif kw["residual"] == "muddformer":
+            maps = diagnose.routing_maps(records, 3)
+            assert list(maps) == ["attn.1", "attn.2", "readout"]
+            assert maps["attn.2"].shape == (4, 3) and maps["readout"].shape == (4,)
+            ways = diagnose.mudd_way_summary(maps)
+            assert list(ways) == list("QKVR") and all(abs(w["newest"] - 1) < 0.5 for w in ways.values())
+        else:
+            maps = diagnose.routing_maps(records, 3)
+            assert maps["mlp.2"].shape == (6,) and torch.allclose(maps["mlp.2"].sum(), torch.tensor(1.0))
+            peak = diagnose.max_weight_per_site(records, 3)
+            assert "attn.0" not in peak and len(peak) == 5  # sublayer 0 routes over x0 alone
+            assert all(1 / 6 <= p <= 1 for p in peak.values())
+
+
+@pytest.mark.parametrize("residual", ["denseformer", "muddformer", "delta_attnres"])
+def test_diagnose_command_on_a_checkpoint(residual, tmp_path, byte_data):
+    train.main(["configs/test.py", f"--data_dir={byte_data}", f"--out_dir={tmp_path}", f"--residual={residual}",
+                "--max_steps=2", "--eval_interval=2", "--ckpt_interval=2"])
+    out = diagnose.diagnose(str(tmp_path / "test"), tokens=256, batch_size=2)
+    key = {"denseformer": "dwa_weights", "muddformer": "mudd_ways", "delta_attnres": "max_weight_mean"}[residual]
+    assert key in out and json.loads((tmp_path / "test" / "diagnostics.json").read_text())[key] == out[key]
+    assert diagnose.summary(out).count("\n") >= 1
+
+
 # --- a tiny sweep, end to end -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -175,3 +218,13 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
     assert (tmp_path / "runs" / "results.csv").read_text().count("\n") == 5
     again = subprocess.run(cmd, capture_output=True, text=True)  # everything finished: nothing reruns
     assert again.returncode == 0 and "===" not in again.stdout and "sweep:" not in again.stdout
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(Path(__file__).parent))
+                                        for p in (Path(__file__).parent / "configs").glob("sweep_*.py")))
+def test_every_sweep_variant_is_a_valid_config(path):
+    spec = sweep.load_sweep(path)
+    for overrides in spec["variants"].values():
+        argv = [spec["base"]] + [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(overrides)]
+        tc, model_settings = train.parse_config(argv)
+        train.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))

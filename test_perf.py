@@ -19,6 +19,9 @@ FAMILIES = [
     dict(residual="dar", dar_block_size=1, dar_routing="fixed_kv"),
     dict(residual="hc"),
     dict(residual="mhc"),
+    dict(residual="denseformer", denseformer_dilation=2),
+    dict(residual="muddformer"),
+    dict(residual="delta_attnres", delta_block_size=3),
 ]
 IDS = ["-".join(map(str, v.values())) for v in FAMILIES]
 
@@ -109,3 +112,10 @@ def test_compiled_benchmark_compiles_every_variant(tmp_path, monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", False)
     run_bench(tmp_path, "block_attnres,hc", "--compile", "--compile_backend", "eager", "--routing_blocks", "")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3  # standard, block_attnres, hc
+
+
+def test_variant_specs_parse_every_field_type():
+    assert bench.parse_variant("denseformer:denseformer_dilation=2:denseformer_period=3") == dict(
+        residual="denseformer", denseformer_dilation=2, denseformer_period=3)  # int | None fields as ints
+    assert bench.parse_variant("dar:dar_include_partial=false:dar_routing=self_kv") == dict(
+        residual="dar", dar_include_partial=False, dar_routing="self_kv")

@@ -101,6 +101,10 @@ MODELS = [
     dict(residual="dar", dar_block_size=1, depth_chunk=6),  # 3 history entries per chunk
     dict(residual="dar", dar_include_partial=False),
     dict(residual="dar", dar_block_size=1, dar_include_partial=False, dar_routing="cross_v"),
+    *[dict(residual="delta_attnres", delta_block_size=s) for s in (1, 2, 3, 4, 5, 20)],
+    dict(residual="delta_attnres", depth_chunk=1),
+    dict(residual="delta_attnres", depth_chunk=3),
+    dict(residual="delta_attnres", delta_block_size=2, depth_chunk=5),  # chunks of 3 blocks
 ]
 
 
@@ -140,11 +144,12 @@ def test_two_phase_model_equals_reference_model(variant):
 # --- memory: references to the sources, nothing source-sized per site ----------------------------------
 
 @pytest.mark.parametrize("residual, per_site", [("full_attnres", 1), ("block_attnres", 1), ("rd_attnres", 2),
-                                                ("dar", 3)])
+                                                ("dar", 3), ("delta_attnres", 2)])
 def test_saved_activations_stay_linear_in_the_sources(residual, per_site):
     """What routing adds to the standard residual's saved activations: per site, the sources it
     must keep (Full: the output; Block: the partial sum; RD: + the value input of an attention site;
-    DAR: both streams' partial states, and y for the write gate's gradient), plus statistics of a
+    DAR: both streams' partial states, and y for the write gate's gradient; Delta: the output, and
+    the routed term beside the standard stream), plus statistics of a
     few [N, n, Q]. A copy of a source saved at every site (a normalised key, a phase-1 output)
     would add L more sources."""
     Bt, Tt, dm, n_layer = 2, 32, 128, 6
