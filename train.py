@@ -277,7 +277,7 @@ def usage():
     lines += [f"  {f.name:<14} {type_name(TRAIN_TYPES[f.name]):<6} {f.default!r:<20} {f.metadata['help']}"
               for f in fields(TrainConfig)]
     lines += ["", "model keys (model.GPTConfig; vocab_size defaults to the data's, padded to a multiple of 64):"]
-    lines += [f"  {f.name:<20} {type_name(MODEL_TYPES[f.name]):<11} {f.default!r}" for f in fields(GPTConfig)]
+    lines += [f"  {f.name:<24} {type_name(MODEL_TYPES[f.name]):<11} {f.default!r}" for f in fields(GPTConfig)]
     return "\n".join(lines)
 
 
