@@ -7,7 +7,12 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt pytest
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+# the tests' extras: pytest, and wandb (optional for users: wandb_log=true), so its tests run
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(PY) -m pip install -q pytest wandb
 	touch $@
 
 demo: $(VENV)/.installed
@@ -15,7 +20,7 @@ demo: $(VENV)/.installed
 	$(PY) train.py configs/demo.py --overwrite=true
 	$(PY) sample.py --ckpt runs/demo --prompt "ROMEO:" --max_new_tokens 100
 
-test: $(VENV)/.installed
+test: $(VENV)/.test-installed
 	$(PY) -m pytest -q
 
 gpu-check: $(VENV)/.installed  # on a CUDA machine: bench, torchrun stop/resume, sampling; one summary

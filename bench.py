@@ -18,7 +18,8 @@ two implementations, against its memory-traffic floor over the bandwidth of a pl
 each completed source and each site's partial sum read once and each output written once;
 backward, the same reads again plus each output's gradient, and each source gradient written once.
 
-Variants are `residual[:key=value...]`, e.g. `rd_attnres:rd_mode=tied`, `full_attnres:depth_impl=reference`.
+Variants are `residual[:key=value...]`, e.g. `rd_attnres:rd_mode=tied`, `full_attnres:depth_impl=reference`,
+`block_attnres:activation_checkpointing=true` (each sublayer recomputed in backward).
 """
 
 import argparse
@@ -94,7 +95,8 @@ class Runner:
 
 def saved_activation_bytes(fn):
     """Run fn(); return the bytes autograd saved for backward meanwhile, each storage counted once
-    (several ops often save the same tensor)."""
+    (several ops often save the same tensor). With activation checkpointing, a checkpointed region
+    saves its inputs (counted) and recomputes its internals in backward (not saved, not counted)."""
     storages = {}
 
     def pack(t):

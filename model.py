@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch._functorch.config
 import torch.nn as nn
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 from routing import TwoPhaseRouter, compute_dtype, float32_routing, rms_inv, transport
@@ -60,6 +61,7 @@ class GPTConfig:
     delta_block_size: int | None = None  # S, in sublayers; delta_attnres only; None means 1 (per sublayer)
     depth_impl: str = "two_phase"  # "two_phase" (routing.py) or "reference" (plain autograd, site by site)
     depth_chunk: int = 4  # two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)
+    activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (memory only)
 
     def __post_init__(self):
         def need(ok, msg):
@@ -901,9 +903,12 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {P + T} positions exceeds block_size={self.cfg.block_size}")
         cos, sin = self.cos[P:P + T].to(self.wte.weight.dtype), self.sin[P:P + T].to(self.wte.weight.dtype)
         stream = self.router.start(self.wte(idx), routing)
+        # F_j(PreNorm_j(h_j)) is checkpointed, not the routing: its sources are read by later sites anyway
+        ckpt = self.cfg.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
+        sublayer = _checkpointed if ckpt else _call
         for i, block in enumerate(self.blocks):
-            stream.write(2 * i, block.attn(stream.read(2 * i), cos, sin, i, kv_cache))
-            stream.write(2 * i + 1, block.mlp(stream.read(2 * i + 1)))
+            stream.write(2 * i, sublayer(block.attn, stream.read(2 * i), cos, sin, i, kv_cache))
+            stream.write(2 * i + 1, sublayer(block.mlp, stream.read(2 * i + 1)))
         if kv_cache is not None:
             kv_cache.pos += T
         logits = self.lm_head(norm(stream.readout()))
@@ -914,6 +919,15 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+
+def _call(f, *args):
+    return f(*args)
+
+
+def _checkpointed(f, *args):
+    """f(*args) keeping only its inputs for backward, which recomputes the rest (activation_checkpointing)."""
+    return torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False)
 
 
 def compile_model(model, **kwargs):

@@ -5,6 +5,7 @@ Paired comparisons: every variant with every seed, and a table of what came out.
     python sweep.py configs/sweep_cpu.py --launcher "torchrun --nproc_per_node=8"
     python sweep.py configs/sweep_cpu.py --table_only             # just the table, from finished runs
     python sweep.py configs/sweep_cpu.py --table_only --reference block_attnres
+    python sweep.py configs/sweep_cpu.py --wandb                  # every run logged to Weights & Biases
 
 A sweep file is Python that sets:
     base       a train.py config file
@@ -14,6 +15,11 @@ A sweep file is Python that sets:
     reference  the variant the others are compared with
     overrides  (optional) "key=value ..." for every run
     out_dir    (optional) where runs go: out_dir/<variant>/seed<s>; default runs/<sweep file name>
+    wandb      (optional) True: log every run to W&B, as --wandb does
+
+With W&B (--wandb, `wandb = True`, or wandb_log=true in the overrides or a variant's), each run gets
+wandb_group=<the sweep's name, out_dir's last part>, wandb_tags=<variant>,seed<s> and
+wandb_run_name=<variant>-seed<s>; overrides that set these keys win.
 
 A finished run (its summary.json exists) is skipped, a run with a checkpoint is resumed and one
 without is started over, so an interrupted sweep continues where it stopped. After each run a
@@ -26,6 +32,7 @@ end the table is printed and saved as results.json and results.csv in out_dir, w
 
 import argparse
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -58,10 +65,24 @@ def run_dir(spec, variant, seed):
     return Path(spec["out_dir"]) / variant / f"seed{seed}"
 
 
+def wants_wandb(spec, variant):
+    """Whether a run logs to W&B: --wandb or `wandb = True`, or wandb_log set true by the overrides
+    (the variant's last, as train.py reads them)."""
+    on = bool(spec.get("wandb"))
+    for kv in shlex.split(spec["overrides"]) + shlex.split(spec["variants"][variant]):
+        key, _, value = kv.partition("=")
+        if key == "wandb_log":
+            on = value.lower() in ("true", "1")
+    return on
+
+
 def train_command(spec, variant, seed, launcher):
     d = run_dir(spec, variant, seed)
     args = [str(HERE / "train.py"), spec["base"], f"--out_dir={d.parent}", f"--run_name={d.name}",
             f"--seed={seed}", f"--data_seed={seed}"]
+    if wants_wandb(spec, variant):  # one W&B group per sweep; the overrides below may still change these
+        args += ["--wandb_log=true", f"--wandb_group={Path(spec['out_dir']).name}",
+                 f"--wandb_tags={variant},seed{seed}", f"--wandb_run_name={variant}-seed{seed}"]
     args += [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(spec["variants"][variant])]
     if (d / "ckpt.pt").exists():
         args.append("--resume=true")
@@ -84,6 +105,9 @@ def run_all(spec, launcher):
     # seed-major: a partial sweep already holds complete paired sets
     runs = [(variant, seed) for seed in spec["seeds"] for variant in spec["variants"]]
     done = sum((run_dir(spec, v, s) / "summary.json").exists() for v, s in runs)
+    if any(wants_wandb(spec, v) for v, _ in runs) and importlib.util.find_spec("wandb") is None:
+        raise SystemExit("error: the sweep logs to W&B (wandb_log=true), but the wandb package is not installed: "
+                         "pip install wandb")
     t0, durations = time.monotonic(), []  # durations of the runs this invocation ran
     for variant, seed in runs:
         if (run_dir(spec, variant, seed) / "summary.json").exists():
@@ -186,9 +210,10 @@ def main(argv=None):
     p.add_argument("--out_dir", help="override the sweep file's out_dir")
     p.add_argument("--reference", help="override the sweep file's reference variant")
     p.add_argument("--base", help="override the sweep file's base config (e.g. another model size)")
+    p.add_argument("--wandb", action="store_true", help="log every run to W&B, one group per sweep (pip install wandb)")
     args = p.parse_args(argv)
     spec = load_sweep(args.sweep, args.reference)
-    spec.update({k: v for k, v in (("out_dir", args.out_dir), ("base", args.base)) if v})
+    spec.update({k: v for k, v in (("out_dir", args.out_dir), ("base", args.base), ("wandb", args.wandb)) if v})
     if not args.table_only:
         run_all(spec, args.launcher)
     return report(spec)

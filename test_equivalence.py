@@ -270,6 +270,42 @@ def test_full_attnres_keeps_no_quadratic_copies_of_sources():
     assert ref - std > 0.75 * L * (L + 1) / 2 * source
 
 
+def test_checkpointing_saves_the_sublayer_inputs_and_nothing_inside():
+    """A checkpointed sublayer saves its input for the recomputation and nothing of its internals:
+    with the standard residual, whose sublayer inputs are running sums nothing else keeps, each
+    layer adds exactly its two inputs to what is saved for backward."""
+    B, T, d = 2, 12, 32
+    saved = [saved_activation_bytes(tiny(residual="standard", n_layer=n, activation_checkpointing=True),
+                                    tokens(B=B, T=T)) for n in (3, 6)]
+    assert saved[1] - saved[0] == 3 * 2 * B * T * d * 8  # 3 more layers of two float64 inputs
+
+
+# --- activation checkpointing: memory, not math ---------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_activation_checkpointing_recomputes_the_sublayers_and_changes_no_gradient(variant):
+    """activation_checkpointing runs every sublayer again in backward instead of saving its
+    internals, and keeps the routing as it is: the same logits and every gradient, bit for bit, with
+    less saved for backward."""
+    plain, ckpt = tiny(**variant), tiny(activation_checkpointing=True, **variant)
+    randomize_routing(plain)
+    randomize_routing(ckpt)
+    calls = []
+    for block in ckpt.blocks:
+        for sublayer in (block.attn, block.mlp):
+            sublayer.register_forward_pre_hook(lambda *args: calls.append(1))
+    idx = tokens()
+    (logits_p, grads_p), (logits_c, grads_c) = loss_and_grads(plain, idx), loss_and_grads(ckpt, idx)
+    assert len(calls) == 2 * (2 * ckpt.cfg.n_layer)  # each sublayer: forward, then again in backward
+    assert torch.equal(logits_c, logits_p) and grads_c.keys() == grads_p.keys()
+    assert_grads_equal(grads_c, grads_p, atol=0)
+    assert saved_activation_bytes(ckpt, idx) < saved_activation_bytes(plain, idx)
+    with torch.no_grad():  # nothing to recompute without gradients
+        calls.clear()
+        torch.testing.assert_close(ckpt(idx)[0], plain(idx)[0], rtol=0, atol=0)
+    assert len(calls) == 2 * ckpt.cfg.n_layer
+
+
 # --- the key/value cache (incremental decoding) -------------------------------------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)

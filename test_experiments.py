@@ -84,6 +84,34 @@ def test_progress_lines_count_finished_runs_as_done(tmp_path, monkeypatch, capsy
                      "sweep: 4/4 runs done, 0:03:30 elapsed, ETA 0:00:00"]  # b, seed 1
 
 
+def test_sweep_runs_log_to_wandb_in_one_group_when_asked(tmp_path):
+    import train
+    spec = dict(base="configs/test.py", variants={"a": "", "b": "wandb_log=true", "c": "wandb_group=mine"},
+                seeds=[0], overrides="", out_dir=str(tmp_path / "sweep_x"))
+
+    def wandb_keys(variant, seed=0):
+        cmd = sweep.train_command(spec, variant, seed, launcher="")
+        tc, _ = train.parse_config(cmd[2:])  # train.py reads every key it is given
+        return tc.wandb_log, tc.wandb_group, tc.tags(), tc.wandb_run_name
+
+    assert wandb_keys("a") == (False, "", [], "")  # not asked: nothing added
+    assert wandb_keys("b") == (True, "sweep_x", ["b", "seed0"], "b-seed0")  # asked by the variant
+    spec["wandb"] = True  # --wandb, or `wandb = True` in the sweep file
+    assert wandb_keys("a", seed=2) == (True, "sweep_x", ["a", "seed2"], "a-seed2")
+    assert wandb_keys("c") == (True, "mine", ["c", "seed0"], "c-seed0")  # the sweep's overrides win
+    spec["overrides"] = "wandb_log=false"
+    assert wandb_keys("a")[0] is False and wandb_keys("b")[0] is True  # the variant's word is the last
+
+
+def test_a_wandb_sweep_without_wandb_stops_before_any_run(tmp_path, monkeypatch):
+    spec = dict(base="configs/test.py", variants={"a": ""}, seeds=[0], overrides="", out_dir=str(tmp_path),
+                wandb=True)
+    monkeypatch.setattr(sweep.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sweep.subprocess, "run", None)  # never reached
+    with pytest.raises(SystemExit, match="error: the sweep logs to W&B .* wandb package is not installed"):
+        sweep.run_all(spec, launcher="")
+
+
 # --- the diagnostics' measures --------------------------------------------------------------------
 
 def test_js_divergence_known_values():

@@ -81,6 +81,27 @@ def test_inductor_compiled_model_equals_eager():
                                  rtol=1e-4)
 
 
+def test_activation_checkpointing_compiles_whole_and_equals_eager():
+    """With activation_checkpointing, fullgraph=True traces each sublayer as one checkpointed region
+    (RD-AttnRes: a sublayer with two inputs) and the compiled step equals eager's, under bf16
+    autocast; eager with checkpointing equals eager without, the recomputation under autocast too."""
+    torch._dynamo.reset()
+    model = randomized(tiny(residual="rd_attnres", activation_checkpointing=True))
+    ops = []
+
+    def backend(graph, example_inputs):
+        ops.extend(node.target for node in graph.graph.nodes if node.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    assert_compiled_equals_eager(model, compile_model(model, fullgraph=True, backend=backend), autocast, rtol=1e-5)
+    assert ops.count(torch.ops.higher_order.tag_activation_checkpoint) == 2 * model.cfg.n_layer
+    plain = randomized(tiny(residual="rd_attnres"))
+    (loss_p, grads_p), (loss_c, grads_c) = step(plain, plain, autocast), step(model, model, autocast)
+    assert torch.equal(loss_c, loss_p) and grads_c.keys() == grads_p.keys()
+    assert all(torch.equal(grads_c[n], grads_p[n]) for n in grads_p)
+
+
 def run_bench(tmp_path, variants, *extra):
     return bench.main(["--variants", variants, "--n_layer", "2", "--n_embd", "32", "--n_head", "2",
                        "--vocab_size", "97", "--seq_len", "16", "--batch_size", "2", "--repeats", "3",
@@ -88,9 +109,11 @@ def run_bench(tmp_path, variants, *extra):
 
 
 def test_benchmark_runs_and_reports_ratios(tmp_path, capsys):
-    results, routing = run_bench(tmp_path, "block_attnres,rd_attnres:rd_mode=tied,dar:dar_block_size=1",
-                                 "--routing_blocks", "3:2")
-    assert [r["variant"] for r in results] == ["standard", "block_attnres", "rd_attnres:rd_mode=tied", "dar:dar_block_size=1"]
+    results, routing = run_bench(tmp_path, "block_attnres,rd_attnres:rd_mode=tied,dar:dar_block_size=1,"
+                                 "standard:activation_checkpointing=true", "--routing_blocks", "3:2")
+    assert [r["variant"] for r in results] == ["standard", "block_attnres", "rd_attnres:rd_mode=tied",
+                                               "dar:dar_block_size=1", "standard:activation_checkpointing=true"]
+    assert results[-1]["memory_ratio"] < 0.8  # the sublayers' internals are recomputed, not saved
     assert results[0]["speed_ratio"] == 1.0 and results[0]["memory_ratio"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["saved_activation_bytes"] > 0 for r in results)
     assert all(lo <= r["speed_ratio"] <= hi for r in results for lo, hi in [r["speed_ratio_quartiles"]])

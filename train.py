@@ -58,7 +58,9 @@ from prepare_data import DataError, DirLock, TokenLoader, check_split, eval_batc
 CKPT_FORMAT = "depthres-ckpt-2"
 CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng",
              "checksum")
-RUN_FILES = ("config.json", "log.jsonl", "ckpt.pt", "summary.json")  # what a run directory holds
+RUN_FILES = ("config.json", "log.jsonl", "ckpt.pt", "summary.json", "wandb_id.txt")  # what a run directory holds
+# model keys that change how the model computes, not what: a run may resume with other values
+EXECUTION_KEYS = ("depth_impl", "depth_chunk", "activation_checkpointing")
 
 
 class ConfigError(ValueError):
@@ -122,6 +124,11 @@ class TrainConfig:
     ckpt_interval: int = key(1000, "steps between checkpoints (and one at the end); 0: only at the end")
     device: str = key("auto", "auto (cuda if available) | cpu | cuda; with torchrun, rank r uses cuda:LOCAL_RANK")
     compile: bool = key(False, "torch.compile the model")
+    wandb_log: bool = key(False, "log the config and every train/eval record to W&B (rank 0; pip install wandb)")
+    wandb_project: str = key("depth-routing", "W&B project")
+    wandb_run_name: str = key("", "W&B run name; default: run_name")
+    wandb_group: str = key("", "W&B group (sweep.py: the sweep's name)")
+    wandb_tags: str = key("", "comma-separated W&B tags (sweep.py: the variant and seed<s>)")
 
     def __post_init__(self):
         def need(ok, msg):
@@ -151,6 +158,13 @@ class TrainConfig:
         need(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
         need(not (self.overwrite and self.resume.lower() in ("true", "1")),
              "resume=true continues the run that overwrite=true would delete: pass one of them")
+        need(self.wandb_project and not set(self.wandb_project) & set("/\\#?%:"),
+             f"wandb_project must be a non-empty name without / \\ # ? % :, got {self.wandb_project!r}")
+        for tag in self.tags():
+            need(len(tag) <= 64, f"wandb_tags: a W&B tag is at most 64 characters, got {tag!r}")
+
+    def tags(self):
+        return [t.strip() for t in self.wandb_tags.split(",") if t.strip()]
 
 
 TRAIN_TYPES = typing.get_type_hints(TrainConfig)
@@ -263,7 +277,7 @@ def usage():
     lines += [f"  {f.name:<14} {type_name(TRAIN_TYPES[f.name]):<6} {f.default!r:<20} {f.metadata['help']}"
               for f in fields(TrainConfig)]
     lines += ["", "model keys (model.GPTConfig; vocab_size defaults to the data's, padded to a multiple of 64):"]
-    lines += [f"  {f.name:<20} {type_name(MODEL_TYPES[f.name]):<11} {f.default!r}" for f in fields(GPTConfig)]
+    lines += [f"  {f.name:<24} {type_name(MODEL_TYPES[f.name]):<11} {f.default!r}" for f in fields(GPTConfig)]
     return "\n".join(lines)
 
 
@@ -502,10 +516,11 @@ def sync_dir(path):
 
 
 class RunLog:
-    """Log lines on stdout and JSON objects appended to log.jsonl, on rank 0 only."""
+    """Log lines on stdout and JSON objects appended to log.jsonl, on rank 0 only; with a tracker (a
+    W&B run), every record goes there too."""
 
     def __init__(self, path, enabled):
-        self.path, self.enabled = path, enabled
+        self.path, self.enabled, self.tracker = path, enabled, None
 
     def __call__(self, line, record=None):
         """Print `line` (unless None) and append `record` (unless None)."""
@@ -516,6 +531,56 @@ class RunLog:
         if record is not None:
             with writing(self.path), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            track(self.tracker, record)
+
+    def finish(self, clean):
+        if self.tracker is not None:
+            self.tracker.finish(exit_code=0 if clean else 1)
+            self.tracker = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights & Biases (optional: imported only with wandb_log=true).
+
+
+def require_wandb():
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError("wandb_log=true needs the wandb package, which is not installed: pip install wandb "
+                          "(or drop wandb_log)") from None
+
+
+def start_wandb(tc, run_dir, resolved, claim):
+    """This run's W&B run, with the resolved config. A resumed run continues the W&B run of its run
+    directory, whose id is kept in wandb_id.txt; a fresh one starts a new W&B run and writes its id."""
+    import wandb
+    id_file = run_dir / "wandb_id.txt"
+    run_id = (id_file.read_text().strip() or None) if claim.continuing and id_file.exists() else None
+    try:
+        run = wandb.init(project=tc.wandb_project, name=tc.wandb_run_name or tc.run_name, id=run_id,
+                         resume="allow" if run_id else None, group=tc.wandb_group or None, tags=tc.tags() or None)
+        run.config.update(resolved, allow_val_change=True)  # a resume may change keys
+    except Exception as e:  # not logged in, no network, a bad setting: wandb's first line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"wandb_log=true, but W&B did not start: {reason} (wandb login, or WANDB_MODE=offline "
+                          "to log locally)") from None
+    if run_id is None:
+        write_file(id_file, (run.id + "\n").encode())
+        for line in claim.kept_log:  # a run that starts logging to W&B on resume: what it logged before, too
+            track(run, json.loads(line))
+    return run
+
+
+def track(run, record):
+    """A log.jsonl record into W&B at its step, keys under its kind: train/loss, val/loss, test/ppl, .."""
+    if run is None:
+        return
+    kind = record.get("split", record["kind"])
+    metrics = {f"{kind}/{k}": v for k, v in record.items()
+               if k not in ("kind", "split", "step") and isinstance(v, (int, float))}
+    if metrics:
+        run.log(metrics, step=record["step"])
 
 
 def read_log(path, last_step):
@@ -686,8 +751,10 @@ def resume_path(tc, run_dir):
 
 
 def check_resumable(ckpt, path, mc, tokenizer):
+    """The checkpoint's model is this run's model (EXECUTION_KEYS may differ) on the same tokens."""
     have, want = ckpt["model_config"], asdict(mc)
-    differ = [k for k in sorted(set(have) | set(want)) if have.get(k, "(absent)") != want.get(k, "(absent)")]
+    differ = [k for k in sorted(set(have) | set(want))
+              if k not in EXECUTION_KEYS and have.get(k, "(absent)") != want.get(k, "(absent)")]
     if differ:
         detail = ", ".join(f"{k}: {have.get(k, '(absent)')!r} there, {want.get(k, '(absent)')!r} here" for k in differ)
         raise CheckpointError(f"checkpoint {path} holds another model ({detail}); resume with its config, "
@@ -737,7 +804,9 @@ def main(argv=None):
     dist = setup_distributed(tc.device)
     claim = None
     try:
-        # before any compute: the data (one process per node reads it), then the run directory (rank 0)
+        # before any compute: wandb if asked, the data (one process per node reads it), the run directory (rank 0)
+        if tc.wandb_log:
+            agreed(dist, lambda: require_wandb() if dist.master else None)
         agreed(dist, lambda: check_data(tc, meta) if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None)
         claim = agreed(dist, lambda: claim_run_dir(tc, run_dir, mc, meta["tokenizer"]) if dist.master else None)
         ckpt = from_rank0(dist, claim.ckpt if claim else None)  # only rank 0 reads out_dir
@@ -843,15 +912,17 @@ def start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config
     """Make the run directory this run's (rank 0): drop what this run replaces, write config.json and
     the log it keeps. Print what this run is and the loss to beat."""
     log = RunLog(run_dir / "log.jsonl", dist.master)
+    resolved = {"config_file": config_path, "train": asdict(tc), "model": asdict(mc),
+                "tokenizer": meta["tokenizer"], "world_size": dist.world_size, "grad_accum": accum,
+                "max_steps": total_steps(tc)}
     if dist.master:
-        for name in ("summary.json",) if claim.continuing else ("summary.json", "ckpt.pt"):
+        for name in ("summary.json",) if claim.continuing else ("summary.json", "ckpt.pt", "wandb_id.txt"):
             with writing(run_dir / name):
                 (run_dir / name).unlink(missing_ok=True)
-        resolved = {"config_file": config_path, "train": asdict(tc), "model": asdict(mc),
-                    "tokenizer": meta["tokenizer"], "world_size": dist.world_size, "grad_accum": accum,
-                    "max_steps": total_steps(tc)}
         write_file(run_dir / "config.json", (json.dumps(resolved, indent=2) + "\n").encode())
         write_file(run_dir / "log.jsonl", "".join(line + "\n" for line in claim.kept_log).encode())
+    if tc.wandb_log:  # a failure to start W&B stops every rank, before step 1
+        log.tracker = agreed(dist, lambda: start_wandb(tc, run_dir, resolved, claim) if dist.master else None)
     log(textwrap.fill(" ".join(f"{k}={v}" for k, v in {**asdict(tc), **asdict(mc)}.items()), 110,
                       initial_indent="config: ", subsequent_indent="        "))
     log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters, "
@@ -864,26 +935,62 @@ def start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config
     if ckpt is not None:
         changed = [f"{k} {v!r} -> {getattr(tc, k)!r}" for k, v in ckpt["train_config"].items()
                    if k not in ("resume", "overwrite") and getattr(tc, k, v) != v]
+        changed += [f"{k} {ckpt['model_config'][k]!r} -> {getattr(mc, k)!r} (execution only)" for k in EXECUTION_KEYS
+                    if k in ckpt["model_config"] and ckpt["model_config"][k] != getattr(mc, k)]
         log(f"resumed at step {ckpt['step']} from {resume_path(tc, run_dir)}"
             + (f"; changed: {', '.join(changed)}" if changed else ""))
     return log
 
 
-def log_eval(log, split, step, loss, tokens):
-    log(f"step {step:>6} | {split} loss {loss:.4f} | ppl {math.exp(loss):.1f} | {tokens:,} tokens",
-        {"kind": "eval", "split": split, "step": step, "loss": loss, "ppl": math.exp(loss), "tokens": tokens})
+def hms(seconds):
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s):
+class Progress:
+    """How far a run is: its step out of max_steps, the seconds since this process started training,
+    and an ETA: the mean wall time per step since the end of the first step (which holds compilation
+    and warm-up; evaluations and checkpoints are averaged in), times the steps left."""
+
+    def __init__(self, step, max_steps, clock=time.perf_counter):
+        self.max_steps, self.clock, self.start = max_steps, clock, clock()
+        self.marks = [(step, self.start)]  # (step, time): at the start, then after the first step
+
+    def stepped(self, step):
+        if len(self.marks) == 1:
+            self.marks.append((step, self.clock()))
+
+    def elapsed(self):
+        return self.clock() - self.start
+
+    def eta(self, step):
+        first, t = self.marks[-1] if self.marks[-1][0] < step else self.marks[0]
+        return (self.clock() - t) / (step - first) * (self.max_steps - step)
+
+    def at(self, step):
+        return f"step {step:>{len(str(self.max_steps))}}/{self.max_steps}"
+
+
+def log_eval(log, split, step, loss, tokens, progress):
+    elapsed = progress.elapsed()
+    log(f"{progress.at(step)} | {split} loss {loss:.4f} | ppl {math.exp(loss):.1f} | {tokens:,} tokens | "
+        f"{hms(elapsed)} elapsed",
+        {"kind": "eval", "split": split, "step": step, "loss": loss, "ppl": math.exp(loss), "tokens": tokens,
+         "elapsed_s": elapsed})
+
+
+def log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s, progress):
     """One line and record for the `steps` steps that took `seconds` since the previous one; returns tokens/s."""
     tok_s, ms = tc.batch_tokens * steps / seconds, 1000 * seconds / steps
+    elapsed, eta = progress.elapsed(), progress.eta(step)
     record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-              "tokens_per_s": tok_s, "ms_per_step": ms}
-    line = f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.2f} | {tok_s:,.0f} tok/s | {ms:.0f} ms/step"
+              "tokens_per_s": tok_s, "ms_per_step": ms, "elapsed_s": elapsed, "eta_s": eta}
+    line = (f"{progress.at(step)} ({100 * step / progress.max_steps:.1f}%) | loss {loss:.4f} | lr {lr:.2e} | "
+            f"norm {norm:.2f} | {tok_s:,.0f} tok/s | {ms:.0f} ms/step")
     if mfu_per_token_s is not None:
         record["mfu"] = mfu_per_token_s * tok_s
         line += f" | MFU {100 * record['mfu']:.1f}%"
-    log(line, record)
+    log(line + f" | {hms(elapsed)} elapsed, ETA {hms(eta)}", record)
     return tok_s
 
 
@@ -909,6 +1016,7 @@ def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
             "optimizer": optimizer.state_dict(), "loader": batches.state_dict(), "rng": rng_state(dist.device)})
 
     val_loss, seconds, steps, speeds, t_start = None, 0.0, 0, [], time.time()
+    progress, clean = Progress(step, max_steps), False  # clean: finished, or stopped by a signal with a checkpoint
     try:
         with GracefulStop(verbose=dist.master) as stop:
             while step < max_steps:
@@ -917,14 +1025,15 @@ def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
                 loss, norm, signum = train_step(train_model, optimizer, batches, lr, accum, tc.grad_clip, dist,
                                                 autocast, stop)
                 seconds, steps, step = seconds + time.perf_counter() - t0, steps + 1, step + 1
+                progress.stepped(step)
                 if not (math.isfinite(loss) and math.isfinite(norm)):
                     raise DivergedError(diverged(loss, norm, step, saved))
                 if step % tc.log_interval == 0 or step == max_steps:
-                    speeds.append(log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s))
+                    speeds.append(log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s, progress))
                     seconds, steps = 0.0, 0
                 if step % tc.eval_interval == 0 or step == max_steps:
                     val_loss, tokens = evaluate(model, "val", tc, dist, autocast)
-                    log_eval(log, "val", step, val_loss, tokens)
+                    log_eval(log, "val", step, val_loss, tokens, progress)
                 stopping = signum and step < max_steps
                 if (tc.ckpt_interval and step % tc.ckpt_interval == 0) or step == max_steps or stopping:
                     if not weights_finite(raw_model):
@@ -934,16 +1043,17 @@ def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
                 if stopping:
                     name = signal.Signals(signum).name
                     log(None, {"kind": "stop", "step": step, "signal": name})
+                    clean = True
                     raise Stopped(signum, f"stopped by {name} after step {step}; checkpoint written to {ckpt_path}; "
                                           "resume with --resume=true")
 
         if val_loss is None:  # resumed at the last step: nothing to train, evaluate anyway
             val_loss, tokens = evaluate(model, "val", tc, dist, autocast)
-            log_eval(log, "val", step, val_loss, tokens)
+            log_eval(log, "val", step, val_loss, tokens, progress)
         test_loss = None
         if meta["splits"].get("test", {}).get("tokens"):
             test_loss, tokens = evaluate(model, "test", tc, dist, autocast)
-            log_eval(log, "test", step, test_loss, tokens)
+            log_eval(log, "test", step, test_loss, tokens, progress)
         cuda = dist.device.type == "cuda"
         summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
                    "unigram_baseline": meta.get("unigram_baseline_nats"), "seconds": time.time() - t_start,
@@ -953,9 +1063,12 @@ def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if dist.master:
             write_file(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+        log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+        clean = True
     except RunDirError as e:  # a write failed: say what is kept
         raise RunDirError(f"{e}; {last_good(saved, good=False)}") from None
-    log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    finally:
+        log.finish(clean)  # the W&B run, if any: exit code 0, or 1 (failed)
     return summary
 
 
