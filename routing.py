@@ -28,6 +28,8 @@ reads keys from stream streams[t][0] and values from stream streams[t][1] of eve
 Everything runs in float32 (float64 for float64 models) with autocast off, forward and backward.
 """
 
+from contextlib import nullcontext
+
 import torch
 from torch.autograd import Function
 
@@ -38,7 +40,16 @@ def compute_dtype(t):
 
 def float32_routing(t):
     """Autocast off: the routing math must not drop to bf16 (the sources themselves may be bf16)."""
-    return torch.autocast(t.device.type, enabled=False)
+    return torch.autocast(t.device.type, enabled=False) if torch.is_autocast_enabled(t.device.type) else nullcontext()
+
+
+def _softmax0(x):
+    """softmax over dim 0 of a small [n, ...] tensor, elementwise (torch's softmax is slow across a
+    leading dim); returns (softmax, logsumexp)."""
+    m = x.amax(0)
+    e = (x - m).exp_()
+    z = e.sum(0)
+    return e.div_(z), z.log_().add_(m)
 
 
 class _RMSInv(Function):
@@ -74,46 +85,45 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _stack(sources, M, N, dt):
-    """The sources side by side, [M, N, n, d], in the compute dtype: one copy that lets one matmul
-    serve every (token, source) pair. Not saved: the backward stacks again."""
-    d = sources[0].size(-1)
-    S = torch.empty(M, N, len(sources), d, dtype=dt, device=sources[0].device)
-    for r, s in enumerate(sources):
-        S[:, :, r].copy_(s.reshape(M, N, d))
-    return S
-
-
 # ----------------------------------------------------------------------------------------------
 # Phase 1: every query of a chunk over the completed sources, in one pass.
 
 
-def _phase1(W, inv, S, streams):
-    """W [Q, d] (target-major), inv [M, N, n], S [M, N, n, d] -> lse [N, Q], O (per target t, the
-    outputs of its queries [N, Q/T, d]) and the weights a, logits' dot products dots, both [N, n, Q]."""
-    M, N, n, d = S.shape
+def _rows(W, streams):
+    """Per target t: (its query rows, key stream, value stream)."""
     Qt = len(W) // len(streams)
-    rows = [slice(t * Qt, (t + 1) * Qt) for t in range(len(streams))]
-    dots = [(S[ks].view(N * n, d) @ W[q].T).view(N, n, Qt) for q, (ks, _) in zip(rows, streams)]  # w_q . k_r
-    l = [dots_t * inv[ks].unsqueeze(-1) for dots_t, (ks, _) in zip(dots, streams)]
-    dots, l = (dots[0], l[0]) if len(streams) == 1 else (torch.cat(dots, -1), torch.cat(l, -1))
-    lse = l.logsumexp(1)
-    a = (l - lse.unsqueeze(1)).exp_()
-    O = [torch.bmm(a[:, :, q].transpose(1, 2), S[vs]) for q, (_, vs) in zip(rows, streams)]  # o_q = sum_r a_rq v_r
+    return [(slice(t * Qt, (t + 1) * Qt), ks, vs) for t, (ks, vs) in enumerate(streams)]
+
+
+def _phase1(W, inv, sources, streams):
+    """W [Q, d] (target-major), inv [n, M, N], sources n x [M, N, d], all in the compute dtype ->
+    lse [N, Q], O (per target, the outputs of its queries [N, Q/T, d]), the weights a and the
+    logits' dot products dots, both [n, N, Q]. One matmul per source for the logits, one fused
+    multiply-add per source for the sums: each source is read twice, each output written once."""
+    rows = _rows(W, streams)
+    dots = torch.stack([torch.cat([s[ks] @ W[q].T for q, ks, _ in rows], -1) for s in sources])  # w_q . k_r
+    inv_q = torch.cat([inv[:, ks].unsqueeze(-1).expand(-1, -1, q.stop - q.start) for q, ks, _ in rows], -1)
+    l = dots * inv_q
+    a, lse = _softmax0(l)
+    O = []
+    for q, _, vs in rows:  # o_q = sum_r a_rq v_r
+        O_t = a[0, :, q].unsqueeze(-1) * sources[0][vs].unsqueeze(1)
+        for a_r, s in zip(a[1:], sources[1:]):
+            O_t.addcmul_(a_r[:, q].unsqueeze(-1), s[vs].unsqueeze(1))
+        O.append(O_t)
     return lse, O, a, dots
 
 
 class _Phase1(Function):
-    """(W, inv [n, M, N], streams, *sources) -> (lse [N, Q], a [N, n, Q] (not differentiable), o_q
+    """(W, inv [n, M, N], streams, *sources) -> (lse [N, Q], a [n, N, Q] (not differentiable), o_q
     [N, d] for each query row q). The o_q are separate outputs (views of one [N, Q/T, d] per target),
     so that each arrives in the backward as its own gradient, not as a full-size zero-padded one.
     Saves W, inv, a, dots and references to the sources."""
 
     @staticmethod
     def forward(ctx, W, inv, streams, *sources):
-        M, N = inv.shape[1:]
-        S = _stack(sources, M, N, inv.dtype)
-        lse, O, a, dots = _phase1(W.to(inv.dtype), inv.permute(1, 2, 0), S, streams)
+        dt, (n, M, N) = inv.dtype, inv.shape
+        lse, O, a, dots = _phase1(W.to(dt), inv, [s.reshape(M, N, -1).to(dt) for s in sources], streams)
         ctx.streams = streams
         ctx.save_for_backward(W, inv, a, dots, *sources)
         ctx.mark_non_differentiable(a)
@@ -123,39 +133,35 @@ class _Phase1(Function):
     def backward(ctx, g_lse, _, *g_o):
         W, inv, a, dots, *sources = ctx.saved_tensors
         with float32_routing(inv):
-            n, M, N = inv.shape
-            S = _stack(sources, M, N, inv.dtype)
-            Wf, invT, d = W.to(inv.dtype), inv.permute(1, 2, 0), S.size(-1)
-            Qt = len(W) // len(ctx.streams)
-            rows = [slice(t * Qt, (t + 1) * Qt) for t in range(len(ctx.streams))]
-            zero = None
-            if any(g is None for g in g_o):
-                zero = torch.zeros((N, d), dtype=inv.dtype, device=inv.device)
-            G = [torch.stack([zero if g is None else g.to(inv.dtype) for g in g_o[q]], 1) for q in rows]  # [N, Qt, d]
-            E = [torch.bmm(S[vs], G_t.transpose(1, 2)) for G_t, (_, vs) in zip(G, ctx.streams)]  # E_rq = g_q . v_r
-            E = E[0] if len(E) == 1 else torch.cat(E, -1)
-            dl = a * (E - (a * E).sum(1, keepdim=True))  # dL/dl_rq: the softmax's backward ..
+            dt, (n, M, N) = inv.dtype, inv.shape
+            srcs = [s.reshape(M, N, -1).to(dt) for s in sources]
+            Wf, rows = W.to(dt), _rows(W, ctx.streams)
+            zero = torch.zeros_like(srcs[0][0]) if any(g is None for g in g_o) else None
+            G = [torch.stack([zero if g is None else g.to(dt) for g in g_o[q]], 1) for q, _, _ in rows]  # [N, Qt, d]
+            E = torch.stack([torch.cat([torch.bmm(s[vs].unsqueeze(1), G_t.transpose(1, 2)).squeeze(1)  # g_q . v_r
+                                        for (_, _, vs), G_t in zip(rows, G)], -1) for s in srcs])
+            dl = a * (E - (a * E).sum(0))  # dL/dl_rq: the softmax's backward ..
             if g_lse is not None:
-                dl.addcmul_(a, g_lse.unsqueeze(1))  # .. and lse's, dlse/dl = a
-            gS, gW, g_inv = [None] * M, torch.empty_like(Wf), torch.zeros_like(invT)
-            for q, G_t, (ks, vs) in zip(rows, G, ctx.streams):
-                gv = torch.bmm(a[:, :, q], G_t)  # dL/dv_r = sum_q a_rq g_q
-                gS[vs] = gv if gS[vs] is None else gS[vs].add_(gv)
-                C = (dl[:, :, q] * invT[ks].unsqueeze(-1)).reshape(N * n, Qt)  # dL/d(w_q . k_r)
-                if gS[ks] is None:
-                    gS[ks] = torch.zeros_like(S[ks])
-                gS[ks].view(N * n, d).addmm_(C, Wf[q])  # dL/dk_r
-                gW[q] = C.T @ S[ks].view(N * n, d)
-                g_inv[ks] += (dl[:, :, q] * dots[:, :, q]).sum(-1)
-            gS = torch.stack([torch.zeros_like(S[0]) if g is None else g for g in gS]) if M > 1 else gS[0].unsqueeze(0)
-        g_src = [gS[:, :, r].reshape(s.shape).to(s.dtype) for r, s in enumerate(sources)]
-        return gW.to(W.dtype), g_inv.permute(2, 0, 1), None, *g_src
+                dl.addcmul_(a, g_lse)  # .. and lse's, dlse/dl = a
+            gW, g_inv, g_src = torch.zeros_like(Wf), torch.zeros_like(inv), []
+            for r, s in enumerate(srcs):
+                g = [None] * M
+                for (q, ks, vs), G_t in zip(rows, G):
+                    gv = torch.bmm(a[r, :, q].unsqueeze(1), G_t).squeeze(1)  # dL/dv_r = sum_q a_rq g_q
+                    g[vs] = gv if g[vs] is None else g[vs].add_(gv)
+                    C = dl[r, :, q] * inv[r, ks].unsqueeze(-1)  # dL/d(w_q . k_r)
+                    g[ks] = C @ Wf[q] if g[ks] is None else g[ks].addmm_(C, Wf[q])  # dL/dk_r
+                    gW[q] += C.T @ s[ks]
+                    g_inv[r, ks] += (dl[r, :, q] * dots[r, :, q]).sum(-1)
+                g_src.append(torch.stack(g) if M > 1 else g[0])
+        g_src = [g.reshape(s.shape).to(s.dtype) for g, s in zip(g_src, sources)]
+        return gW.to(W.dtype), g_inv, None, *g_src
 
 
 def phase1(W, sources, inv, streams=None):
     """Phase 1 of queries W [Q, d] over `sources` with their norm factors `inv`. One stream
     (streams=None): sources [*, d], inv [*]. Several: sources [M, *, d], inv [M, *], and streams[t] =
-    (key stream, value stream) of target t. Returns lse [N, Q], a [N, n, Q] and o_q [N, d] for
+    (key stream, value stream) of target t. Returns lse [N, Q], a [n, N, Q] and o_q [N, d] for
     each query row q."""
     M = 1 if streams is None else sources[0].size(0)
     streams = streams or ((0, 0),)
@@ -164,8 +170,8 @@ def phase1(W, sources, inv, streams=None):
         if _needs_grad(W, inv, *sources):
             lse, a, *o = _Phase1.apply(W, inv, streams, *sources)
             return lse, a, o
-        S = _stack(sources, M, inv.size(-1), inv.dtype)
-        lse, O, a, _ = _phase1(W.to(inv.dtype), inv.permute(1, 2, 0), S, streams)
+        lse, O, a, _ = _phase1(W.to(inv.dtype), inv, [s.reshape(M, inv.size(-1), -1).to(inv.dtype) for s in sources],
+                               streams)
         return lse, a, [o_q for O_t in O for o_q in O_t.unbind(1)]
 
 
@@ -177,7 +183,7 @@ def _merge(o, lse, w, keys, values, inv):
     """o [N, d], lse [N], w [d], keys/values K x [N, d], inv [K, N] -> h [N, d], c [K+1, N], dk [K, N]."""
     dt = inv.dtype
     dk = torch.stack([k.to(dt) @ w for k in keys])  # w . k_k
-    c = torch.cat([lse.unsqueeze(0), dk * inv]).softmax(0)  # (c_o, c_1, .., c_K)
+    c = _softmax0(torch.cat([lse.unsqueeze(0), dk * inv]))[0]  # (c_o, c_1, .., c_K)
     h = c[0].unsqueeze(-1) * o
     for c_k, v in zip(c[1:], values):
         h.addcmul_(c_k.unsqueeze(-1), v.to(dt))
@@ -238,7 +244,7 @@ def _fused_merge(o, lse, alpha, W, streams, recent, inv):
     dk = torch.stack([torch.stack([R[ks].to(dt) @ w for w, (ks, _) in zip(W, streams)]) for R in recent]) \
         if recent else lse.new_empty(0, 2, lse.size(-1))
     key_inv = inv[:, [ks for ks, _ in streams]]  # [K, 2, N]
-    c = torch.cat([lse.unsqueeze(0), dk * key_inv]).softmax(0)
+    c = _softmax0(torch.cat([lse.unsqueeze(0), dk * key_inv]))[0]
     cw = (c * alpha.view(1, 2, 1)).unsqueeze(-1)  # alpha folded into the coefficients
     h = cw[0, 0] * o[0]
     h.addcmul_(cw[0, 1], o[1])
@@ -271,7 +277,7 @@ class _FusedMerge(Function):
             g, Wf, af = g.to(dt), W.to(dt), alpha.to(dt)
             vs_of = [vs for _, vs in streams]
             E = torch.stack([(V.to(dt) * g).sum(-1)[vs_of] for V in completed])  # [n, 2, N]: g . v_rt
-            X = [(a.permute(1, 2, 0) * E).sum(0)]  # g . o_t, [2, N]
+            X = [(a.transpose(1, 2) * E).sum(0)]  # g . o_t, [2, N]
             X += [(R.to(dt) * g).sum(-1)[vs_of] for R in recent]  # g . R_k[value stream of t]
             X = torch.stack(X)  # [K+1, 2, N]
             r = (c * X).sum(0)  # g . r_t
@@ -293,7 +299,7 @@ class _FusedMerge(Function):
 
 
 def fused_merge(o, lse, a, alpha, W, streams, recent, inv, completed):
-    """Phase 2 of DAR for one site: o = (o_0, o_1) [N, d], lse [2, N] and a [N, n, 2] of the site's two query
+    """Phase 2 of DAR for one site: o = (o_0, o_1) [N, d], lse [2, N] and a [n, N, 2] of the site's two query
     rows from phase 1, gates alpha [2], queries W [2, d], recent K x [M, N, d] with inv [K, M, N],
     and the completed sources (for the backward's recomputation)."""
     with float32_routing(W):
