@@ -934,9 +934,12 @@ def compile_model(model, **kwargs):
     """torch.compile(model, **kwargs), its backward traced as eager runs it: outside autocast. By
     default AOTAutograd traces the backward under the forward's autocast (backward_pass_autocast =
     "same_as_forward"), which turns the float32 matmuls of the routing backward (DAR's transport,
-    mHC's projection) into bf16 ones. With "off", compiled and eager gradients agree."""
+    mHC's projection) into bf16 ones. With "off", compiled and eager gradients agree. Shapes are
+    static unless asked otherwise (dynamic=False): a run has one batch shape, and evaluation's last
+    short batch is one more static graph. (A process compiling five variants with automatic dynamic
+    shapes died once of heap corruption on CPU; with static shapes it did not.)"""
     torch._functorch.config.backward_pass_autocast = "off"
-    return torch.compile(model, **kwargs)
+    return torch.compile(model, **{"dynamic": False, **kwargs})
 
 
 def param_seed(seed, name):
