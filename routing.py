@@ -16,7 +16,7 @@ block-wise computation):
 
 Each completed source is read once per chunk instead of once per site, forward and backward, and its
 gradient arrives in one piece per chunk instead of two per site. Memory: phase 1 saves references to
-the sources (never copies) and [N, n, Q] statistics; the merge saves h, which the sublayer's pre-norm
+the sources (never copies) and [n, N, Q] statistics; the merge saves h, which the sublayer's pre-norm
 keeps anyway, because the gradient of lse_q needs g . o_q only through g . h:
     g . h = c_o (g . o_q) + sum_k c_k (g . s_k)   =>   dL/dlse_q = sum_k c_k (g . h - g . s_k).
 DAR fuses two targets into one h (h = sum_t alpha_t r_t), where g . h no longer separates them; its
