@@ -212,10 +212,11 @@ def plot_curves(groups, path):
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, runs in groups.items():
+    for i, (label, runs) in enumerate(groups.items()):
         curves = [dict(val_curve(run)) for run in runs]
         steps = sorted(set.intersection(*(set(c) for c in curves)))
-        ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], label=f"{label} ({len(runs)})")
+        style = ("-", "--", ":")[i // 10 % 3]  # the colour cycle repeats after 10 lines; the style does not
+        ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], style, label=f"{label} ({len(runs)})")
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token)")
     ax.legend(fontsize=7)
