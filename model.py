@@ -203,6 +203,7 @@ class _BlockHistory:
         self.Router = ReferenceRouter if record is not None else ROUTERS[mod.impl]
         self.completed, self.inv = [x0], [rms_inv(x0)]  # block representations b_0 = x0, b_1, ..
         self.partial, self.router, self.routed = None, None, 0  # routed: blocks the open router covers
+        self.dtype = x0.dtype  # block sums accumulate in x0's dtype (float32 under bf16 autocast)
 
     def _close_block(self):
         self.completed.append(self.partial)
@@ -218,6 +219,18 @@ class _BlockHistory:
         if not with_partial or self.partial is None:
             return self.completed[self.routed:], self.inv[self.routed:]
         return self.completed[self.routed:] + [self.partial], self.inv[self.routed:] + [rms_inv(self.partial)]
+
+    def _read(self, rows, site, with_partial=True):
+        """The open router's outputs for its query rows, recording their weights under site if asked."""
+        recent, inv = self._recent(with_partial)
+        if self.record is None:
+            return [self.router.read(q, recent, inv) for q in rows]
+        h, a = zip(*[self.router.attend(q, recent) for q in rows])
+        self.record[site] = (a[0] if len(a) == 1 else torch.stack(a, 1)).detach()  # [n, B, T] or [n, 2, B, T]
+        return h
+
+    def _add_to_partial(self, y):
+        self.partial = y if self.partial is None else self.partial.to(self.dtype) + y
 
 
 class AttnRes(nn.Module):
@@ -260,18 +273,6 @@ class AttnRes(nn.Module):
 
 
 class _AttnResStream(_BlockHistory):
-    def __init__(self, mod, x0, record):
-        super().__init__(mod, x0, record)
-        self.dtype = x0.dtype  # block sums accumulate in x0's dtype (float32 under bf16 autocast)
-
-    def _read(self, rows, site):
-        recent, inv = self._recent()
-        if self.record is None:
-            return [self.router.read(q, recent, inv) for q in rows]
-        h, a = zip(*[self.router.attend(q, recent) for q in rows])
-        self.record[site] = (a[0] if len(a) == 1 else torch.stack(a, 1)).detach()  # [n, B, T] or [n, 2, B, T]
-        return h
-
     def read(self, j):
         m = self.m
         if j > 0 and j % m.S == 0:  # Eq. 5: a block boundary closes the partial sum
@@ -287,7 +288,7 @@ class _AttnResStream(_BlockHistory):
         return h[0], h[1]  # RD-AttnRes: (Q/K input, V input)
 
     def write(self, j, y):
-        self.partial = y if self.partial is None else self.partial.to(self.dtype) + y
+        self._add_to_partial(y)
 
     def readout(self):
         self._close_block()
@@ -714,7 +715,7 @@ class DeltaAttnRes(nn.Module):
 class _DeltaStream(_BlockHistory):
     def __init__(self, mod, x0, record):
         super().__init__(mod, x0, record)
-        self.h, self.dtype = x0, x0.dtype  # h~, the standard stream
+        self.h = x0  # h~, the standard stream
 
     def read(self, j):
         m = self.m
@@ -722,16 +723,11 @@ class _DeltaStream(_BlockHistory):
             self._close_block()
         if j % m.chunk == 0:
             self._open(m.w[j:j + m.chunk])
-        recent, inv = self._recent(with_partial=False)  # completed blocks only
-        if self.record is None:
-            return self.h + self.router.read(j % m.chunk, recent, inv)
-        r, a = self.router.attend(j % m.chunk, recent)
-        self.record[_site_name(j)] = a.detach()  # [n, B, T]
-        return self.h + r
+        return self.h + self._read((j % m.chunk,), _site_name(j), with_partial=False)[0]  # completed blocks only
 
     def write(self, j, y):
         self.h = self.h + y
-        self.partial = y if self.partial is None else self.partial.to(self.dtype) + y
+        self._add_to_partial(y)
 
     def readout(self):
         return self.h
