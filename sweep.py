@@ -65,11 +65,16 @@ def run_dir(spec, variant, seed):
     return Path(spec["out_dir"]) / variant / f"seed{seed}"
 
 
+def overrides(spec, variant):
+    """A run's key=value overrides, in the order train.py reads them: the sweep's, then the variant's."""
+    return shlex.split(spec["overrides"]) + shlex.split(spec["variants"][variant])
+
+
 def wants_wandb(spec, variant):
     """Whether a run logs to W&B: --wandb or `wandb = True`, or wandb_log set true by the overrides
-    (the variant's last, as train.py reads them)."""
+    (the last one wins, as in train.py)."""
     on = bool(spec.get("wandb"))
-    for kv in shlex.split(spec["overrides"]) + shlex.split(spec["variants"][variant]):
+    for kv in overrides(spec, variant):
         key, _, value = kv.partition("=")
         if key == "wandb_log":
             on = value.lower() in ("true", "1")
@@ -83,7 +88,7 @@ def train_command(spec, variant, seed, launcher):
     if wants_wandb(spec, variant):  # one W&B group per sweep; the overrides below may still change these
         args += ["--wandb_log=true", f"--wandb_group={Path(spec['out_dir']).name}",
                  f"--wandb_tags={variant},seed{seed}", f"--wandb_run_name={variant}-seed{seed}"]
-    args += [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(spec["variants"][variant])]
+    args += [f"--{kv}" for kv in overrides(spec, variant)]
     if (d / "ckpt.pt").exists():
         args.append("--resume=true")
     elif d.exists():  # a run that died before its first checkpoint: nothing to resume, start it over
