@@ -1015,7 +1015,7 @@ def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
             "tokenizer": meta["tokenizer"], "step": step, "train_config": asdict(tc),
             "optimizer": optimizer.state_dict(), "loader": batches.state_dict(), "rng": rng_state(dist.device)})
 
-    val_loss, seconds, steps, speeds, t_start = None, 0.0, 0, [], time.time()
+    val_loss, seconds, steps, speeds = None, 0.0, 0, []
     progress, clean = Progress(step, max_steps), False  # clean: finished, or stopped by a signal with a checkpoint
     try:
         with GracefulStop(verbose=dist.master) as stop:
@@ -1056,7 +1056,7 @@ def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
             log_eval(log, "test", step, test_loss, tokens, progress)
         cuda = dist.device.type == "cuda"
         summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
-                   "unigram_baseline": meta.get("unigram_baseline_nats"), "seconds": time.time() - t_start,
+                   "unigram_baseline": meta.get("unigram_baseline_nats"), "seconds": progress.elapsed(),
                    "tokens_per_s": statistics.median(speeds) if speeds else None,  # median over log intervals
                    # CUDA: peak allocated; CPU: the process' peak resident set (the whole run's, one process)
                    "peak_memory_bytes": torch.cuda.max_memory_allocated(dist.device) if cuda else
