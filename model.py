@@ -46,6 +46,7 @@ class GPTConfig:
     n_head: int = 6  # head dim 128
     n_embd: int = 768
     mlp_ratio: int = 4
+    mlp_hidden: int | None = None  # the MLP's hidden width; None means mlp_ratio * n_embd (parameter-matched controls set it)
     tie_embeddings: bool = False  # share wte and lm_head
     rope_base: float = 10000.0
     logit_softcap: float = 0.0  # 0 = off; else logits = c * tanh(logits / c)
@@ -95,6 +96,7 @@ class GPTConfig:
                  f"{name} counts transformer layers and must be between 1 and n_layer={self.n_layer}, got {value}")
         need(self.delta_block_size is None or self.delta_block_size >= 1,
              f"delta_block_size counts sublayers and must be >= 1, got {self.delta_block_size}")
+        need(self.mlp_hidden is None or self.mlp_hidden >= 1, f"mlp_hidden must be >= 1, got {self.mlp_hidden}")
         need(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         need((self.n_embd // self.n_head) % 2 == 0, f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
         need(self.logit_softcap >= 0, f"logit_softcap must be >= 0, got {self.logit_softcap}")
@@ -802,8 +804,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=False)
-        self.c_proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=False)
+        hidden = cfg.mlp_hidden or cfg.mlp_ratio * cfg.n_embd
+        self.c_fc = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, h):
         return self.c_proj(F.relu(self.c_fc(norm(h))).square())

@@ -79,10 +79,10 @@ class DirLock:
     """An exclusive lock on a directory for this process' life: flock on its .lock file, which
     holds the owner's pid and host. The OS releases it when the process exits, however it exits."""
 
-    def __init__(self, directory, owner, error=DataError):
-        """Lock `directory` (which must exist), or raise `error` naming the process that holds it;
-        `owner` says what holds such locks ("run", "prepare_data.py run")."""
-        self.path = Path(directory) / ".lock"
+    def __init__(self, directory, owner, error=DataError, name=".lock"):
+        """Lock `directory` (which must exist) through its file `name`, or raise `error` naming the
+        process that holds it; `owner` says what holds such locks ("run", "prepare_data.py run")."""
+        self.path = Path(directory) / name
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:

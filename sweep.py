@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from prepare_data import DirLock
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -106,26 +108,48 @@ def hms(seconds):
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def claim(spec, variant, seed):
+    """This process' claim on a run (a DirLock beside its directory), or None when another sweep process
+    holds it: several sweep processes on one sweep file share its runs, each taking the next free one."""
+    d = run_dir(spec, variant, seed)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return DirLock(d.parent, "sweep process", RuntimeError, name=f".{d.name}.sweep-lock")
+    except RuntimeError:
+        return None
+
+
 def run_all(spec, launcher):
     # seed-major: a partial sweep already holds complete paired sets
     runs = [(variant, seed) for seed in spec["seeds"] for variant in spec["variants"]]
-    done = sum((run_dir(spec, v, s) / "summary.json").exists() for v, s in runs)
+    finished = lambda v, s: (run_dir(spec, v, s) / "summary.json").exists()  # noqa: E731
     if any(wants_wandb(spec, v) for v, _ in runs) and importlib.util.find_spec("wandb") is None:
         raise SystemExit("error: the sweep logs to W&B (wandb_log=true), but the wandb package is not installed: "
                          "pip install wandb")
-    t0, durations = time.monotonic(), []  # durations of the runs this invocation ran
+    t0, durations, busy = time.monotonic(), [], 0  # durations of the runs this invocation ran
     for variant, seed in runs:
-        if (run_dir(spec, variant, seed) / "summary.json").exists():
+        if finished(variant, seed):
             continue
-        cmd = train_command(spec, variant, seed, launcher)
-        print(f"\n=== {variant}, seed {seed}: {' '.join(cmd)}", flush=True)
-        start = time.monotonic()
-        if subprocess.run(cmd).returncode != 0:
-            raise SystemExit(f"error: run {variant} seed {seed} failed; fix it and run the sweep again to resume")
-        durations.append(time.monotonic() - start)
-        done += 1
+        lock = claim(spec, variant, seed)
+        if lock is None:  # another sweep process is running it
+            busy += 1
+            continue
+        try:
+            if finished(variant, seed):  # the other process finished it meanwhile
+                continue
+            cmd = train_command(spec, variant, seed, launcher)
+            print(f"\n=== {variant}, seed {seed}: {' '.join(cmd)}", flush=True)
+            start = time.monotonic()
+            if subprocess.run(cmd).returncode != 0:
+                raise SystemExit(f"error: run {variant} seed {seed} failed; fix it and run the sweep again to resume")
+            durations.append(time.monotonic() - start)
+        finally:
+            lock.release()
+        done = sum(finished(v, s) for v, s in runs)
         eta = eta_seconds(durations, len(runs) - done)
         print(f"sweep: {done}/{len(runs)} runs done, {hms(time.monotonic() - t0)} elapsed, ETA {hms(eta)}", flush=True)
+    if busy:
+        print(f"sweep: {busy} run(s) were taken by another sweep process; the table counts what has finished", flush=True)
 
 
 def collect(spec):

@@ -752,7 +752,9 @@ def resume_path(tc, run_dir):
 
 def check_resumable(ckpt, path, mc, tokenizer):
     """The checkpoint's model is this run's model (EXECUTION_KEYS may differ) on the same tokens."""
-    have, want = ckpt["model_config"], asdict(mc)
+    # a key an older checkpoint lacks had its default then (keys are only ever added with the old behaviour)
+    have = {**{f.name: f.default for f in fields(GPTConfig)}, **ckpt["model_config"]}
+    want = asdict(mc)
     differ = [k for k in sorted(set(have) | set(want))
               if k not in EXECUTION_KEYS and have.get(k, "(absent)") != want.get(k, "(absent)")]
     if differ:
@@ -1056,6 +1058,7 @@ def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
             log_eval(log, "test", step, test_loss, tokens, progress)
         cuda = dist.device.type == "cuda"
         summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
+                   "params": raw_model.num_params(),
                    "unigram_baseline": meta.get("unigram_baseline_nats"), "seconds": progress.elapsed(),
                    "tokens_per_s": statistics.median(speeds) if speeds else None,  # median over log intervals
                    # CUDA: peak allocated; CPU: the process' peak resident set (the whole run's, one process)

@@ -1,6 +1,8 @@
-# The README's CPU experiment: every variant x 3 paired seeds on configs/exp_cpu.py (the first ten rows
-# took 56 minutes on 2 cores; with the DAR-granularity and section-7 rows, about 1.5 hours).
+# The README's CPU experiment: every variant x 5 paired seeds on configs/exp_cpu.py, plus a
+# parameter-matched standard control for each variant with more than 1% extra parameters.
 #   python prepare_data.py --tokenizer byte && python sweep.py configs/sweep_cpu.py
+# 85 runs, about 3 hours as two processes of one thread each (they share the runs):
+#   OMP_NUM_THREADS=1 python sweep.py configs/sweep_cpu.py & OMP_NUM_THREADS=1 python sweep.py configs/sweep_cpu.py
 base = "configs/exp_cpu.py"
 variants = {
     "standard": "residual=standard",
@@ -18,7 +20,12 @@ variants = {
     "muddformer": "residual=muddformer",
     "delta_attnres": "residual=delta_attnres",  # per sublayer (delta_block_size=1)
     "delta_block": "residual=delta_attnres delta_block_size=4",  # blocks of 2 layers, as Block AttnRes here
+    # parameter-matched controls: standard with a wider MLP (hidden 512 -> H), within 0.05% of the variant's count
+    "standard_mlp549": "residual=standard mlp_hidden=549",  # 1,730,560 vs muddformer's 1,730,005 (+4.5%)
+    "standard_mlp608": "residual=standard mlp_hidden=608",  # 1,851,392 vs mhc's 1,851,824 (+11.9%)
 }
-seeds = [0, 1, 2]
+controls = {"muddformer": "standard_mlp549", "mhc": "standard_mlp608"}  # variant -> its parameter-matched control
+seeds = [0, 1, 2, 3, 4]
 reference = "standard"
+second_reference = "block_attnres"
 out_dir = "runs/sweep_cpu"
