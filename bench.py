@@ -219,7 +219,7 @@ def main(argv=None):
             row["peak_ratio"] = row["cuda_peak_bytes"] / base["cuda_peak_bytes"]
     cuda = device.type == "cuda"
     if cuda:
-        from train import peak_flops
+        from runlog import peak_flops
         peak = peak_flops(device)
         if peak:
             base["mfu"] = ref.model.flops_per_token() * base["tokens_per_s"] / peak

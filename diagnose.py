@@ -12,6 +12,7 @@ What did a model's depth routing learn? Diagnostics from a checkpoint, on held-o
 
 Writes diagnostics.json and PNG plots into --out (default: the run directory). Plots need
 matplotlib (optional: `pip install matplotlib`); without it the numbers are still written.
+Exit status: 0 done; 2 with one `error:` line (a missing, corrupt or unfitting checkpoint, its data).
 """
 
 import argparse
@@ -19,11 +20,13 @@ import json
 import math
 import os
 import statistics
+import sys
 
 import torch
-import torch.nn.functional as F
 
+from checkpoint import CheckpointError, load_checkpoint
 from model import GPT, GPTConfig, _site_name
+from shards import DataError, eval_batches
 
 
 # --- the measures ---------------------------------------------------------------------------------
@@ -230,9 +233,6 @@ def plot_curves(groups, path):
 # --- the command -----------------------------------------------------------------------------------
 
 def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu"):
-    from prepare_data import eval_batches
-    from train import load_checkpoint
-
     ckpt = load_checkpoint(ckpt_path, map_location=device)
     cfg = GPTConfig(**ckpt["model_config"])
     model = GPT(cfg).to(device)
@@ -312,11 +312,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.ckpt and not args.curves:
         p.error("give --ckpt or --curves")
-    if args.curves:
-        print("wrote", plot_curves({os.path.basename(r.rstrip("/")): [r] for r in args.curves}, args.out or "curves.png"))
-    if args.ckpt:
-        print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device)))
+    try:
+        if args.curves:
+            print("wrote", plot_curves({os.path.basename(r.rstrip("/")): [r] for r in args.curves},
+                                       args.out or "curves.png"))
+        if args.ckpt:
+            print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device)))
+    except (CheckpointError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,10 +28,13 @@ slides: its last block_size // 2 tokens start a fresh window (with the cache: a 
 with them) and decoding goes on. The rows of a batch share their positions, so they slide together.
 --no_cache runs a full forward pass over the same window at every step, so both paths give the same
 tokens under greedy decoding.
+
+Exit status: 0 done; 2 with one `error:` line (bad flags, prompt or checkpoint); 130 on Ctrl-C.
 """
 
 import argparse
 import hashlib
+import math
 import os
 import sys
 import time
@@ -40,8 +43,8 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig, KVCache
-from prepare_data import DataError, get_tokenizer
-from train import CheckpointError, load_checkpoint
+from shards import DataError, get_tokenizer
+from checkpoint import CheckpointError, load_checkpoint
 
 
 class UsageError(ValueError):
@@ -112,7 +115,9 @@ def sample_logits(logits, temperature=1.0, top_k=None, top_p=None, generators=No
     global generator)."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+    # the row's largest logit subtracted first: a tiny temperature then sends the others to -inf, not NaN
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature
+    probs = filter_logits(scaled, top_k, top_p).softmax(-1)
     generators = generators or [None] * len(probs)
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 
@@ -248,7 +253,8 @@ def check_args(args):
 
     need(args.num_samples >= 1, f"--num_samples must be at least 1, got {args.num_samples}")
     need(args.max_new_tokens >= 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
-    need(args.temperature >= 0, f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    need(math.isfinite(args.temperature) and args.temperature >= 0,
+         f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
     need(args.top_k is None or args.top_k >= 1, f"--top_k must be at least 1, got {args.top_k}")
     need(args.top_p is None or 0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}")
     need(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
@@ -270,6 +276,12 @@ def read_prompt(args):
         return text
     if args.prompt == "":
         raise UsageError("the prompt is empty: pass some text, or drop --prompt to sample unconditionally")
+    if args.prompt is not None:
+        try:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--prompt is not valid UTF-8 text: pass UTF-8, or put the prompt in a UTF-8 file "
+                             "and use --prompt_file") from None
     return args.prompt
 
 

@@ -1,5 +1,6 @@
 """Tests of prepare_data.py: shards, splits, tokenizers, loaders and bad input."""
 
+import errno
 import json
 import os
 import random
@@ -14,8 +15,11 @@ import pytest
 import torch
 
 import prepare_data
-from prepare_data import (SPLITS, DataError, GPT2Tokenizer, TokenLoader, eval_batches, get_tokenizer,
-                          load_meta, main, open_shard, split_of, write_shard)
+import shards
+from files import write_atomic
+from prepare_data import main, split_of
+from shards import (SPLITS, DataError, GPT2Tokenizer, TokenLoader, eval_batches, get_tokenizer, load_meta, open_shard,
+                    write_shard)
 
 ROOT = Path(__file__).resolve().parent
 _rng = random.Random(0)
@@ -82,7 +86,7 @@ def test_byte_tokenizer():
 
 def test_gpt2_vocabulary_checksum(tmp_path):
     bad = tmp_path / "gpt2.tiktoken"
-    bad.write_bytes(prepare_data.GPT2_RANKS.read_bytes()[:-10])
+    bad.write_bytes(shards.GPT2_RANKS.read_bytes()[:-10])
     with pytest.raises(DataError, match="sha256"):
         GPT2Tokenizer(bad)
     with pytest.raises(DataError, match="not found"):
@@ -371,7 +375,7 @@ def copy_dir(src, dst):
 
 
 def test_token_ids_outside_the_vocabulary_name_their_shard(data_dir, tmp_path):
-    assert prepare_data.check_split(data_dir, "train") == load_meta(data_dir)["splits"]["train"]["tokens"]
+    assert shards.check_split(data_dir, "train") == load_meta(data_dir)["splits"]["train"]["tokens"]
     tok = get_tokenizer("byte")
     for bad_id in (300, 256 + 64):  # inside the padded vocabulary (trains silently), and past it (IndexError)
         broken = copy_dir(data_dir, tmp_path / f"ids{bad_id}")
@@ -380,7 +384,7 @@ def test_token_ids_outside_the_vocabulary_name_their_shard(data_dir, tmp_path):
         write_shard(broken / "train_000001.bin", tokens, tok)  # a valid header: only the ids are wrong
         with pytest.raises(DataError, match=f"train_000001.bin holds token id {bad_id}, outside the byte "
                                             "tokenizer's ids 0..256"):
-            prepare_data.check_split(broken, "train")
+            shards.check_split(broken, "train")
 
 
 def test_meta_without_a_key_and_empty_shards_say_what_is_wrong(data_dir, tmp_path):
@@ -397,10 +401,10 @@ def test_meta_without_a_key_and_empty_shards_say_what_is_wrong(data_dir, tmp_pat
     (broken / "meta.json").write_text(json.dumps(meta))
     (broken / "val_000000.bin").write_bytes(b"")
     with pytest.raises(DataError, match=r"val_000000.bin is empty \(0 bytes"):
-        prepare_data.check_split(broken, "val")
-    (broken / "val_000000.bin").write_bytes(prepare_data.SHARD_MAGIC[:5])
+        shards.check_split(broken, "val")
+    (broken / "val_000000.bin").write_bytes(shards.SHARD_MAGIC[:5])
     with pytest.raises(DataError, match="val_000000.bin is truncated"):
-        prepare_data.check_split(broken, "val")
+        shards.check_split(broken, "val")
 
 
 def test_eval_advice_names_the_key_to_change(data_dir):
@@ -441,7 +445,7 @@ def test_two_preparations_into_one_directory_one_is_refused(tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from prepare_data import DirLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from files import DirLock; "
                                "DirLock(sys.argv[1], 'prepare_data.py run'); print('locked', flush=True); "
                                "time.sleep(60)", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -453,3 +457,73 @@ def test_two_preparations_into_one_directory_one_is_refused(tmp_path, capsys):
         holder.kill()
         holder.wait()
     assert prep(src, out) == 0  # the lock went with the process that held it
+
+
+# -----------------------------------------------------------------------------
+# reliability, round two: no source destroyed, no useless preparation, the old one kept until the new fits
+
+def test_a_source_inside_out_dir_is_refused_before_anything_is_written(tmp_path, capsys):
+    d = tmp_path / "D"
+    d.mkdir()
+    source = d / "meta.json"  # the issue's case: a source named like a file prepare_data.py owns
+    source.write_text('{"text":"a"}\n{"text":"b"}\n')
+    nested = d / "corpus" / "c.jsonl"
+    nested.parent.mkdir()
+    write_jsonl(nested, DOCS)
+    for src in (source, nested):
+        for extra in ([], ["--overwrite"]):
+            assert prep(src, d, *extra) == 2
+            err = capsys.readouterr().err
+            assert err == (f"error: source file {src} lies inside --out_dir {d}, whose files prepare_data.py writes "
+                           "and replaces: move the source out of it, or choose another --out_dir\n")
+    assert source.read_text() == '{"text":"a"}\n{"text":"b"}\n'
+    assert sorted(p.name for p in d.iterdir()) == ["corpus", "meta.json"]  # no lock, no shard
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--val_fraction", 1, "--test_fraction", 0], "--val_fraction 1.0 + --test_fraction 0.0 leaves no documents for "
+                                                  "the train split: keep their sum below 1"),
+    (["--val_fraction", 0.6, "--test_fraction", 0.6], "leaves no documents for the train split"),
+    (["--shard_tokens", "1e12"], "--shard_tokens 1e+12 is out of range: a shard is assembled in memory"),
+], ids=["val_is_everything", "over_one", "huge_shards"])
+def test_settings_that_cannot_give_a_training_set_are_refused_up_front(tmp_path, capsys, args, message):
+    assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "out", *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_train_split_is_refused(tmp_path, capsys):
+    # one document, whose hash sends it to val at 70% (frac(1 / golden ratio) = 0.618)
+    assert prep(write_jsonl(tmp_path / "c.jsonl", ["one document"]), tmp_path / "out", "--val_fraction", 0.7,
+                "--test_fraction", 0) == 2
+    assert "the train split is empty: all 1 documents went to val or test" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_overwrite_without_room_keeps_the_previous_preparation(tmp_path, monkeypatch, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    assert prep(src, out, "--shard_tokens", 500) == 0
+    before = files_of(out)
+    real, calls = prepare_data.write_shard, []
+
+    def no_space(f):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def disk_full_at_the_third_shard(path, tokens, tokenizer):
+        calls.append(path)
+        if len(calls) == 3:  # the write fails as on a full disk
+            write_atomic(path, no_space, DataError)
+        return real(path, tokens, tokenizer)
+    monkeypatch.setattr(prepare_data, "write_shard", disk_full_at_the_third_shard)
+    assert prep(src, out, "--shard_tokens", 400, "--overwrite") == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"error: no space left on device writing {calls[2]}; {out}'s previous preparation is unchanged"
+    assert calls[2].parent == out / ".staging"  # the new one was built beside the old one
+    assert files_of(out) == before  # the old preparation, whole, and no staging directory
+    monkeypatch.undo()
+    assert prep(src, out, "--shard_tokens", 400, "--overwrite") == 0  # with room: replaced
+    assert load_meta(out)["shard_tokens"] == 400 and ".staging" not in files_of(out)
+    assert set(files_of(out)) == {".lock", "meta.json", *load_meta(out)["splits"]["train"]["files"],
+                                  *load_meta(out)["splits"]["val"]["files"], *load_meta(out)["splits"]["test"]["files"]}

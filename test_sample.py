@@ -2,12 +2,14 @@
 its samples decoded one at a time, the sampling filters, streamed text, and the command line on a
 tiny fake checkpoint."""
 
+import os
+
 import pytest
 import torch
 
-import train
+import checkpoint
 from model import GPT, GPTConfig, RD_MODES, RESIDUALS
-from prepare_data import get_tokenizer
+from shards import get_tokenizer
 from sample import SampleWriter, TextStream, Window, filter_logits, generate, main, sample_logits, sample_seed
 
 VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]
@@ -251,7 +253,7 @@ CONFIG = dict(vocab_size=260, block_size=16, n_layer=2, n_head=2, n_embd=32, res
 
 
 def save_checkpoint(path, model):
-    train.save_checkpoint(path, {"format": train.CKPT_FORMAT, "model_config": CONFIG, "model": model.state_dict(),
+    checkpoint.save_checkpoint(path, {"format": checkpoint.CKPT_FORMAT, "model_config": CONFIG, "model": model.state_dict(),
                                  "tokenizer": "byte", "step": 0, "train_config": {}, "optimizer": {}, "loader": {},
                                  "rng": {}})
 
@@ -325,6 +327,8 @@ def test_cli_a_sample_ends_at_end_of_text(tmp_path, capsys, monkeypatch):
     ("top_k", "--top_k must be at least 1"),
     ("top_p_zero", "--top_p must be in (0, 1]"),
     ("top_p_above_one", "--top_p must be in (0, 1]"),
+    ("temperature_inf", "--temperature must be a finite number >= 0"),
+    ("prompt_not_utf8", "--prompt is not valid UTF-8 text: pass UTF-8, or put the prompt in a UTF-8 file"),
 ])
 def test_cli_bad_input_gives_one_clear_error(case, match, run_dir, tmp_path, capsys):
     (tmp_path / "junk.pt").write_bytes(b"this is not a checkpoint")
@@ -334,7 +338,19 @@ def test_cli_bad_input_gives_one_clear_error(case, match, run_dir, tmp_path, cap
     ckpt = {"missing": tmp_path / "nowhere", "not_a_checkpoint": tmp_path / "junk.pt",
             "no_format": tmp_path / "untagged.pt", "wrong_format": tmp_path / "other.pt"}.get(case, run_dir)
     extra = {"empty_prompt": ["--prompt", ""], "empty_prompt_file": ["--prompt_file", tmp_path / "empty.txt"],
-             "top_k": ["--top_k", 0], "top_p_zero": ["--top_p", 0], "top_p_above_one": ["--top_p", 1.5]}
+             "top_k": ["--top_k", 0], "top_p_zero": ["--top_p", 0], "top_p_above_one": ["--top_p", 1.5],
+             "temperature_inf": ["--temperature", "inf"],
+             "prompt_not_utf8": ["--prompt", os.fsdecode(b"caf\xe9")]}  # Latin-1 bytes in argv
     rc, out, err = cli(capsys, "--ckpt", ckpt, *extra.get(case, []))
     assert rc == 2 and out == ""
     assert err.startswith("error: ") and match in err and "Traceback" not in err
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token(run_dir, capsys):
+    rc, greedy, _ = cli(capsys, "--ckpt", run_dir, "--prompt", "ab", "--max_new_tokens", 8, "--temperature", 0)
+    assert rc == 0
+    for t in ("1e-45", "1e-30"):  # 1 / t overflows float32: the draw must still be the argmax, not NaN
+        rc, out, err = cli(capsys, "--ckpt", run_dir, "--prompt", "ab", "--max_new_tokens", 8, "--temperature", t)
+        assert (rc, out) == (0, greedy), err
+    logits = torch.tensor([[1.0, 3.0, -2.0], [0.5, -1.0, 0.25]])
+    assert sample_logits(logits, 1e-45).tolist() == [1, 0]

@@ -20,8 +20,15 @@ import pytest
 import torch
 
 import train
-from prepare_data import DEFAULT_CORPUS, DataError, load_meta, prepare
-from train import CheckpointError, ConfigError, DivergedError, load_checkpoint
+import checkpoint
+import config
+import runlog
+from checkpoint import CheckpointError, load_checkpoint
+from config import ConfigError
+from model import GPTConfig
+from prepare_data import DEFAULT_CORPUS, prepare
+from shards import DataError, load_meta
+from train import DivergedError
 
 ROOT = Path(__file__).resolve().parent
 CONFIG = str(ROOT / "configs" / "test.py")  # 2 layers of width 32, 6 steps of 256 byte tokens
@@ -118,8 +125,8 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_losses(data_dir, tmp_path
 def test_bad_checkpoints_are_refused(data_dir, tmp_path):
     run(data_dir, tmp_path, "--run_name=good", "--max_steps=1")
     good = tmp_path / "good" / "ckpt.pt"
-    assert set(load_checkpoint(tmp_path / "good")) == set(train.CKPT_KEYS)
-    assert set(torch.load(good, weights_only=True)) == set(train.CKPT_KEYS)  # plain torch.load reads it too
+    assert set(load_checkpoint(tmp_path / "good")) == set(checkpoint.CKPT_KEYS)
+    assert set(torch.load(good, weights_only=True)) == set(checkpoint.CKPT_KEYS)  # plain torch.load reads it too
     raw = good.read_bytes()
     bad = tmp_path / "bad.pt"
     for content in (raw[:len(raw) // 2], random.Random(0).randbytes(4096), b"step 6, loss 2.3\n"):
@@ -145,13 +152,13 @@ def test_bad_checkpoints_are_refused(data_dir, tmp_path):
 
 
 def test_overrides_are_typed_and_checked(data_dir, tmp_path):
-    tc, model = train.parse_config([CONFIG, "--max_steps=1e5", "--lr=2e-3", "--compile=true", "--rd_mode=none",
+    tc, model = config.parse_config([CONFIG, "--max_steps=1e5", "--lr=2e-3", "--compile=true", "--rd_mode=none",
                                     "--residual=rd_attnres", "--n_embd=64"])
     assert (tc.max_steps, tc.lr, tc.compile, tc.run_name) == (100000, 2e-3, True, "test")
     assert type(tc.max_steps) is int and model == {"residual": "rd_attnres", "rd_mode": None, "n_layer": 2,
                                                    "n_head": 2, "n_embd": 64}
     for text, value in [("true", True), ("False", False), ("1", True), ("0", False)]:
-        assert train.parse_config([CONFIG, f"--compile={text}"])[0].compile is value
+        assert config.parse_config([CONFIG, f"--compile={text}"])[0].compile is value
     for arg, message in [("--lr=fast", "lr expects float, got 'fast'"),
                          ("--max_steps=1.5", "max_steps expects int, got '1.5'"),
                          ("--compile=yes", "compile expects true/false/1/0"),
@@ -160,16 +167,16 @@ def test_overrides_are_typed_and_checked(data_dir, tmp_path):
                          ("--lr", "expected --key=value"),
                          ("--lr_schedule=linear", "lr_schedule must be cosine or wsd")]:
         with pytest.raises(ConfigError, match=message):
-            train.parse_config([CONFIG, arg])
+            config.parse_config([CONFIG, arg])
     typo = tmp_path / "typo.py"
     typo.write_text("import math\nlr = math.pi / 1000\nn_embed = 64\n")
     with pytest.raises(ConfigError, match=f"unknown key 'n_embed' in {typo}; did you mean n_embd"):
-        train.parse_config([str(typo)])
+        config.parse_config([str(typo)])
     with pytest.raises(ConfigError, match=re.escape("world_size = 4 * 32 * 1 = 128 (e.g. batch_tokens=256)")):
         run(data_dir, tmp_path, "--batch_tokens=300")
-    tc, _ = train.parse_config([CONFIG])
+    tc, _ = config.parse_config([CONFIG])
     with pytest.raises(ConfigError, match="= 4 \\* 32 \\* 3 = 384"):
-        train.grad_accum_steps(tc, world_size=3)
+        config.grad_accum_steps(tc, world_size=3)
     with pytest.raises(ConfigError, match="model config: n_embd=33 is not divisible by n_head=2"):
         run(data_dir, tmp_path, "--n_embd=33")
 
@@ -193,8 +200,8 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(data_dir, tmp_
 def test_runs_that_differ_only_in_residual_are_paired(data_dir):
     cpu, built = train.Dist(rank=0, world_size=1, device=torch.device("cpu")), []
     for residual in ("standard", "block_attnres"):
-        tc, model_settings = train.parse_config([CONFIG, f"--data_dir={data_dir}", f"--residual={residual}"])
-        mc = train.build_model_config(model_settings, tc, load_meta(data_dir))
+        tc, model_settings = config.parse_config([CONFIG, f"--data_dir={data_dir}", f"--residual={residual}"])
+        mc = config.build_model_config(model_settings, tc, load_meta(data_dir))
         model, _, loader, _ = train.build(tc, mc, cpu, ckpt=None)
         built.append((model.state_dict(), [loader.next_batch() for _ in range(3)]))
     (standard, batches_s), (attnres, batches_a) = built
@@ -204,11 +211,11 @@ def test_runs_that_differ_only_in_residual_are_paired(data_dir):
 
 
 def test_lr_schedules():
-    cosine = train.TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
+    cosine = config.TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
     lrs = [train.lr_at(i, cosine, 100) for i in range(100)]
     assert lrs[0] == 0.1 and lrs[9] == 1.0 and lrs[-1] == pytest.approx(0.1)
     assert all(a > b for a, b in zip(lrs[9:], lrs[10:]))
-    wsd = train.TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr=0.1, lr_schedule="wsd", decay_frac=0.2)
+    wsd = config.TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr=0.1, lr_schedule="wsd", decay_frac=0.2)
     lrs = [train.lr_at(i, wsd, 100) for i in range(100)]
     assert lrs[:10] == [(i + 1) / 10 for i in range(10)] and set(lrs[9:80]) == {1.0} and lrs[-1] == pytest.approx(0.1)
     assert all(a > b for a, b in zip(lrs[79:], lrs[80:]))
@@ -237,11 +244,11 @@ def steps(run_dir, kind="train"):
 def test_a_fresh_run_never_replaces_a_run(data_dir, tmp_path, straight):
     run(data_dir, tmp_path, "--run_name=a")
     before = contents(tmp_path / "a")
-    with pytest.raises(train.RunDirError, match=re.escape(
+    with pytest.raises(checkpoint.RunDirError, match=re.escape(
             f"{tmp_path / 'a'} already holds a run (config.json, log.jsonl, ckpt.pt, summary.json): "
             "continue it with --resume=true, or start over with --overwrite=true")):
         run(data_dir, tmp_path, "--run_name=a", "--max_steps=2")
-    with pytest.raises(train.RunDirError, match="replace it with --overwrite=true, or choose another run_name"):
+    with pytest.raises(checkpoint.RunDirError, match="replace it with --overwrite=true, or choose another run_name"):
         run(data_dir, tmp_path, "--run_name=a", f"--resume={straight}")  # another run's checkpoint, into a
     assert contents(tmp_path / "a") == before  # nothing touched
 
@@ -253,7 +260,7 @@ def test_a_fresh_run_never_replaces_a_run(data_dir, tmp_path, straight):
 
     (tmp_path / "b").mkdir()  # a run that died before its first checkpoint
     (tmp_path / "b" / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
-    with pytest.raises(train.RunDirError, match=r"already holds a run \(log.jsonl\): replace it with --overwrite"):
+    with pytest.raises(checkpoint.RunDirError, match=r"already holds a run \(log.jsonl\): replace it with --overwrite"):
         run(data_dir, tmp_path, "--run_name=b")
 
 
@@ -288,11 +295,11 @@ def test_cli_sigterm_stops_with_a_checkpoint_and_a_second_run_is_refused(data_di
 def test_the_lock_goes_with_the_process_that_held_it(data_dir, tmp_path):
     run_dir = tmp_path / "test"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from prepare_data import DirLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from files import DirLock; "
                                "DirLock(sys.argv[1], 'run'); print('locked', flush=True); time.sleep(60)",
                                str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
-    with pytest.raises(train.RunDirError, match=f"is in use by another run \\(pid {holder.pid}\\)"):
+    with pytest.raises(checkpoint.RunDirError, match=f"is in use by another run \\(pid {holder.pid}\\)"):
         run(data_dir, tmp_path, "--max_steps=1")
     assert [p.name for p in run_dir.iterdir()] == [".lock"]
     holder.kill()  # kill -9: no chance to clean up
@@ -439,7 +446,7 @@ def test_a_damaged_checkpoint_is_refused_by_its_checksum(data_dir, tmp_path, cap
     run(data_dir, tmp_path, "--max_steps=1")
     ckpt = tmp_path / "test" / "ckpt.pt"
     flip_a_weight_byte(ckpt)
-    assert set(torch.load(ckpt, weights_only=True)) == set(train.CKPT_KEYS)  # torch alone does not notice
+    assert set(torch.load(ckpt, weights_only=True)) == set(checkpoint.CKPT_KEYS)  # torch alone does not notice
     message = "ckpt.pt is corrupt: its contents do not match the checksum written with it"
     with pytest.raises(CheckpointError, match=message):
         run(data_dir, tmp_path, "--resume=true", "--max_steps=2")
@@ -470,7 +477,7 @@ def truncate(name):
 
 
 def test_bad_data_is_found_before_step_1(data_dir, tmp_path, monkeypatch):
-    from prepare_data import get_tokenizer, open_shard, write_shard
+    from shards import get_tokenizer, open_shard, write_shard
 
     def id_300_in_val(d):
         tokens = open_shard(d / "val_000000.bin").copy()
@@ -517,7 +524,7 @@ def test_config_values_out_of_range_are_config_errors(data_dir, tmp_path, capsys
                          ("--wandb_project=me/runs", "wandb_project must be a non-empty name without /"),
                          ("--wandb_tags=seed0," + "x" * 65, "wandb_tags: a W&B tag is at most 64 characters")]:
         with pytest.raises(ConfigError, match=message):
-            train.parse_config([CONFIG, arg])
+            config.parse_config([CONFIG, arg])
     run(data_dir, tmp_path, "--warmup_steps=10", "--max_steps=2")
     assert ("warning: warmup_steps=10 is more than the run's 2 steps: the learning rate ends its warmup at 0.002, "
             "never reaching lr=0.01") in capsys.readouterr().err
@@ -529,11 +536,165 @@ def test_config_values_out_of_range_are_config_errors(data_dir, tmp_path, capsys
 
 
 # ----------------------------------------------------------------------------------------------
+# Reliability, round two: no record doubled, a huge loss is a divergence, every bad input one line
+
+
+def record_keys(run_dir):
+    return [(r["kind"], r.get("split"), r["step"]) for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())]
+
+
+def test_a_resumed_finished_run_logs_each_record_once(data_dir, tmp_path, straight):
+    run_dir = tmp_path / "done"
+    run(data_dir, tmp_path, "--run_name=done")
+    once = record_keys(run_dir)
+    assert len(once) == len(set(once)) and ("eval", "test", 6) in once
+    run(data_dir, tmp_path, "--run_name=done", "--resume=true")  # a finished run: its final evaluations redone
+    assert record_keys(run_dir) == once
+    assert untimed(run_dir) == untimed(straight)
+    # killed after the last checkpoint, before summary.json: the same
+    (run_dir / "summary.json").unlink()
+    run(data_dir, tmp_path, "--run_name=done", "--resume=true")
+    assert record_keys(run_dir) == once and (run_dir / "summary.json").exists()
+
+
+def test_a_finite_but_huge_loss_is_a_divergence_and_its_resume_says_so_again(data_dir, tmp_path, capsys):
+    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--lr=3e3", "--min_lr=0", "--grad_clip=0",
+            "--warmup_steps=0", "--max_steps=8"]
+    for extra in ([], ["--resume=true"]):
+        assert train.cli(args + extra) == 1
+        err = capsys.readouterr().err
+        assert re.search(r"error: loss \S+ at step \d is above 23.1 nats \(4 ln\(vocab\), far worse than a uniform "
+                         r"guess\): training diverged and stopped before this update; (no checkpoint was written|the "
+                         r"last good checkpoint \(step \d\) is kept at .*ckpt.pt)\. Try a lower lr", err), err
+        assert "Traceback" not in err
+    assert runlog.perplexity(800.0) == math.inf and runlog.perplexity(2.0) == pytest.approx(math.exp(2.0))
+
+
+def test_a_huge_val_loss_stops_before_the_checkpoint(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "evaluate", lambda *args: (800.0, 1024))
+    with pytest.raises(DivergedError, match=r"val loss 800 at step 3 is above 23.1 nats .* stopped before this "
+                                            r"checkpoint; no checkpoint was written"):
+        run(data_dir, tmp_path)
+    assert not (tmp_path / "test" / "ckpt.pt").exists()
+
+
+def test_sigterm_during_the_final_evaluations_stops_gracefully(data_dir, tmp_path, monkeypatch, straight):
+    real, calls = train.evaluate, []
+
+    def evaluate(model, split, tc, dist, autocast):  # SIGTERM while the last step's val evaluation runs
+        calls.append(split)
+        out = real(model, split, tc, dist, autocast)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    with pytest.raises(train.Stopped, match="stopped by SIGTERM after step 6; checkpoint written to"):
+        run(data_dir, tmp_path, "--run_name=late")
+    monkeypatch.undo()
+    assert calls == ["val", "val"]  # the test evaluation did not start
+    assert not (tmp_path / "late" / "summary.json").exists() and load_checkpoint(tmp_path / "late")["step"] == 6
+    run(data_dir, tmp_path, "--run_name=late", "--resume=true")
+    assert untimed(tmp_path / "late") == untimed(straight) and steps(tmp_path / "late") == [1, 2, 3, 4, 5, 6]
+    assert len(record_keys(tmp_path / "late")) == len(set(record_keys(tmp_path / "late")))
+
+
+def test_resume_true_without_a_checkpoint_starts_the_run(data_dir, tmp_path, monkeypatch, capsys, straight):
+    monkeypatch.setattr(train, "train_step", kill_in_step(2, signal.SIGTERM))
+    with pytest.raises(train.Stopped):  # a SIGTERM before the first checkpoint writes one at step 2 ...
+        run(data_dir, tmp_path, "--run_name=early", "--ckpt_interval=0")
+    monkeypatch.setattr(train, "train_step", kill_in_step(2))
+    with pytest.raises(KeyboardInterrupt):  # ... a kill does not
+        run(data_dir, tmp_path, "--run_name=killed")
+    monkeypatch.undo()
+    assert not (tmp_path / "killed" / "ckpt.pt").exists() and steps(tmp_path / "killed") == [1]
+    capsys.readouterr()
+    for name in ("killed", "never_started"):  # a requeue script that always passes --resume=true
+        run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
+        assert f"note: {tmp_path / name} holds no checkpoint yet: starting the run from step 0" in capsys.readouterr().err
+        assert untimed(tmp_path / name) == untimed(straight) and steps(tmp_path / name) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_past_max_steps_is_refused(data_dir, tmp_path, straight):
+    message = "checkpoint .*straight is at step 6, past this run's last step 2: resume with max_steps >= 6"
+    with pytest.raises(CheckpointError, match=message):
+        run(data_dir, straight.parent, "--run_name=straight", "--resume=true", "--max_steps=2")
+    with pytest.raises(CheckpointError, match=message):  # from another run's checkpoint too
+        run(data_dir, tmp_path, f"--resume={straight}", "--max_steps=2")
+
+
+def test_a_random_bytes_checkpoint_never_quotes_unsafe_advice(tmp_path):
+    bad = tmp_path / "ckpt.pt"
+    bad.write_bytes(random.Random(1).randbytes(100_000))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(bad)
+    assert str(e.value).startswith(f"{bad} is not a readable checkpoint") and "weights_only" not in str(e.value)
+
+
+BAD_CONFIG_FILES = [
+    ("residual = 'standard'\nn_layer = 2 +\n", "line 2: syntax error"),
+    ("import math\nn_layer = 2\nlr = math.sqrt(-1)\n", "line 3: ValueError: math domain error"),
+    ("n_layer = undefined_name\n", "line 1: NameError"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD_CONFIG_FILES, ids=["syntax", "raises", "name"])
+def test_a_config_file_that_fails_names_its_line(tmp_path, text, message):
+    path = tmp_path / "bad.py"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(f"config file {path}, {message}")):
+        config.parse_config([str(path)])
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--rope_base=0", "rope_base must be a finite number > 0"),
+    ("--rope_base=-5", "rope_base must be a finite number > 0"),
+    ("--rope_base=inf", "rope_base must be a finite number > 0"),
+    ("--rope_base=nan", "rope_base must be a finite number > 0"),
+    ("--logit_softcap=inf", "logit_softcap must be a finite number >= 0"),
+    ("--run_name=a/b", "run_name must be a plain directory name inside out_dir"),
+    ("--run_name=..", "run_name must be a plain directory name inside out_dir"),
+    ("--run_name=/tmp/elsewhere", "run_name must be a plain directory name inside out_dir"),
+])
+def test_bad_keys_are_refused_before_step_1(data_dir, tmp_path, monkeypatch, arg, message):
+    monkeypatch.setattr(train, "train_step", None)  # never reached
+    with pytest.raises(ConfigError, match=message):
+        run(data_dir, tmp_path, arg)
+    assert not any(tmp_path.iterdir())
+
+
+def edit_meta(change):
+    def edit(d):
+        meta = json.loads((d / "meta.json").read_text())
+        change(meta)
+        (d / "meta.json").write_text(json.dumps(meta))
+    return edit
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.update(vocab_size="257"), "vocab_size '257' is not the byte tokenizer's 257"),
+    (lambda m: m.update(vocab_size=-1), "vocab_size -1 is not the byte tokenizer's 257"),
+    (lambda m: m.update(splits=[]), "splits is a JSON list, not an object"),
+    (lambda m: m["splits"]["train"].update(files="train_000000.bin"), "split 'train': files 'train_000000.bin' is not "
+                                                                     "a list of file names"),
+    (lambda m: m["splits"]["val"].update(files=["../../secret.bin"]), "is not a list of file names"),
+    (lambda m: m.update(tokenizer="sentencepiece"), "tokenizer 'sentencepiece' is not one of gpt2, byte"),
+    (lambda m: m["splits"]["train"].update(tokens=m["splits"]["train"]["tokens"] + 5),
+     "split 'train' of .* holds [0-9,]+ tokens in its shards, but its meta.json says [0-9,]+"),
+], ids=["vocab_str", "vocab_negative", "splits_list", "files_str", "files_path", "tokenizer", "tokens"])
+def test_a_bad_meta_json_is_refused_before_step_1(data_dir, tmp_path, monkeypatch, change, message):
+    data = broken_copy(data_dir, tmp_path, "data", edit_meta(change))
+    monkeypatch.setattr(train, "train_step", None)  # never reached
+    with pytest.raises(DataError, match=message):
+        run(data, tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------------------------
 # Multi-node resume, one synchronisation per step, prefetch, DDP buffers, TF32
 
 
 def test_batches_read_ahead_checkpoint_the_state_of_the_batches_used(data_dir):
-    from prepare_data import TokenLoader
+    from shards import TokenLoader
     plain, ahead = (TokenLoader(data_dir, "train", 4, 32, seed=3) for _ in range(2))
     batches = train.DeviceBatches(ahead, torch.device("cpu"))
     for _ in range(5):
@@ -545,8 +706,8 @@ def test_batches_read_ahead_checkpoint_the_state_of_the_batches_used(data_dir):
 
 def test_a_training_step_synchronises_with_the_device_once(data_dir, monkeypatch):
     cpu = train.Dist(rank=0, world_size=1, device=torch.device("cpu"))
-    tc, model_settings = train.parse_config([CONFIG, f"--data_dir={data_dir}"])
-    model, optimizer, loader, _ = train.build(tc, train.build_model_config(model_settings, tc, load_meta(data_dir)),
+    tc, model_settings = config.parse_config([CONFIG, f"--data_dir={data_dir}"])
+    model, optimizer, loader, _ = train.build(tc, config.build_model_config(model_settings, tc, load_meta(data_dir)),
                                               cpu, ckpt=None)
     syncs, counting = [], [True]
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
@@ -569,8 +730,8 @@ def test_a_training_step_synchronises_with_the_device_once(data_dir, monkeypatch
 def test_ddp_does_not_broadcast_the_constant_buffers(data_dir, tmp_path):
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        tc, model_settings = train.parse_config([CONFIG, f"--data_dir={data_dir}"])
-        model = train.GPT(train.build_model_config(model_settings, tc, load_meta(data_dir)))
+        tc, model_settings = config.parse_config([CONFIG, f"--data_dir={data_dir}"])
+        model = train.GPT(config.build_model_config(model_settings, tc, load_meta(data_dir)))
         assert {name for name, _ in model.named_buffers()} == {"cos", "sin"}  # constants, the same on every rank
         _, ddp = train.wrap(model, tc, train.Dist(rank=0, world_size=2, device=torch.device("cpu")))
         assert isinstance(ddp, train.DistributedDataParallel) and ddp.broadcast_buffers is False
@@ -663,14 +824,14 @@ def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tm
 
 def test_eta_is_the_mean_step_time_after_the_first_step():
     now = [100.0]
-    progress = train.Progress(10, 110, clock=lambda: now[0])  # resumed at step 10 of 110
+    progress = runlog.Progress(10, 110, clock=lambda: now[0])  # resumed at step 10 of 110
     now[0] = 130.0  # step 11 took 30 s: compilation, warm-up
     progress.stepped(11)
     assert progress.elapsed() == 30 and progress.eta(11) == 30 * 99  # nothing better known yet
     now[0] = 136.0  # steps 12 to 13: 3 s each
     progress.stepped(13)
     assert progress.elapsed() == 36 and progress.eta(13) == 3 * 97
-    assert progress.at(13) == "step  13/110" and train.hms(3 * 97) == "0:04:51"
+    assert progress.at(13) == "step  13/110" and runlog.hms(3 * 97) == "0:04:51"
 
 
 def test_log_lines_say_how_far_the_run_is(data_dir, tmp_path, capsys):
@@ -701,13 +862,13 @@ def test_a_resume_may_change_execution_only_keys(data_dir, tmp_path, monkeypatch
     assert ckpt["model_config"]["activation_checkpointing"] is True
 
     def config(**changes):
-        return train.GPTConfig(**{**ckpt["model_config"], **changes})
+        return GPTConfig(**{**ckpt["model_config"], **changes})
 
-    train.check_resumable(ckpt, "ckpt.pt", config(depth_impl="reference", depth_chunk=2), "byte")
+    checkpoint.check_resumable(ckpt, "ckpt.pt", config(depth_impl="reference", depth_chunk=2), "byte")
     del ckpt["model_config"]["activation_checkpointing"]  # a checkpoint from before the key existed
-    train.check_resumable(ckpt, "ckpt.pt", config(), "byte")
+    checkpoint.check_resumable(ckpt, "ckpt.pt", config(), "byte")
     with pytest.raises(CheckpointError, match=r"another model \(attnres_block_size: 4 there, 2 here\)"):
-        train.check_resumable(ckpt, "ckpt.pt", config(attnres_block_size=2, depth_chunk=2), "byte")
+        checkpoint.check_resumable(ckpt, "ckpt.pt", config(attnres_block_size=2, depth_chunk=2), "byte")
 
 
 def test_wandb_log_without_wandb_is_one_line_before_compute(data_dir, tmp_path, monkeypatch, capsys):

@@ -1,0 +1,271 @@
+"""
+The run directory and its checkpoints.
+
+    out_dir/run_name/   config.json, log.jsonl, ckpt.pt, summary.json, wandb_id.txt (RUN_FILES), .lock
+    ckpt.pt             one dict (CKPT_KEYS): weights, optimizer, loader and RNG states, configs, and a
+                        sha256 of it all; written atomically, verified on every load
+    claim_run_dir       a run's claim on its directory: the lock for its life, the checkpoint it
+                        continues, what it keeps of the log; a fresh run never replaces a run unasked
+"""
+
+import hashlib
+import json
+import random
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from config import total_steps
+from files import DirLock, write_atomic, writing
+from model import GPTConfig
+
+
+CKPT_FORMAT = "depthres-ckpt-2"
+CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng",
+             "checksum")
+RUN_FILES = ("config.json", "log.jsonl", "ckpt.pt", "summary.json", "wandb_id.txt")  # what a run directory holds
+# model keys that change how the model computes, not what: a run may resume with other values
+EXECUTION_KEYS = ("depth_impl", "depth_chunk", "activation_checkpointing")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable, or does not fit the requested run."""
+
+
+class RunDirError(RuntimeError):
+    """A run directory that is in use, holds another run, or cannot be written (disk full, read-only)."""
+
+
+def rng_state(device):
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def moved(x, device):
+    """A checkpoint-like tree of dicts, lists and tuples with every tensor on `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: moved(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(moved(v, device) for v in x)
+    return x
+
+
+def checksum(state):
+    """sha256 over a checkpoint's contents but "checksum": every tensor's dtype, shape and bytes and
+    every other value's type and repr, in order. Tensors must be on the CPU."""
+    h = hashlib.sha256()
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            t = x.contiguous().reshape(-1)
+            h.update(f"<tensor {t.dtype} {tuple(x.shape)}>".encode())
+            h.update(t.view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(f"<dict {len(x)}>".encode())
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"<{type(x).__name__} {len(x)}>".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"<{type(x).__name__} {x!r}>".encode())
+
+    walk({k: v for k, v in state.items() if k != "checksum"})
+    return h.hexdigest()
+
+
+class _RememberingWriter:
+    """A file's write(), remembering the OSError it raised: torch.save reports one as a RuntimeError."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
+def save_checkpoint(path, state):
+    """Write atomically and durably: a temporary file in the same directory, fsync, then a rename over
+    `path`. A kill or a full disk at any point leaves the previous checkpoint intact.
+
+    The state is a dict with the keys CKPT_KEYS: "format" (CKPT_FORMAT), "model_config" (asdict of
+    the GPTConfig), "model" (state_dict without wrapper prefixes), "tokenizer" (its name, for
+    shards.get_tokenizer), "step" (optimizer steps done), "train_config" (asdict of the
+    TrainConfig), "optimizer", "loader" (TokenLoader.state_dict), "rng" (python, numpy, torch,
+    cuda) and "checksum" (see checksum(); added here, verified by load_checkpoint). It holds only
+    tensors and plain Python values, so torch.load(weights_only=True) reads it.
+    """
+    state = moved({k: v for k, v in state.items() if k != "checksum"}, "cpu")
+    state["checksum"] = checksum(state)
+    write_atomic(path, lambda f: _save(state, f), RunDirError)
+
+
+def _save(state, f):
+    """torch.save into f, an OSError of the write raised as itself (torch reports it as a RuntimeError)."""
+    out = _RememberingWriter(f)
+    try:
+        torch.save(state, out)
+    except RuntimeError:
+        if out.error is not None:
+            raise out.error from None
+        raise
+
+
+def load_checkpoint(path_or_run_dir, map_location="cpu"):
+    """The checkpoint dict of a run directory (its ckpt.pt) or a checkpoint file, format and checksum checked."""
+    path = Path(path_or_run_dir)
+    if path.is_dir():
+        path = path / "ckpt.pt"
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's own message may advise weights_only=False, which is unsafe: not quoted
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__} reading it): it is truncated, "
+                              "corrupt or not a checkpoint; use an intact copy or another checkpoint") from None
+    if not isinstance(ckpt, dict) or "format" not in ckpt:
+        raise CheckpointError(f"{path} is not a train.py checkpoint (no format tag)")
+    if ckpt["format"] != CKPT_FORMAT:
+        older = " (an older train.py's, without a checksum)" if ckpt["format"] == "depthres-ckpt-1" else ""
+        raise CheckpointError(f"{path} has format {ckpt['format']!r}{older}; this train.py reads {CKPT_FORMAT!r}")
+    missing = [k for k in CKPT_KEYS if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}: it is incomplete")
+    if checksum(ckpt) != ckpt["checksum"]:
+        raise CheckpointError(f"{path} is corrupt: its contents do not match the checksum written with it "
+                              "(damaged on disk or in a copy); use an intact copy or another checkpoint")
+    return ckpt if map_location in (None, "cpu") else moved(ckpt, map_location)
+
+
+def resume_path(tc, run_dir):
+    """Where to resume from: None (a fresh run), this run's directory, or the given path."""
+    if tc.resume.lower() in ("", "false", "0"):
+        return None
+    return run_dir if tc.resume.lower() in ("true", "1") else Path(tc.resume)
+
+
+def check_resumable(ckpt, path, mc, tokenizer, last_step=None):
+    """The checkpoint's model is this run's model (EXECUTION_KEYS may differ) on the same tokens, at a
+    step this run reaches (last_step: the run's last step, None: not checked)."""
+    # a key an older checkpoint lacks had its default then (keys are only ever added with the old behaviour)
+    have = {**{f.name: f.default for f in fields(GPTConfig)}, **ckpt["model_config"]}
+    want = asdict(mc)
+    differ = [k for k in sorted(set(have) | set(want))
+              if k not in EXECUTION_KEYS and have.get(k, "(absent)") != want.get(k, "(absent)")]
+    if differ:
+        detail = ", ".join(f"{k}: {have.get(k, '(absent)')!r} there, {want.get(k, '(absent)')!r} here" for k in differ)
+        raise CheckpointError(f"checkpoint {path} holds another model ({detail}); resume with its config, "
+                              f"or start a fresh run under another run_name")
+    if ckpt["tokenizer"] != tokenizer:
+        raise CheckpointError(f"checkpoint {path} was trained on {ckpt['tokenizer']!r} tokens, "
+                              f"but data_dir holds {tokenizer!r} tokens")
+    if last_step is not None and ckpt["step"] > last_step:
+        raise CheckpointError(f"checkpoint {path} is at step {ckpt['step']}, past this run's last step {last_step}: "
+                              f"resume with max_steps >= {ckpt['step']} (or a larger max_tokens)")
+
+
+def last_good(saved, good=True):
+    """What is kept of the run: `saved` is (step, path) of its last checkpoint, or None."""
+    if saved is None:
+        return "no checkpoint was written"
+    return f"the last {'good ' if good else ''}checkpoint (step {saved[0]}) is kept at {saved[1]}"
+
+
+def read_log(path, last_step, finished=False):
+    """The lines of a log.jsonl whose step is at most `last_step`: what a run resumed from a
+    checkpoint at that step keeps (what a killed run logged after its checkpoint is redone). With
+    `finished` (the checkpoint is the run's last step), the records of that step other than its
+    train record go too: a resumed finished run redoes its final evaluations. A line that is not a
+    JSON record (the torn last line of a kill or a full disk) is dropped, with a note. So every
+    (kind, split, step) is logged once, whatever kills and resumes came before."""
+    if not path.exists():
+        return []
+    kept, torn = [], []
+    with writing(path, RunDirError):
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    for n, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            step, kind = record["step"], record["kind"]
+        except (ValueError, TypeError, KeyError):
+            if line.strip():
+                torn.append(n)
+            continue
+        if step < last_step or (step == last_step and (kind == "train" or not finished)):
+            kept.append(line)
+    if torn:
+        print(f"note: {path}: dropped {len(torn)} unreadable line(s) ({', '.join(map(str, torn[:5]))}), "
+              "as a kill or a full disk leaves them", file=sys.stderr)
+    return kept
+
+
+@dataclass
+class Claim:
+    """What rank 0 holds of the run directory: its lock, the checkpoint to start from (or None),
+    whether that is this directory's own run (resume=true), and the log lines that run keeps."""
+    lock: DirLock
+    ckpt: dict | None
+    continuing: bool
+    kept_log: list
+
+
+def claim_run_dir(tc, run_dir, mc, tokenizer):
+    """Lock the run directory for this run's life and check what it holds against what this run
+    would do with it; a Claim. Writes nothing in run_dir but its .lock."""
+    source, last_step = resume_path(tc, run_dir), total_steps(tc)
+    continuing = source is not None and source.resolve() in (run_dir.resolve(), (run_dir / "ckpt.pt").resolve())
+    ckpt = None
+    if source is not None and not continuing:  # a new run here, from another run's checkpoint
+        ckpt = load_checkpoint(source)
+        check_resumable(ckpt, source, mc, tokenizer, last_step)
+    with writing(run_dir, RunDirError):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    lock = DirLock(run_dir, "run", RunDirError)
+    try:
+        if continuing and not (run_dir / "ckpt.pt").exists() and not (run_dir / "summary.json").exists():
+            # stopped (or never started) before its first checkpoint: nothing to continue, so it starts
+            # afresh, and a requeue script may always pass --resume=true
+            print(f"note: {run_dir} holds no checkpoint yet: starting the run from step 0", file=sys.stderr)
+            return Claim(lock, None, False, [])
+        if continuing:
+            ckpt = load_checkpoint(source)
+            check_resumable(ckpt, source, mc, tokenizer, last_step)
+            kept = read_log(run_dir / "log.jsonl", ckpt["step"], finished=ckpt["step"] == last_step)
+            return Claim(lock, ckpt, True, kept)
+        held = [name for name in RUN_FILES if (run_dir / name).exists()]
+        if held and not tc.overwrite:
+            ways = ("continue it with --resume=true, or start over with --overwrite=true"
+                    if "ckpt.pt" in held and source is None else
+                    "replace it with --overwrite=true, or choose another run_name")
+            raise RunDirError(f"{run_dir} already holds a run ({', '.join(held)}): {ways}")
+        return Claim(lock, ckpt, False, [])
+    except BaseException:
+        lock.release()
+        raise

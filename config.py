@@ -1,0 +1,225 @@
+"""
+Training configuration: TrainConfig (the training keys), and a run's config from a config file and
+--key=value overrides, each value checked against its key's type (model keys: model.GPTConfig).
+
+A config is a Python file that assigns keys (`residual = "block_attnres"`); `--key=value` overrides
+it. Batch: batch_tokens tokens per optimizer step, in micro-batches of batch_size x seq_len per rank,
+accumulated over batch_tokens / (batch_size * seq_len * world_size) micro-steps. Length: max_steps
+optimizer steps; with max_steps = 0, max_tokens // batch_tokens of them.
+"""
+
+import difflib
+import math
+import runpy
+import traceback
+import types
+import typing
+from contextlib import suppress
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from model import GPTConfig
+
+
+class ConfigError(ValueError):
+    """A bad config file, override or combination of keys."""
+
+
+def key(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    data_dir: str = key("data/shakespeare", "prepared data (prepare_data.py); its meta.json names the tokenizer")
+    out_dir: str = key("runs", "runs live in out_dir/run_name")
+    run_name: str = key("", "default: the config file's name")
+    resume: str = key("", "true: continue the run directory's checkpoint; or a run directory or checkpoint file")
+    overwrite: bool = key(False, "start afresh in a run directory that holds a run, deleting that run")
+    seed: int = key(0, "model init, GPT(cfg, seed); also torch's global seed")
+    data_seed: int = key(0, "order of the training batches")
+    batch_tokens: int = key(8192, "tokens per optimizer step, all ranks together")
+    batch_size: int = key(8, "sequences per micro-batch on each rank")
+    seq_len: int = key(256, "tokens per sequence; the model's block_size follows it unless set")
+    max_steps: int = key(0, "optimizer steps; 0: max_tokens // batch_tokens")
+    max_tokens: int = key(0, "token budget, used when max_steps is 0")
+    lr: float = key(3e-3, "peak learning rate")
+    min_lr: float = key(3e-4, "learning rate at the end of the schedule")
+    lr_schedule: str = key("cosine", "cosine: warmup, cosine to min_lr | wsd: warmup, constant, linear decay to min_lr")
+    warmup_steps: int = key(100, "linear warmup from lr / warmup_steps to lr")
+    decay_frac: float = key(0.2, "wsd: fraction of max_steps spent decaying")
+    weight_decay: float = key(0.1, "AdamW, on matrices only (model.param_groups)")
+    beta1: float = key(0.9, "AdamW")
+    beta2: float = key(0.95, "AdamW")
+    eps: float = key(1e-8, "AdamW")
+    grad_clip: float = key(1.0, "max global gradient norm; 0: off")
+    eval_interval: int = key(250, "steps between validation evaluations (and one at the end)")
+    eval_tokens: int = key(65536, "tokens per evaluation: a fixed prefix of the split, shared among ranks")
+    log_interval: int = key(10, "steps between log lines")
+    ckpt_interval: int = key(1000, "steps between checkpoints (and one at the end); 0: only at the end")
+    device: str = key("auto", "auto (cuda if available) | cpu | cuda; with torchrun, rank r uses cuda:LOCAL_RANK")
+    compile: bool = key(False, "torch.compile the model")
+    wandb_log: bool = key(False, "log the config and every train/eval record to W&B (rank 0; pip install wandb)")
+    wandb_project: str = key("depth-routing", "W&B project")
+    wandb_run_name: str = key("", "W&B run name; default: run_name")
+    wandb_group: str = key("", "W&B group (sweep.py: the sweep's name)")
+    wandb_tags: str = key("", "comma-separated W&B tags (sweep.py: the variant and seed<s>)")
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ConfigError(msg)
+
+        for name in ("seed", "data_seed"):
+            need(0 <= getattr(self, name) < 2**32, f"{name} must be in [0, 2**32), got {getattr(self, name)}")
+        for name, typ in TRAIN_TYPES.items():
+            if typ is float:
+                need(math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
+        for name in ("batch_tokens", "batch_size", "seq_len", "eval_interval", "eval_tokens", "log_interval"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "max_tokens", "warmup_steps", "ckpt_interval", "weight_decay", "grad_clip"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(self.max_steps > 0 or self.max_tokens >= self.batch_tokens,
+             f"set max_steps, or max_tokens of at least batch_tokens={self.batch_tokens} "
+             f"(got max_tokens={self.max_tokens})")
+        need(0 <= self.min_lr <= self.lr and self.lr > 0,
+             f"need 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
+        need(self.eps >= 0, f"eps must be >= 0, got {self.eps}")
+        need(self.eval_tokens >= self.seq_len, f"eval_tokens={self.eval_tokens} is less than one sequence of "
+             f"seq_len={self.seq_len} tokens: set eval_tokens >= {self.seq_len}")
+        need(self.lr_schedule in ("cosine", "wsd"), f"lr_schedule must be cosine or wsd, got {self.lr_schedule!r}")
+        need(0 <= self.decay_frac <= 1, f"decay_frac must be in [0, 1], got {self.decay_frac}")
+        need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+        need(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(not (self.overwrite and self.resume.lower() in ("true", "1")),
+             "resume=true continues the run that overwrite=true would delete: pass one of them")
+        need(self.wandb_project and not set(self.wandb_project) & set("/\\#?%:"),
+             f"wandb_project must be a non-empty name without / \\ # ? % :, got {self.wandb_project!r}")
+        for tag in self.tags():
+            need(len(tag) <= 64, f"wandb_tags: a W&B tag is at most 64 characters, got {tag!r}")
+        need(self.run_name == "" or (Path(self.run_name).name == self.run_name and self.run_name not in (".", "..")
+                                     and "\\" not in self.run_name),
+             f"run_name must be a plain directory name inside out_dir (no /, \\ or ..), got {self.run_name!r}: "
+             "put the path in out_dir")
+
+    def tags(self):
+        return [t.strip() for t in self.wandb_tags.split(",") if t.strip()]
+
+
+TRAIN_TYPES = typing.get_type_hints(TrainConfig)
+MODEL_TYPES = typing.get_type_hints(GPTConfig)
+
+
+def type_name(typ):
+    return " | ".join("None" if t is type(None) else t.__name__ for t in typing.get_args(typ)) or typ.__name__
+
+
+def convert(name, value, typ):
+    """`value` (a command-line string or a config file's Python value) as type `typ`."""
+    args = typing.get_args(typ)
+    if type(None) in args:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        (typ,) = [t for t in args if t is not type(None)]
+    text = isinstance(value, str)
+    if typ is str and text:
+        return value
+    if typ is bool:
+        word = value.lower() if text else value
+        if word in ("true", "1", 1):  # True == 1
+            return True
+        if word in ("false", "0", 0):
+            return False
+    if typ is float and not isinstance(value, bool):
+        with suppress(TypeError, ValueError):
+            return float(value)
+    if typ is int and not isinstance(value, bool):
+        if isinstance(value, int):
+            return value
+        with suppress(TypeError, ValueError):
+            if text and value.strip().lstrip("+-").isdigit():
+                return int(value)
+            if float(value).is_integer():  # 1e5, 2.0
+                return int(float(value))
+    raise ConfigError(f"{name} expects {'true/false/1/0' if typ is bool else type_name(typ)}, got {value!r}")
+
+
+def check_key(name, where):
+    if name in TRAIN_TYPES or name in MODEL_TYPES:
+        return name
+    close = difflib.get_close_matches(name, [*TRAIN_TYPES, *MODEL_TYPES], n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise ConfigError(f"unknown key {name!r} in {where}{hint} (python train.py --help lists every key)")
+
+
+def read_config_file(path):
+    """The keys a config file assigns (its names that are not private, modules, functions or classes)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        names = runpy.run_path(str(path))
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:  # the file ran and raised: name its line
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
+                     if Path(f.filename).resolve() == Path(path).resolve()), "?")
+        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}") from None
+    return {k: v for k, v in names.items()
+            if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+
+
+def parse_config(argv):
+    """argv = [CONFIG, --key=value, ...] -> (TrainConfig, the model keys that were set)."""
+    if not argv or argv[0].startswith("-"):
+        raise ConfigError("usage: python train.py CONFIG [--key=value ...]  (--help lists the keys)")
+    path, overrides = argv[0], argv[1:]
+    settings = {}
+    for name, value in read_config_file(path).items():
+        settings[check_key(name, path)] = value
+    for arg in overrides:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"expected --key=value, got {arg!r}")
+        name, value = arg[2:].split("=", 1)
+        settings[check_key(name, "the command line")] = value
+    settings = {k: convert(k, v, TRAIN_TYPES.get(k) or MODEL_TYPES[k]) for k, v in settings.items()}
+    train = {k: v for k, v in settings.items() if k in TRAIN_TYPES}
+    train["run_name"] = train.get("run_name") or Path(path).stem
+    return TrainConfig(**train), {k: v for k, v in settings.items() if k in MODEL_TYPES}
+
+
+def build_model_config(model_settings, tc, meta):
+    """GPTConfig from the keys that were set; vocab_size defaults to the data's vocabulary padded to
+    a multiple of 64, block_size to seq_len."""
+    kv = {"vocab_size": 64 * math.ceil(meta["vocab_size"] / 64), "block_size": tc.seq_len, **model_settings}
+    if kv["vocab_size"] < meta["vocab_size"]:
+        raise ConfigError(f"vocab_size={kv['vocab_size']} is smaller than the {meta['tokenizer']} "
+                          f"tokenizer's {meta['vocab_size']}")
+    if kv["block_size"] < tc.seq_len:
+        raise ConfigError(f"block_size={kv['block_size']} is shorter than seq_len={tc.seq_len}")
+    try:
+        return GPTConfig(**kv)
+    except ValueError as e:
+        raise ConfigError(f"model config: {e}") from None
+
+
+def grad_accum_steps(tc, world_size):
+    per_micro = tc.batch_size * tc.seq_len * world_size
+    if tc.batch_tokens % per_micro:
+        fit = max(1, round(tc.batch_tokens / per_micro)) * per_micro
+        raise ConfigError(f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * seq_len * world_size "
+                          f"= {tc.batch_size} * {tc.seq_len} * {world_size} = {per_micro} (e.g. batch_tokens={fit})")
+    return tc.batch_tokens // per_micro
+
+
+def total_steps(tc):
+    return tc.max_steps or tc.max_tokens // tc.batch_tokens
+
+
+def usage(doc):
+    """--help: `doc` (train.py's docstring), then every key with its type, default and meaning."""
+    lines = [doc.strip(), "", "training keys:"]
+    lines += [f"  {f.name:<14} {type_name(TRAIN_TYPES[f.name]):<6} {f.default!r:<20} {f.metadata['help']}"
+              for f in fields(TrainConfig)]
+    lines += ["", "model keys (model.GPTConfig; vocab_size defaults to the data's, padded to a multiple of 64):"]
+    lines += [f"  {f.name:<24} {type_name(MODEL_TYPES[f.name]):<11} {f.default!r}" for f in fields(GPTConfig)]
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""
+Files that are never half-written, and directories that one process at a time writes into.
+
+    write_atomic(path, write, Error)   write(f) into a temporary file beside path, fsync, rename over
+                                       path, fsync the directory: a crash, a kill or a full disk leaves
+                                       the old file or the new one, never part of one
+    writing(path, Error)               an OSError (disk full, read-only, no permission) becomes Error,
+                                       one line naming the path
+    DirLock(directory, owner, Error)   an exclusive lock on a directory for this process' life
+
+Used by the token shards (shards.py, prepare_data.py) and the run directory (checkpoint.py, runlog.py).
+"""
+
+import errno
+import fcntl
+import os
+import socket
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+
+def os_error_message(e, path):
+    """One line for an OSError met while writing `path`."""
+    reason = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+              errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+              errno.EPERM: "permission denied"}.get(e.errno, e.strerror or str(e))
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{reason} writing {path}"
+    return f"cannot write {path}: {reason}"
+
+
+@contextmanager
+def writing(path, error):
+    """An OSError while writing `path` becomes `error` with one line (os_error_message)."""
+    try:
+        yield
+    except OSError as e:
+        raise error(os_error_message(e, path)) from None
+
+
+def temporary(path):
+    """Where write_atomic writes `path` before renaming it: a hidden name beside it."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def write_atomic(path, write, error):
+    """Write a file atomically and durably: write(f) on a temporary file in the same directory
+    (f opened "wb"), fsync, rename over `path`, fsync the directory. On any failure the temporary
+    file is removed and `path` is as it was; an OSError becomes `error` (see writing)."""
+    path = Path(path)
+    tmp = temporary(path)
+    with writing(path, error):
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        sync_dir(path.parent)
+
+
+def write_file(path, data, error):
+    """write_atomic of bytes."""
+    write_atomic(path, lambda f: f.write(data), error)
+
+
+def sync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DirLock:
+    """An exclusive lock on a directory for this process' life: flock on its .lock file, which
+    holds the owner's pid and host. The OS releases it when the process exits, however it exits."""
+
+    def __init__(self, directory, owner, error=RuntimeError, name=".lock"):
+        """Lock `directory` (which must exist) through its file `name`, or raise `error` naming the
+        process that holds it; `owner` says what holds such locks ("run", "prepare_data.py run")."""
+        self.path = Path(directory) / name
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise error(os_error_message(e, self.path)) from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 256, 0).decode(errors="replace").split()
+            os.close(self.fd)
+            pid = holder[0] if holder else "unknown"
+            where = f" on {holder[1]}" if len(holder) > 1 and holder[1] != socket.gethostname() else ""
+            raise error(f"{directory} is in use by another {owner} (pid {pid}{where})") from None
+        with suppress(OSError):  # the pid is for messages only; a full disk must not stop the lock
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

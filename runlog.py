@@ -1,0 +1,156 @@
+"""
+What a run reports: log lines on stdout, one JSON record per logged step and per evaluation in
+log.jsonl, the same records in Weights & Biases when asked (optional: imported only with
+wandb_log=true), and how far the run is (Progress: elapsed time and ETA).
+"""
+
+import json
+import math
+import re
+import time
+
+import torch
+
+from checkpoint import RunDirError
+from config import ConfigError
+from files import write_file, writing
+
+
+class RunLog:
+    """Log lines on stdout and JSON objects appended to log.jsonl, on rank 0 only; with a tracker (a
+    W&B run), every record goes there too."""
+
+    def __init__(self, path, enabled):
+        self.path, self.enabled, self.tracker = path, enabled, None
+
+    def __call__(self, line, record=None):
+        """Print `line` (unless None) and append `record` (unless None)."""
+        if not self.enabled:
+            return
+        if line is not None:
+            print(line, flush=True)
+        if record is not None:
+            with writing(self.path, RunDirError), open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            track(self.tracker, record)
+
+    def finish(self, clean):
+        if self.tracker is not None:
+            self.tracker.finish(exit_code=0 if clean else 1)
+            self.tracker = None
+
+
+def require_wandb():
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError("wandb_log=true needs the wandb package, which is not installed: pip install wandb "
+                          "(or drop wandb_log)") from None
+
+
+def start_wandb(tc, run_dir, resolved, claim):
+    """This run's W&B run, with the resolved config. A resumed run continues the W&B run of its run
+    directory, whose id is kept in wandb_id.txt; a fresh one starts a new W&B run and writes its id."""
+    import wandb
+    id_file = run_dir / "wandb_id.txt"
+    run_id = (id_file.read_text().strip() or None) if claim.continuing and id_file.exists() else None
+    try:
+        run = wandb.init(project=tc.wandb_project, name=tc.wandb_run_name or tc.run_name, id=run_id,
+                         resume="allow" if run_id else None, group=tc.wandb_group or None, tags=tc.tags() or None)
+        run.config.update(resolved, allow_val_change=True)  # a resume may change keys
+    except Exception as e:  # not logged in, no network, a bad setting: wandb's first line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"wandb_log=true, but W&B did not start: {reason} (wandb login, or WANDB_MODE=offline "
+                          "to log locally)") from None
+    if run_id is None:
+        write_file(id_file, (run.id + "\n").encode(), RunDirError)
+        for line in claim.kept_log:  # a run that starts logging to W&B on resume: what it logged before, too
+            track(run, json.loads(line))
+    return run
+
+
+def track(run, record):
+    """A log.jsonl record into W&B at its step, keys under its kind: train/loss, val/loss, test/ppl, .."""
+    if run is None:
+        return
+    kind = record.get("split", record["kind"])
+    metrics = {f"{kind}/{k}": v for k, v in record.items()
+               if k not in ("kind", "split", "step") and isinstance(v, (int, float))}
+    if metrics:
+        run.log(metrics, step=record["step"])
+
+
+def hms(seconds):
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    """How far a run is: its step out of max_steps, the seconds since this process started training,
+    and an ETA: the mean wall time per step since the end of the first step (which holds compilation
+    and warm-up; evaluations and checkpoints are averaged in), times the steps left."""
+
+    def __init__(self, step, max_steps, clock=time.perf_counter):
+        self.max_steps, self.clock, self.start = max_steps, clock, clock()
+        self.marks = [(step, self.start)]  # (step, time): at the start, then after the first step
+
+    def stepped(self, step):
+        if len(self.marks) == 1:
+            self.marks.append((step, self.clock()))
+
+    def elapsed(self):
+        return self.clock() - self.start
+
+    def eta(self, step):
+        first, t = self.marks[-1] if self.marks[-1][0] < step else self.marks[0]
+        return (self.clock() - t) / (step - first) * (self.max_steps - step)
+
+    def at(self, step):
+        return f"step {step:>{len(str(self.max_steps))}}/{self.max_steps}"
+
+
+def perplexity(loss):
+    """exp(loss), inf where it overflows (a loss above 709.78 nats)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+def log_eval(log, split, step, loss, tokens, progress):
+    elapsed, ppl = progress.elapsed(), perplexity(loss)
+    log(f"{progress.at(step)} | {split} loss {loss:.4f} | ppl {ppl:.1f} | {tokens:,} tokens | {hms(elapsed)} elapsed",
+        {"kind": "eval", "split": split, "step": step, "loss": loss, "ppl": ppl, "tokens": tokens,
+         "elapsed_s": elapsed})
+
+
+def log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s, progress):
+    """One line and record for the `steps` steps that took `seconds` since the previous one; returns tokens/s."""
+    tok_s, ms = tc.batch_tokens * steps / seconds, 1000 * seconds / steps
+    elapsed, eta = progress.elapsed(), progress.eta(step)
+    record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+              "tokens_per_s": tok_s, "ms_per_step": ms, "elapsed_s": elapsed, "eta_s": eta}
+    line = (f"{progress.at(step)} ({100 * step / progress.max_steps:.1f}%) | loss {loss:.4f} | lr {lr:.2e} | "
+            f"norm {norm:.2f} | {tok_s:,.0f} tok/s | {ms:.0f} ms/step")
+    if mfu_per_token_s is not None:
+        record["mfu"] = mfu_per_token_s * tok_s
+        line += f" | MFU {100 * record['mfu']:.1f}%"
+    log(line + f" | {hms(elapsed)} elapsed, ETA {hms(eta)}", record)
+    return tok_s
+
+
+# Dense bf16 tensor-core peak per GPU, matched against the words of torch.cuda.get_device_name();
+# the first entry whose words all appear wins.
+PEAK_BF16_FLOPS = (
+    ({"H100", "PCIe"}, 756e12), ({"H100", "NVL"}, 835e12), ({"H100"}, 989e12),
+    ({"H200", "NVL"}, 835e12), ({"H200"}, 989e12), ({"GH200"}, 989e12), ({"B200"}, 2250e12),
+    ({"A100"}, 312e12), ({"L40S"}, 362e12), ({"L4"}, 121e12), ({"A10"}, 125e12),
+)
+
+
+def peak_flops(device):
+    """The device's bf16 peak in FLOP/s, or None (CPU, or a GPU not in the table)."""
+    if device.type != "cuda":
+        return None
+    words = set(re.split(r"[\s\-_]+", torch.cuda.get_device_name(device)))
+    return next((peak for need, peak in PEAK_BF16_FLOPS if need <= words), None)
