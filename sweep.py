@@ -28,6 +28,9 @@ the sweep started, and an ETA: the mean duration of the runs this invocation has
 left (a resumed run counts with the part it ran, so right after a resume the ETA can be low). At the
 end the table is printed and saved as results.json and results.csv in out_dir, with curves.png
 (validation loss, mean over seeds) when matplotlib is installed.
+
+Exit status: 0 done; 1 with one `error:` line: a bad sweep file or variant (every variant's overrides
+are checked as train.py reads them, before the first run), or a run that failed.
 """
 
 import argparse
@@ -35,32 +38,70 @@ import csv
 import importlib.util
 import json
 import math
-import os
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from prepare_data import DirLock
+from config import build_model_config, parse_config
+from diagnose import plot_curves, pyplot, val_curve
+from files import DirLock
+from stats import holm, paired_t
 
 HERE = Path(__file__).resolve().parent
 
 
 def load_sweep(path, reference=None):
+    """The sweep file's settings, each checked: a bad file is one `error:` line (SystemExit) before any run."""
+    def fail(message):
+        raise SystemExit(f"error: sweep file {path}: {message}")
+
+    if not Path(path).is_file():
+        raise SystemExit(f"error: sweep file {path} not found")
     spec = {}
-    exec(Path(path).read_text(), {}, spec)
+    try:
+        exec(compile(Path(path).read_text(), str(path), "exec"), {}, spec)
+    except SyntaxError as e:
+        fail(f"line {e.lineno}: syntax error: {e.msg}")
+    except Exception as e:
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == str(path)), "?")
+        fail(f"line {line}: {type(e).__name__}: {e}")
     if reference:
         spec["reference"] = reference
     missing = [k for k in ("base", "variants", "seeds", "reference") if k not in spec]
     if missing:
-        raise SystemExit(f"error: sweep file {path} must set {', '.join(missing)}")
-    if spec["reference"] not in spec["variants"]:
-        raise SystemExit(f"error: reference {spec['reference']!r} is not one of the variants {list(spec['variants'])}")
+        fail(f"must set {', '.join(missing)}")
+    if not isinstance(spec["variants"], dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                        for k, v in spec["variants"].items()):
+        fail('variants must be a dict of {name: "key=value ..."} strings')
+    if not isinstance(spec["seeds"], (list, tuple)) or not spec["seeds"] or \
+            not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in spec["seeds"]):
+        fail("seeds must be a non-empty list of whole numbers >= 0")
     spec.setdefault("overrides", "")
     spec.setdefault("out_dir", str(Path("runs") / Path(path).stem))
+    for key in ("reference", "second_reference"):
+        if key in spec and spec[key] not in spec["variants"]:
+            fail(f"{key} {spec[key]!r} is not one of the variants {list(spec['variants'])}")
+    spec.setdefault("controls", {})
+    if not isinstance(spec["controls"], dict) or not all(k in spec["variants"] and v in spec["variants"]
+                                                        for k, v in spec["controls"].items()):
+        fail("controls must be a dict {variant: its parameter-matched control}, both among the variants")
     return spec
+
+
+def check_runs(spec):
+    """Parse every variant's overrides as train.py will (keys, types, ranges, the model config), so a
+    typo in the last variant stops the sweep before its first run, not after the others ran."""
+    for variant in spec["variants"]:
+        try:
+            args = [f"--{kv}" for kv in overrides(spec, variant)]
+            tc, model_settings = parse_config([spec["base"], *args])
+            build_model_config(model_settings, tc, {"vocab_size": 1, "tokenizer": "any"})
+        except ValueError as e:  # shlex: an unterminated quote; ConfigError
+            raise SystemExit(f"error: sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
 
 
 def run_dir(spec, variant, seed):
@@ -114,7 +155,7 @@ def claim(spec, variant, seed):
     d = run_dir(spec, variant, seed)
     d.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return DirLock(d.parent, "sweep process", RuntimeError, name=f".{d.name}.sweep-lock")
+        return DirLock(d.parent, "sweep process", name=f".{d.name}.sweep-lock")
     except RuntimeError:
         return None
 
@@ -153,81 +194,238 @@ def run_all(spec, launcher):
 
 
 def collect(spec):
+    """The finished runs: each summary.json with its variant, seed and validation curve (from log.jsonl)."""
     runs = []
     for variant in spec["variants"]:
         for seed in spec["seeds"]:
-            path = run_dir(spec, variant, seed) / "summary.json"
-            if path.exists():
-                runs.append(dict(variant=variant, seed=seed, **json.loads(path.read_text())))
+            d = run_dir(spec, variant, seed)
+            if (d / "summary.json").exists():
+                runs.append(dict(variant=variant, seed=seed, **json.loads((d / "summary.json").read_text()),
+                                 curve={str(step): loss for step, loss in val_curve(str(d))}))
     return runs
 
 
-def summarize(runs, reference):
-    """Per variant: val NLL over seeds, the paired difference with the reference (per seed, mean,
-    spread), wins (seeds where the variant's loss is lower), the perplexity change exp(mean diff) - 1,
-    and tokens/s and peak-memory ratios. Only seeds the reference also finished are paired."""
+def compare(mine, theirs, key=lambda r: r["val_loss"]):
+    """The paired comparison of two variants' runs ({seed: run}) on the seeds both finished: each seed's
+    difference (negative: `mine` is better), the paired t-test with its 95% interval, the wins."""
+    deltas = {s: key(mine[s]) - key(theirs[s]) for s in sorted(mine) if s in theirs}
+    t = paired_t(list(deltas.values()))
+    return dict(deltas={str(s): d for s, d in deltas.items()}, paired_seeds=len(deltas), wins=sum(d < 0 for d in deltas.values()),
+                delta_mean=t["mean"], delta_std=t["sd"] if len(deltas) > 1 else 0.0, t=t["t"], p=t["p"],
+                ci95=[t["lo"], t["hi"]], ppl_change_pct=100 * (math.exp(t["mean"]) - 1) if deltas else math.nan)
+
+
+def summarize(runs, reference, second=None, controls=None):
+    """Per variant: val NLL over seeds, parameters, and paired comparisons with the reference (flat in
+    the row, as before), with the second reference ("second") and with the variant's parameter-matched
+    control ("control"). Each comparison's p-values are Holm-adjusted across its family: all variants
+    against the reference, all against the second reference, every variant against its control.
+    Tokens/s and peak-memory ratios are against the reference. Only seeds both finished are paired."""
     by = {}
     for r in runs:
         by.setdefault(r["variant"], {})[r["seed"]] = r
-    ref = by[reference]
+    ref, controls = by[reference], controls or {}
     rows = []
     for variant, seeds in by.items():
         losses = [seeds[s]["val_loss"] for s in sorted(seeds)]
-        paired = {s: seeds[s]["val_loss"] - ref[s]["val_loss"] for s in sorted(seeds) if s in ref}
-        mean_delta = statistics.fmean(paired.values()) if paired else float("nan")
 
         def ratio(key):
-            mine = [seeds[s][key] for s in paired if seeds[s].get(key) and ref[s].get(key)]
-            theirs = [ref[s][key] for s in paired if seeds[s].get(key) and ref[s].get(key)]
-            return statistics.fmean(mine) / statistics.fmean(theirs) if mine else None
+            both = [s for s in seeds if s in ref and seeds[s].get(key) and ref[s].get(key)]
+            return statistics.fmean(seeds[s][key] for s in both) / statistics.fmean(ref[s][key] for s in both) \
+                if both else None
 
-        rows.append(dict(
-            variant=variant, seeds=len(losses),
-            val_loss_mean=statistics.fmean(losses), val_loss_std=statistics.stdev(losses) if len(losses) > 1 else 0.0,
-            delta_mean=mean_delta,
-            delta_std=statistics.stdev(paired.values()) if len(paired) > 1 else 0.0,
-            deltas={str(s): d for s, d in paired.items()},
-            wins=sum(d < 0 for d in paired.values()), paired_seeds=len(paired),
-            ppl_change_pct=100 * (math.exp(mean_delta) - 1),
-            tokens_per_s_ratio=ratio("tokens_per_s"), memory_ratio=ratio("peak_memory_bytes")))
+        params = next(iter(seeds.values())).get("params")
+        row = dict(variant=variant, seeds=len(losses), params=params,
+                   params_vs_reference_pct=100 * (params / ref[min(ref)]["params"] - 1)
+                   if params and ref[min(ref)].get("params") else None,
+                   val_loss_mean=statistics.fmean(losses),
+                   val_loss_std=statistics.stdev(losses) if len(losses) > 1 else 0.0,
+                   **compare(seeds, ref),
+                   tokens_per_s_ratio=ratio("tokens_per_s"), memory_ratio=ratio("peak_memory_bytes"))
+        if second in by and variant != second:
+            row["second"] = dict(reference=second, **compare(seeds, by[second]))
+        if controls.get(variant) in by:
+            control = by[controls[variant]]
+            cparams = next(iter(control.values())).get("params")
+            row["control"] = dict(reference=controls[variant], params=cparams,
+                                  params_diff_pct=100 * (params / cparams - 1) if params and cparams else None,
+                                  **compare(seeds, control))
+        rows.append(row)
+    for family in (lambda r: r if r["variant"] != reference else None, lambda r: r.get("second"),
+                   lambda r: r.get("control")):
+        members = [family(r) for r in rows if family(r) is not None]
+        for m, adjusted in zip(members, holm([m["p"] for m in members])):
+            m["p_holm"] = adjusted
     return rows
 
 
-def table(rows, reference):
-    def num(x, fmt):
-        return "-" if x is None else format(x, fmt)
+def gap_over_training(runs, reference, variants):
+    """{variant: {step: (mean paired difference of val loss against the reference, wins, seeds)}} at
+    every evaluation the paired runs share."""
+    by = {}
+    for r in runs:
+        by.setdefault(r["variant"], {})[r["seed"]] = r["curve"]
+    gaps = {}
+    for variant in variants:
+        if variant == reference or variant not in by:
+            continue
+        mine = {s: c for s, c in by[variant].items() if s in by[reference]}
+        steps = sorted(set.intersection(*(set(c) & set(by[reference][s]) for s, c in mine.items())), key=int) \
+            if mine else []
+        gaps[variant] = {int(step): (statistics.fmean(c[step] - by[reference][s][step] for s, c in mine.items()),
+                                     sum(c[step] < by[reference][s][step] for s, c in mine.items()), len(mine))
+                         for step in steps}
+    return gaps
 
-    out = [f"| variant | seeds | val NLL (mean ± sd) | Δ vs `{reference}` (mean ± sd) | per seed | wins | ppl change | tokens/s | peak memory |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+def _num(x, fmt, none="-"):
+    return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _p(row):
+    """p (Holm-adjusted p), bold when the adjusted p is below 0.05."""
+    text = f"{_num(row['p'], '.3f')} ({_num(row.get('p_holm'), '.3f')})"
+    return f"**{text}**" if row.get("p_holm", 1) < 0.05 else text
+
+
+def table(rows, reference):
+    """The main table: one line per variant, its comparisons with the reference and the second one."""
+    second = next((r["second"]["reference"] for r in rows if "second" in r), None)
+    head = (f"| variant | params vs `{reference}` | val NLL (mean ± sd) | Δ vs `{reference}` [95% CI] | wins | t | "
+            f"p (Holm) |" + (f" Δ vs `{second}` [95% CI] | wins | p (Holm) |" if second else "") +
+            " tokens/s | peak memory |")
+    out = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
-        per_seed = " ".join(f"{d:+.4f}" for d in r["deltas"].values())
-        out.append(f"| `{r['variant']}` | {r['seeds']} | {r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f} | "
-                   f"{r['delta_mean']:+.4f} ± {r['delta_std']:.4f} | {per_seed} | {r['wins']}/{r['paired_seeds']} | "
-                   f"{r['ppl_change_pct']:+.2f}% | {num(r['tokens_per_s_ratio'], '.3f')} | {num(r['memory_ratio'], '.3f')} |")
+        cells = [f"`{r['variant']}`", _num(r.get("params_vs_reference_pct"), "+.1f") + "%" if r.get("params_vs_reference_pct") is not None else "-",
+                 f"{r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f}"]
+        for c in ([r] if r["variant"] != reference else [None]) + ([r.get("second")] if second else []):
+            if c is None:
+                cells += ["", "", ""] + ([""] if len(cells) == 3 else [])
+                continue
+            cells += [f"{c['delta_mean']:+.4f} [{_num(c['ci95'][0], '+.4f')}, {_num(c['ci95'][1], '+.4f')}]",
+                      f"{c['wins']}/{c['paired_seeds']}"] + ([_num(c["t"], ".2f")] if c is r else []) + [_p(c)]
+        cells += [_num(r["tokens_per_s_ratio"], ".3f"), _num(r["memory_ratio"], ".3f")]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
+def seed_table(rows, reference):
+    """Each seed's paired difference with the reference, per variant."""
+    seeds = sorted({s for r in rows for s in r.get("deltas", {})}, key=int)
+    out = ["| variant | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|" + " --- |" * (len(seeds) + 1)]
+    for r in rows:
+        if r["variant"] != reference:
+            out.append(f"| `{r['variant']}` | " + " | ".join(_num(r["deltas"].get(s), "+.4f") for s in seeds) + " |")
+    return "\n".join(out)
+
+
+def control_table(rows):
+    """Each variant against its parameter-matched control."""
+    out = ["| variant | control | parameters (variant / control) | Δ vs control [95% CI] | per seed | wins | p (Holm) |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "control" in r:
+            c = r["control"]
+            out.append(f"| `{r['variant']}` | `{c['reference']}` | {r['params']:,} / {c['params']:,} "
+                       f"({_num(c['params_diff_pct'], '+.2f')}%) | {c['delta_mean']:+.4f} [{_num(c['ci95'][0], '+.4f')}, "
+                       f"{_num(c['ci95'][1], '+.4f')}] | {' '.join(f'{d:+.4f}' for d in c['deltas'].values())} | "
+                       f"{c['wins']}/{c['paired_seeds']} | {_p(c)} |")
+    return "\n".join(out)
+
+
+def gap_table(gaps, reference):
+    """The paired gap to the reference at every evaluation: mean Δ (wins/seeds)."""
+    steps = sorted({step for g in gaps.values() for step in g})
+    out = [f"| Δ vs `{reference}` at step | " + " | ".join(str(s) for s in steps) + " |", "|" + " --- |" * (len(steps) + 1)]
+    for variant, g in gaps.items():
+        out.append(f"| `{variant}` | " + " | ".join(f"{g[s][0]:+.4f} ({g[s][1]}/{g[s][2]})" if s in g else "-"
+                                                    for s in steps) + " |")
+    return "\n".join(out)
+
+
+def plot_forest(rows, reference, controls, path):
+    """Each variant's paired Δ to the reference with its 95% interval, best first, each control just
+    below the variant it matches; filled markers: Holm-adjusted p < 0.05."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    by = {r["variant"]: r for r in rows if r["variant"] != reference}
+    order = [v for v in sorted(by, key=lambda v: by[v]["delta_mean"]) if v not in controls.values()]
+    order = [x for v in order for x in [v] + ([controls[v]] if controls.get(v) in by else [])]
+    order += [v for v in by if v not in order]
+    fig, ax = plt.subplots(figsize=(7, 0.32 * len(order) + 1.2))
+    for y, v in enumerate(order):
+        r, is_control = by[v], v in controls.values()
+        color = "tab:orange" if is_control else "black"
+        ax.plot(r["ci95"], [y, y], color=color, lw=1.5)
+        ax.plot(r["delta_mean"], y, "o", color=color, mfc=color if r.get("p_holm", 1) < 0.05 else "white")
+    ax.axvline(0, color="grey", lw=0.8)
+    labels = [f"{v} (control of {next(k for k, c in controls.items() if c == v)})" if v in controls.values() else v
+              for v in order]
+    ax.set_yticks(range(len(order)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"paired Δ val NLL vs {reference} (nats; < 0: better), mean and 95% CI over {by[order[0]]['paired_seeds']} seeds")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_gaps(gaps, reference, path):
+    """The mean paired gap to the reference at every evaluation, one line per variant."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (variant, g) in enumerate(gaps.items()):
+        steps = sorted(g)
+        ax.plot(steps, [g[s][0] for s in steps], ("-", "--", ":")[i // 10 % 3], marker=".", label=variant)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"paired Δ val NLL vs {reference} (nats)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def report(spec):
+    """The tables (printed, and in results.md), results.json, results.csv and the plots, from the runs."""
     runs = collect(spec)
-    if not any(r["variant"] == spec["reference"] for r in runs):
-        raise SystemExit(f"error: no finished run of the reference {spec['reference']!r} yet")
-    rows = summarize(runs, spec["reference"])
-    text = table(rows, spec["reference"])
+    reference, second, controls = spec["reference"], spec.get("second_reference"), spec.get("controls", {})
+    if not any(r["variant"] == reference for r in runs):
+        raise SystemExit(f"error: no finished run of the reference {reference!r} yet")
+    rows = summarize(runs, reference, second, controls)
+    gaps = gap_over_training(runs, reference, spec["variants"])
+    second_gaps = gap_over_training(runs, second, spec["variants"]) if second else {}
+    sections = [table(rows, reference), seed_table(rows, reference)]
+    if any("control" in r for r in rows):
+        sections.append(control_table(rows))
+    sections += [gap_table(gaps, reference)] + ([gap_table(second_gaps, second)] if second_gaps else [])
+    text = "\n\n".join(sections)
     print(text)
     out = Path(spec["out_dir"])
-    (out / "results.json").write_text(json.dumps(dict(reference=spec["reference"], rows=rows, runs=runs), indent=1))
+    (out / "results.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(dict(reference=reference, second_reference=second, controls=controls,
+                                                      rows=rows, gaps={v: {str(k): x for k, x in g.items()}
+                                                                       for v, g in gaps.items()}, runs=runs), indent=1))
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "seed", "val_loss", "test_loss", "delta_vs_reference", "tokens_per_s", "peak_memory_bytes"])
-        ref = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == spec["reference"]}
+        w.writerow(["variant", "seed", "val_loss", "test_loss", "delta_vs_reference", "params", "tokens_per_s",
+                    "peak_memory_bytes"])
+        ref = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == reference}
         for r in runs:
             delta = r["val_loss"] - ref[r["seed"]] if r["seed"] in ref else ""
-            w.writerow([r["variant"], r["seed"], r["val_loss"], r.get("test_loss"), delta,
+            w.writerow([r["variant"], r["seed"], r["val_loss"], r.get("test_loss"), delta, r.get("params"),
                         r.get("tokens_per_s"), r.get("peak_memory_bytes")])
-    from diagnose import plot_curves
     groups = {v: [run_dir(spec, v, s) for s in spec["seeds"] if (run_dir(spec, v, s) / "log.jsonl").exists()]
               for v in spec["variants"]}
     plot_curves({v: d for v, d in groups.items() if d}, out / "curves.png")
+    plot_forest(rows, reference, controls, out / "forest.png")
+    plot_gaps(gaps, reference, out / "gap_over_training.png")
     return rows
 
 
@@ -244,6 +442,7 @@ def main(argv=None):
     spec = load_sweep(args.sweep, args.reference)
     spec.update({k: v for k, v in (("out_dir", args.out_dir), ("base", args.base), ("wandb", args.wandb)) if v})
     if not args.table_only:
+        check_runs(spec)
         run_all(spec, args.launcher)
     return report(spec)
 

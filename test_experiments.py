@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import config
 import diagnose
+import stats
 import sweep
 import train
 from model import GPT, GPTConfig
@@ -47,6 +49,89 @@ def test_summary_pairs_only_seeds_the_reference_finished():
     new = {r["variant"]: r for r in sweep.summarize(runs, "base")}["new"]
     assert new["paired_seeds"] == 2 and new["seeds"] == 3
     assert new["delta_mean"] == pytest.approx((-0.05 + 0.02) / 2)
+
+
+# --- the statistics: known answers -----------------------------------------------------------------
+
+def test_student_t_against_closed_forms_and_tables():
+    for t in (0.3, 1.0, 2.5, 7.0):
+        assert stats.t_two_sided_p(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, abs=1e-12)  # Cauchy
+        assert stats.t_two_sided_p(t, 2) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-12)
+    # two-sided 5% critical values of the t tables (df 1, 2, 4, 30)
+    for df, crit in ((1, 12.706205), (2, 4.302653), (4, 2.776445), (30, 2.042272)):
+        assert stats.t_quantile(0.975, df) == pytest.approx(crit, abs=1e-6)
+        assert stats.t_two_sided_p(crit, df) == pytest.approx(0.05, abs=1e-7)  # crit has 6 decimals
+    assert stats.t_quantile(0.025, 4) == pytest.approx(-2.776445, abs=1e-6)
+    assert stats.t_two_sided_p(1.959964, 10**7) == pytest.approx(0.05, abs=1e-6)  # the normal limit
+
+
+def test_paired_t_on_a_small_fixed_sample():
+    r = stats.paired_t([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (r["n"], r["df"], r["mean"]) == (5, 4, 3.0)
+    assert r["sd"] == pytest.approx(math.sqrt(2.5)) and r["t"] == pytest.approx(3 * math.sqrt(2))
+    assert r["p"] == pytest.approx(0.0132356, abs=1e-7)
+    half = 2.776445 * math.sqrt(2.5) / math.sqrt(5)
+    assert (r["lo"], r["hi"]) == (pytest.approx(3 - half, abs=1e-6), pytest.approx(3 + half, abs=1e-6))
+    same = stats.paired_t([0.0, 0.0, 0.0])  # a variant trained bit for bit as its reference: no difference
+    assert same["t"] == 0 and same["p"] == 1
+    assert stats.paired_t([-0.1, -0.1])["p"] == 0  # a constant non-zero difference
+    assert math.isnan(stats.paired_t([0.5])["p"])
+
+
+def test_holm_bonferroni():
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1, kept monotone
+    adjusted = stats.holm([0.02, math.nan, 0.04])  # no test: not counted
+    assert adjusted[0] == pytest.approx(0.04) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(0.04)
+
+
+def test_summary_compares_with_both_references_and_controls_with_holm():
+    runs = fake_runs() + [dict(variant="ctrl", seed=s, val_loss=v) for s, v in ((0, 2.97), (1, 3.09), (2, 2.85))]
+    for r in runs:
+        r["params"] = {"base": 1000, "new": 1012, "ctrl": 1010}[r["variant"]]
+    rows = {r["variant"]: r for r in sweep.summarize(runs, "base", second="ctrl", controls={"new": "ctrl"})}
+    new = rows["new"]
+    d = [-0.05, 0.02, -0.10]
+    t = stats.paired_t(d)
+    assert new["t"] == pytest.approx(t["t"]) and new["p"] == pytest.approx(t["p"])
+    assert new["ci95"] == pytest.approx([t["lo"], t["hi"]])
+    assert new["params_vs_reference_pct"] == pytest.approx(1.2)
+    c = new["control"]
+    assert c["reference"] == "ctrl" and c["params_diff_pct"] == pytest.approx(100 * (1012 / 1010 - 1))
+    assert c["deltas"] == pytest.approx({"0": -0.02, "1": 0.03, "2": -0.05})
+    assert new["second"]["deltas"] == c["deltas"]
+    # Holm across the family against the reference: new and ctrl
+    ps = [rows["new"]["p"], rows["ctrl"]["p"]]
+    assert [rows["new"]["p_holm"], rows["ctrl"]["p_holm"]] == pytest.approx(stats.holm(ps))
+    assert "p_holm" not in rows["base"] and c["p_holm"] == pytest.approx(c["p"])  # a family of one
+
+
+def test_gap_over_training_pairs_each_evaluation():
+    curves = {("base", 0): {"100": 3.0, "200": 2.5}, ("base", 1): {"100": 3.2, "200": 2.7},
+              ("new", 0): {"100": 2.9, "200": 2.45}, ("new", 1): {"100": 3.3, "200": 2.6}}
+    runs = [dict(variant=v, seed=s, curve=c) for (v, s), c in curves.items()]
+    gaps = sweep.gap_over_training(runs, "base", ["base", "new"])
+    assert list(gaps) == ["new"] and list(gaps["new"]) == [100, 200]
+    assert gaps["new"][100] == (pytest.approx(0.0), 1, 2) and gaps["new"][200] == (pytest.approx(-0.075), 2, 2)
+
+
+def test_the_sweep_controls_match_their_variants_parameters():
+    spec = sweep.load_sweep("configs/sweep_cpu.py")
+    assert spec["controls"] and spec["seeds"] == [0, 1, 2, 3, 4] and spec["second_reference"] == "block_attnres"
+
+    def params(variant):
+        argv = [spec["base"]] + [f"--{kv}" for kv in sweep.overrides(spec, variant)]
+        tc, model_settings = config.parse_config(argv)
+        return GPT(config.build_model_config(model_settings, tc, dict(vocab_size=257, tokenizer="byte"))).num_params()
+
+    standard = params("standard")
+    controls = set(spec["controls"].values())
+    for variant in set(spec["variants"]) - controls:  # every variant with over 1% extra parameters has a control
+        assert (params(variant) > 1.01 * standard) == (variant in spec["controls"]), variant
+    for variant, control in spec["controls"].items():
+        assert abs(params(control) / params(variant) - 1) < 0.005, (variant, control)
+        residual, width = sweep.overrides(spec, control)  # standard, with only the MLP's hidden width changed
+        assert residual == "residual=standard" and re.fullmatch(r"mlp_hidden=\d+", width)
 
 
 # --- the sweep's progress lines ----------------------------------------------------------------------
@@ -84,14 +169,75 @@ def test_progress_lines_count_finished_runs_as_done(tmp_path, monkeypatch, capsy
                      "sweep: 4/4 runs done, 0:03:30 elapsed, ETA 0:00:00"]  # b, seed 1
 
 
+def test_sweep_processes_share_the_runs_of_one_sweep_file(tmp_path, monkeypatch, capsys):
+    spec = dict(base="configs/test.py", variants={"a": "", "b": ""}, seeds=[0, 1], overrides="",
+                out_dir=str(tmp_path))
+    other = sweep.claim(spec, "a", 1)  # another sweep process is running a, seed 1
+    ran = []
+
+    def fake_run(cmd):
+        name = next(a.split("=", 1)[1] for a in cmd if a.startswith("--run_name="))
+        variant = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("--out_dir="))).name
+        ran.append((variant, name))
+        (tmp_path / variant / name).mkdir(parents=True)
+        (tmp_path / variant / name / "summary.json").write_text("{}")
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    sweep.run_all(spec, launcher="")
+    assert ran == [("a", "seed0"), ("b", "seed0"), ("b", "seed1")]
+    assert "sweep: 1 run(s) were taken by another sweep process" in capsys.readouterr().out
+    assert sweep.claim(spec, "b", 0) is not None  # this process let go of its claims
+    other.release()
+    assert sweep.claim(spec, "a", 1) is not None
+
+
+BAD_SWEEPS = {
+    "missing": (None, "not found"),
+    "syntax": ('base = "configs/test.py"\nvariants = {"a": ""\n', "line 2: syntax error"),
+    "raises": ('base = "configs/test.py"\nvariants = {"a": ""}\nseeds = [0]\nreference = "a"\nx = 1 / 0\n',
+               "line 5: ZeroDivisionError"),
+    "variants_list": ('base = "configs/test.py"\nvariants = ["a", "b"]\nseeds = [0]\nreference = "a"\n',
+                      'variants must be a dict of {name: "key=value ..."} strings'),
+    "seeds": ('base = "configs/test.py"\nvariants = {"a": ""}\nseeds = "0 1"\nreference = "a"\n',
+              "seeds must be a non-empty list of whole numbers >= 0"),
+    "quote": ('base = "configs/test.py"\nvariants = {"a": "", "b": "run_name=\'x"}\nseeds = [0]\nreference = "a"\n',
+              "sweep variant 'b' (\"run_name='x\"): No closing quotation"),
+    "unknown_key": ('base = "configs/test.py"\nvariants = {"a": "", "b": "", "c": "n_layers=4"}\nseeds = [0]\n'
+                    'reference = "a"\n', "sweep variant 'c' ('n_layers=4'): unknown key 'n_layers' in the command line; "
+                                          "did you mean n_layer"),
+    "bad_value": ('base = "configs/test.py"\nvariants = {"a": "", "c": "residual=dar rd_mode=tied"}\nseeds = [0]\n'
+                  'reference = "a"\n', "rd_mode='tied' only applies to residual='rd_attnres'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SWEEPS)
+def test_a_bad_sweep_file_is_one_line_before_any_run(case, tmp_path, monkeypatch):
+    text, message = BAD_SWEEPS[case]
+    path = tmp_path / "sweep_bad.py"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setattr(sweep.subprocess, "run", None)  # never reached
+    with pytest.raises(SystemExit) as e:
+        sweep.main([str(path), "--out_dir", str(tmp_path / "runs")])
+    assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_diagnose_refuses_a_corrupt_checkpoint_in_one_line(tmp_path, capsys):
+    (tmp_path / "ckpt.pt").write_bytes(b"\x00" * 1000)
+    assert diagnose.main(["--ckpt", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'ckpt.pt'} is not a readable checkpoint") and err.count("\n") == 1
+
+
 def test_sweep_runs_log_to_wandb_in_one_group_when_asked(tmp_path):
-    import train
     spec = dict(base="configs/test.py", variants={"a": "", "b": "wandb_log=true", "c": "wandb_group=mine"},
                 seeds=[0], overrides="", out_dir=str(tmp_path / "sweep_x"))
 
     def wandb_keys(variant, seed=0):
         cmd = sweep.train_command(spec, variant, seed, launcher="")
-        tc, _ = train.parse_config(cmd[2:])  # train.py reads every key it is given
+        tc, _ = config.parse_config(cmd[2:])  # train.py reads every key it is given
         return tc.wandb_log, tc.wandb_group, tc.tags(), tc.wandb_run_name
 
     assert wandb_keys("a") == (False, "", [], "")  # not asked: nothing added
@@ -254,5 +400,5 @@ def test_every_sweep_variant_is_a_valid_config(path):
     spec = sweep.load_sweep(path)
     for overrides in spec["variants"].values():
         argv = [spec["base"]] + [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(overrides)]
-        tc, model_settings = train.parse_config(argv)
-        train.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
+        tc, model_settings = config.parse_config(argv)
+        config.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
