@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 import torch.nn.functional as F
 
-from routing import TwoPhaseRouter, compute_dtype, float32_routing, rms_inv, transport
+from routing import TwoPhaseRouter, compute_dtype, float32_routing, matmul32, rms_inv, transport
 
 RESIDUALS = ("standard", "full_attnres", "block_attnres", "rd_attnres", "dar", "hc", "mhc",
              "denseformer", "muddformer", "delta_attnres")
@@ -99,7 +99,10 @@ class GPTConfig:
         need(self.mlp_hidden is None or self.mlp_hidden >= 1, f"mlp_hidden must be >= 1, got {self.mlp_hidden}")
         need(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         need((self.n_embd // self.n_head) % 2 == 0, f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
-        need(self.logit_softcap >= 0, f"logit_softcap must be >= 0, got {self.logit_softcap}")
+        need(math.isfinite(self.logit_softcap) and self.logit_softcap >= 0,
+             f"logit_softcap must be a finite number >= 0, got {self.logit_softcap}")
+        need(math.isfinite(self.rope_base) and self.rope_base > 0,
+             f"rope_base must be a finite number > 0 (rotary frequencies are base^(-2i/head_dim)), got {self.rope_base}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,7 +520,7 @@ class ManifoldHC(nn.Module):
         n, dt = self.n, compute_dtype(H)
         with float32_routing(H):  # autocast off: the projection too stays float32
             x = norm(H.flatten(-2).to(dt))  # [B, T, n*d]
-            z = x @ self.phi[j].to(dt)
+            z = matmul32(x, self.phi[j].to(dt))
             a = self.a[j].to(dt)
             pre = torch.sigmoid(a[0] * z[..., :n] + self.b_pre[j])
             post = 2 * torch.sigmoid(a[1] * z[..., n:2 * n] + self.b_post[j])
@@ -660,7 +663,7 @@ class MUDDFormer(nn.Module):
         """A_i [C_i, i+1, B, T] (way-major) from the output of layer i, X = X_i, in float32."""
         W1, W2, a, dt = self.W1[i - 1], self.W2[i - 1], self.a[i - 1], compute_dtype(X)
         with float32_routing(X):
-            A = F.gelu(norm(X.to(dt)) @ W1.to(dt)) @ W2.to(dt) + a.flatten().to(dt)
+            A = matmul32(F.gelu(matmul32(norm(X.to(dt)), W1.to(dt))), W2.to(dt)) + a.flatten().to(dt)
         return A.unflatten(-1, a.shape).permute(2, 3, 0, 1)
 
 
@@ -771,6 +774,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         d = cfg.n_embd
         self.n_head, self.head_dim = cfg.n_head, d // cfg.n_head
+        self.recompute = not cfg.activation_checkpointing  # which recomputes the whole sublayer anyway
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
@@ -778,16 +782,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, h, cos, sin, layer, cache=None):
         """h is the sublayer input h, or (h_QK, h_V) (RD-AttnRes routes values separately), or
-        (h_Q, h_K, h_V) (MUDDFormer). Each distinct input is normalised once."""
+        (h_Q, h_K, h_V) (MUDDFormer). Each distinct input is normalised once (a K or V input of its
+        own again in backward: see normed)."""
         h = h if isinstance(h, tuple) else (h,)
         h_q, h_k, h_v = h if len(h) == 3 else (h[0], h[0], h[-1])
         x_q = norm(h_q)
-        x_k = x_q if h_k is h_q else norm(h_k)
-        x_v = x_q if h_v is h_q else x_k if h_v is h_k else norm(h_v)
         B, T, _ = x_q.shape
         q = self.c_q(x_q).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x_k).view(B, T, self.n_head, self.head_dim)
-        v = self.c_v(x_v).view(B, T, self.n_head, self.head_dim)
+        k = (self.c_k(x_q) if h_k is h_q else self.normed(self.c_k, h_k)).view(B, T, self.n_head, self.head_dim)
+        v = (self.c_v(x_q) if h_v is h_q else self.normed(self.c_v, h_v)).view(B, T, self.n_head, self.head_dim)
         q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)  # QK-norm, then RoPE
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         mask, causal = None, True
@@ -799,6 +802,14 @@ class CausalSelfAttention(nn.Module):
                 mask = torch.arange(P + T, device=q.device) <= torch.arange(P, P + T, device=q.device)[:, None]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def normed(self, linear, h):
+        """linear(norm(h)) for a K or V input of its own (RD-AttnRes' h_V, MUDDFormer's h_K, h_V), keeping
+        only h for backward, where the norm is recomputed: h is kept anyway (the routing saves it), its
+        normalised copy would be one more activation per layer. Same numbers, bit for bit."""
+        if self.recompute and torch.is_grad_enabled() and h.requires_grad:
+            return torch.utils.checkpoint.checkpoint(lambda x: linear(norm(x)), h, use_reentrant=False)
+        return linear(norm(h))
 
 
 class MLP(nn.Module):

@@ -43,6 +43,13 @@ def float32_routing(t):
     return torch.autocast(t.device.type, enabled=False) if torch.is_autocast_enabled(t.device.type) else nullcontext()
 
 
+def autocast_off(t):
+    """Autocast off, whatever state the caller is in: a custom Function's backward computes in its
+    own dtype even where the backward is traced or run under the forward's autocast (torch.compile's
+    AOTAutograd traces it so by default), where is_autocast_enabled() need not tell."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def _softmax0(x):
     """softmax over dim 0 of a small [n, ...] tensor, elementwise (torch's softmax is slow across a
     leading dim); returns (softmax, logsumexp)."""
@@ -65,7 +72,7 @@ class _RMSInv(Function):
     @staticmethod
     def backward(ctx, g):
         k, inv = ctx.saved_tensors
-        with float32_routing(k):
+        with autocast_off(k):
             return ((g * inv.pow(3) / -k.size(-1)).unsqueeze(-1) * k.to(inv.dtype)).to(k.dtype)
 
 
@@ -132,7 +139,7 @@ class _Phase1(Function):
     @staticmethod
     def backward(ctx, g_lse, _, *g_o):
         W, inv, a, dots, *sources = ctx.saved_tensors
-        with float32_routing(inv):
+        with autocast_off(inv):
             dt, (n, M, N) = inv.dtype, inv.shape
             srcs = [s.reshape(M, N, -1).to(dt) for s in sources]
             Wf, rows = W.to(dt), _rows(W, ctx.streams)
@@ -208,7 +215,7 @@ class _Merge(Function):
     @staticmethod
     def backward(ctx, g):
         h, w, inv, c, dk, *kv = ctx.saved_tensors
-        with float32_routing(inv):
+        with autocast_off(inv):
             K, dt = len(inv), inv.dtype
             keys, values = kv[:K], kv[:K] if ctx.shared else kv[K:]
             g, wf = g.to(dt), w.to(dt)
@@ -272,7 +279,7 @@ class _FusedMerge(Function):
     def backward(ctx, g):
         a, alpha, W, inv, c, dk, *sources = ctx.saved_tensors
         recent, completed = sources[:ctx.K], sources[ctx.K:]
-        with float32_routing(inv):
+        with autocast_off(inv):
             dt, streams = inv.dtype, ctx.streams
             g, Wf, af = g.to(dt), W.to(dt), alpha.to(dt)
             vs_of = [vs for _, vs in streams]
@@ -378,7 +385,7 @@ class _Transport(Function):
     @staticmethod
     def backward(ctx, g):
         P, rho, beta, y = ctx.saved_tensors
-        with float32_routing(P):
+        with autocast_off(P):
             g = g.to(P.dtype)
             g_P = torch.empty_like(g)
             torch.lerp(g[1], g[0], rho, out=g_P[0])
@@ -393,3 +400,33 @@ def transport(P, rho, beta, y):
     """DAR's write P' = [[rho, 1 - rho], [1 - rho, rho]] P + beta y, in P's dtype (float32 or float64)."""
     with float32_routing(P):
         return _Transport.apply(P, rho, beta, y) if _needs_grad(P, rho, beta, y) else _transport(P, rho, beta, y)
+
+
+# ----------------------------------------------------------------------------------------------
+# A float32 matmul whose backward stays float32 (mHC's and MUDDFormer's coefficient projections).
+
+
+class _Matmul32(Function):
+    """a [..., k] @ b [k, n] in the inputs' (float32 or float64) dtype; the backward computes in that
+    dtype with autocast off too, wherever it is traced or run (autograd's own backward of a float32
+    matmul, traced by torch.compile under the forward's autocast, would run in bf16)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        with autocast_off(a):
+            g = g.to(a.dtype)
+            g_a = g @ b.T if ctx.needs_input_grad[0] else None
+            g_b = a.reshape(-1, a.size(-1)).T @ g.reshape(-1, g.size(-1)) if ctx.needs_input_grad[1] else None
+        return g_a, g_b
+
+
+def matmul32(a, b):
+    """a @ b with autocast off, forward and backward (see _Matmul32); a and b in one float dtype."""
+    with float32_routing(a):
+        return _Matmul32.apply(a, b) if _needs_grad(a, b) else a @ b

@@ -280,6 +280,25 @@ def test_checkpointing_saves_the_sublayer_inputs_and_nothing_inside():
     assert saved[1] - saved[0] == 3 * 2 * B * T * d * 8  # 3 more layers of two float64 inputs
 
 
+@pytest.mark.parametrize("residual", ["rd_attnres", "muddformer"])
+def test_a_separate_value_input_keeps_no_normalised_copy(residual, monkeypatch):
+    """RD-AttnRes' h_V (and MUDDFormer's h_K, h_V) is normalised again in backward rather than kept
+    normalised: at least one [B, T, d] activation less per layer, and the same numbers bit for bit."""
+    B, T, d, n = 2, 12, 32, 4
+    idx = tokens(B=B, T=T)
+    fast_model = tiny(residual=residual, n_layer=n)
+    randomize_routing(fast_model)
+    fast = saved_activation_bytes(fast_model, idx)
+    logits_f, grads_f = loss_and_grads(fast_model, idx)
+    monkeypatch.setattr(model_module.CausalSelfAttention, "normed", lambda self, linear, h: linear(norm(h)))
+    plain_model = tiny(residual=residual, n_layer=n)
+    randomize_routing(plain_model)
+    plain = saved_activation_bytes(plain_model, idx)
+    logits_p, grads_p = loss_and_grads(plain_model, idx)
+    assert plain - fast >= n * B * T * d * 8
+    assert torch.equal(logits_f, logits_p) and all(torch.equal(grads_f[k], grads_p[k]) for k in grads_p)
+
+
 # --- activation checkpointing: memory, not math ---------------------------------------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)

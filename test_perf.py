@@ -27,7 +27,7 @@ IDS = ["-".join(map(str, v.values())) for v in FAMILIES]
 
 
 def tiny(**kw):
-    return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32, **kw), seed=0)
+    return GPT(GPTConfig(**{**dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32), **kw}), seed=0)
 
 
 def randomized(model):
@@ -57,28 +57,47 @@ def assert_compiled_equals_eager(model, compiled, autocast, rtol):
         torch.testing.assert_close(grads_c[n], grads_e[n], rtol=rtol, atol=1e-6, msg=n)
 
 
+@pytest.fixture
+def plain_compile():
+    """torch.compile as a user calls it in their own loop: AOTAutograd traces the backward under the
+    forward's autocast (its default, which compile_model turns off for the rest of the process)."""
+    with torch._functorch.config.patch(backward_pass_autocast="same_as_forward"):
+        yield lambda model, **kw: torch.compile(model, fullgraph=True, dynamic=False, **kw)
+
+
 @pytest.mark.parametrize("variant", FAMILIES, ids=IDS)
-def test_compiled_equals_eager_in_training_and_evaluation(variant):
-    """fullgraph=True, so a graph break anywhere is an error; aot_eager traces forward and backward
-    as inductor does, without generating code. Training under bf16 autocast: the compiled backward
-    must run outside autocast as eager's does, or the float32 routing backward drops to bf16 (router
-    gradients off by 0.4-10%). Evaluation under no_grad and inference_mode, where autograd
-    Functions take another path through Dynamo."""
+def test_compiled_equals_eager_in_training_and_evaluation(variant, plain_compile):
+    """Plain torch.compile, fullgraph=True, so a graph break anywhere is an error; aot_eager traces
+    forward and backward as inductor does, without generating code. Training under bf16 autocast,
+    the backward traced under it too: every custom Function of the routing (and mHC's and
+    MUDDFormer's float32 projections) computes its backward in float32 with autocast off itself, so
+    the gradients equal eager's (without that: a dtype error, or router gradients off by 0.4-10%).
+    Evaluation under no_grad and inference_mode, where autograd Functions take another path."""
     torch._dynamo.reset()
     model = randomized(tiny(**variant))
-    compiled = compile_model(model, fullgraph=True, backend="aot_eager")
+    compiled = plain_compile(model, backend="aot_eager")
     assert_compiled_equals_eager(model, compiled, torch.autocast("cpu", dtype=torch.bfloat16), rtol=1e-5)
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
             torch.testing.assert_close(compiled(IDX)[0], model(IDX)[0], rtol=1e-5, atol=1e-6)
 
 
-def test_inductor_compiled_model_equals_eager():
-    """Inductor itself, on the two-route RD-AttnRes path (about a minute on 2 CPU cores)."""
+@pytest.mark.parametrize("variant", [dict(residual="rd_attnres"), dict(residual="dar", dar_block_size=1)],
+                         ids=["rd_attnres", "dar"])
+def test_inductor_under_bf16_autocast_equals_eager(variant, plain_compile):
+    """Inductor itself, plain torch.compile under bf16 autocast, on the two families whose compiled
+    backward failed there (about 25 s each on 2 CPU cores, one layer). Inductor fuses the bf16
+    sublayers, keeping float32 where eager rounds to bf16 between ops, so gradients agree to bf16
+    precision (here within 3% of each tensor's largest entry), not exactly; aot_eager above checks
+    the same traced graphs exactly."""
     torch._dynamo.reset()
-    model = randomized(tiny(residual="rd_attnres"))
-    assert_compiled_equals_eager(model, compile_model(model, fullgraph=True), torch.autocast("cpu", enabled=False),
-                                 rtol=1e-4)
+    model = randomized(tiny(n_layer=1, **variant))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    (loss_c, grads_c), (loss_e, grads_e) = step(model, plain_compile(model), autocast), step(model, model, autocast)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-2, atol=0)
+    assert grads_c.keys() == grads_e.keys()
+    for n in grads_e:
+        assert (grads_c[n] - grads_e[n]).abs().max() <= 0.03 * grads_e[n].abs().max(), n
 
 
 def test_activation_checkpointing_compiles_whole_and_equals_eager():
