@@ -59,6 +59,8 @@ class TrainConfig:
     ckpt_interval: int = key(1000, "steps between checkpoints (and one at the end); 0: only at the end")
     device: str = key("auto", "auto (cuda if available) | cpu | cuda; with torchrun, rank r uses cuda:LOCAL_RANK")
     compile: bool = key(False, "torch.compile the model")
+    fsdp: bool = key(False, "with torchrun: shard parameters, gradients and AdamW state over the ranks (FSDP2) "
+                            "instead of replicating them (DDP)")
     wandb_log: bool = key(False, "log the config and every train/eval record to W&B (rank 0; pip install wandb)")
     wandb_project: str = key("depth-routing", "W&B project")
     wandb_run_name: str = key("", "W&B run name; default: run_name")

@@ -622,6 +622,22 @@ def test_a_resume_past_max_steps_is_refused(data_dir, tmp_path, straight):
         run(data_dir, tmp_path, f"--resume={straight}", "--max_steps=2")
 
 
+def test_a_checkpoint_from_before_newer_keys_still_resumes_and_samples(data_dir, tmp_path, monkeypatch, straight):
+    # written by the train.py before mlp_hidden and fsdp existed: its configs lack them
+    monkeypatch.setattr(train, "train_step", kill_in_step(5))
+    with pytest.raises(KeyboardInterrupt):
+        run(data_dir, tmp_path, "--run_name=old")
+    monkeypatch.undo()
+    path = tmp_path / "old" / "ckpt.pt"
+    ckpt = load_checkpoint(path)
+    del ckpt["model_config"]["mlp_hidden"], ckpt["train_config"]["fsdp"]
+    checkpoint.save_checkpoint(path, ckpt)
+    run(data_dir, tmp_path, "--run_name=old", "--resume=true")
+    assert losses(tmp_path / "old") == losses(straight)
+    import sample
+    assert sample.main(["--ckpt", str(path), "--max_new_tokens", "2"]) == 0
+
+
 def test_a_random_bytes_checkpoint_never_quotes_unsafe_advice(tmp_path):
     bad = tmp_path / "ckpt.pt"
     bad.write_bytes(random.Random(1).randbytes(100_000))
@@ -816,6 +832,86 @@ def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tm
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + (mine if rank == 0 else elsewhere) + ["--resume=true"])
     assert (rc0, rc1) == (1, 1)
     assert err0 == err1 and err0.startswith(f"error: {ckpt} is not a readable checkpoint") and err0.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP2: the same run sharded; its checkpoints load anywhere
+
+KILL_9_IN_STEP_2 = """
+import os, signal, sys
+import train
+real, calls = train.train_step, []
+def step(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+train.train_step = step
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def assert_close_runs(a, b, atol=1e-5):
+    """Two runs that differ only in how ranks sum their gradients: float32 rounding apart."""
+    ca, cb = load_checkpoint(a), load_checkpoint(b)
+    assert ca["step"] == cb["step"]
+    for name, p in ca["model"].items():
+        torch.testing.assert_close(cb["model"][name], p, atol=atol, rtol=0, msg=name)
+    for (s1, l1), (s2, l2) in zip(losses(a), losses(b), strict=True):
+        assert s1 == s2 and l1 == pytest.approx(l2, abs=atol)
+
+
+def test_fsdp_equals_one_process_for_dar(data_dir, tmp_path):
+    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--residual=dar"]
+    run(data_dir, tmp_path, "--run_name=one", "--residual=dar")
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args + ["--run_name=fsdp", "--fsdp=true"])
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert_close_runs(tmp_path / "one", tmp_path / "fsdp")
+    one, sharded = (json.loads((tmp_path / n / "summary.json").read_text())["state_bytes_per_rank"] for n in ("one", "fsdp"))
+    assert 0.45 < sharded / one < 0.55  # each of the 2 ranks holds half the weights and AdamW state
+
+
+def test_fsdp_runs_stop_and_resume_bit_exact_and_their_checkpoints_load_anywhere(data_dir, tmp_path, capsys):
+    """RD-AttnRes with activation checkpointing and 2 micro-steps per rank (no reduce-scatter on the
+    first). FSDP equals one process to float32 rounding (it sums gradients in another order); an FSDP
+    run stopped by SIGTERM, resumed, killed by kill -9 and resumed again repeats the uninterrupted FSDP
+    run bit for bit; an FSDP checkpoint samples, and resumes in one process and under DDP; a DDP
+    checkpoint resumes under FSDP."""
+    model = ["--residual=rd_attnres", "--activation_checkpointing=true", "--batch_tokens=512"]
+    base = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *model]
+    fsdp = base + ["--fsdp=true"]
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=straight"])
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    run(data_dir, tmp_path, "--run_name=one", *model)
+    assert_close_runs(tmp_path / "one", tmp_path / "straight")
+
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=broken"], (None, RANK1_SIGTERM_IN_STEP_2))
+    assert (rc0, rc1) == (143, 143) and load_checkpoint(tmp_path / "broken")["step"] == 2, err0 + err1
+    (rc0, _), (rc1, _) = two_ranks(lambda rank: fsdp + ["--run_name=broken", "--resume=true"],
+                                   (KILL_9_IN_STEP_2, KILL_9_IN_STEP_2))  # step 4 dies; the checkpoint of 3 stays
+    assert (rc0, rc1) == (-signal.SIGKILL, -signal.SIGKILL) and load_checkpoint(tmp_path / "broken")["step"] == 3
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=broken", "--resume=true"])
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "broken")
+    assert losses(tmp_path / "broken") == losses(tmp_path / "straight")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for i in a["optimizer"]["state"] for x, y in
+               zip(a["optimizer"]["state"][i].values(), b["optimizer"]["state"][i].values()))
+
+    straight = tmp_path / "straight" / "ckpt.pt"
+    import sample
+    assert sample.main(["--ckpt", str(straight), "--max_new_tokens", "4"]) == 0
+    run(data_dir, tmp_path, "--run_name=one_more", f"--resume={straight}", "--max_steps=8", *model)
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + ["--run_name=ddp_more", f"--resume={straight}",
+                                                              "--max_steps=8"])
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert_close_runs(tmp_path / "one_more", tmp_path / "ddp_more")
+    ddp_ckpt = tmp_path / "ddp_more" / "ckpt.pt"
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=fsdp_more", f"--resume={ddp_ckpt}",
+                                                              "--max_steps=10"])
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    run(data_dir, tmp_path, "--run_name=one_10", f"--resume={ddp_ckpt}", "--max_steps=10", *model)
+    assert_close_runs(tmp_path / "one_10", tmp_path / "fsdp_more")
 
 
 # ----------------------------------------------------------------------------------------------

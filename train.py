@@ -23,7 +23,6 @@ stops the run after the current step, with a checkpoint.
 """
 
 import gc
-import inspect
 import json
 import math
 import os
@@ -36,17 +35,18 @@ import textwrap
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as torch_dist
-from torch.nn.parallel import DistributedDataParallel
 
-from checkpoint import (CKPT_FORMAT, EXECUTION_KEYS, CheckpointError, RunDirError, claim_run_dir, last_good,
-                        resume_path, rng_state, save_checkpoint, set_rng_state)
-from config import ConfigError, build_model_config, grad_accum_steps, parse_config, total_steps, usage
+from checkpoint import (CKPT_FORMAT, EXECUTION_KEYS, RunDirError, claim_run_dir, last_good, resume_path, rng_state,
+                        save_checkpoint, set_rng_state)
+from config import build_model_config, grad_accum_steps, parse_config, total_steps, usage
+from distributed import (SHARED_ERRORS, agreed, any_rank, ddp, from_rank0, full_state, gradient_sync, load_optimizer_state,
+                         local, setup_distributed, shard, state_bytes, whole)
 from files import write_file, writing
 from model import GPT, compile_model
 from runlog import Progress, RunLog, log_eval, log_train, peak_flops, require_wandb, start_wandb
@@ -57,7 +57,7 @@ class DivergedError(RuntimeError):
     """Training produced a non-finite loss, gradient or weight."""
 
 
-USER_ERRORS = (ConfigError, CheckpointError, DataError, DivergedError, RunDirError)  # one `error:` line each
+USER_ERRORS = (*SHARED_ERRORS, DivergedError)  # one `error:` line each
 
 
 class Stopped(Exception):
@@ -69,57 +69,7 @@ class Stopped(Exception):
 
 
 # ----------------------------------------------------------------------------------------------
-# Distributed setup, model and optimizer.
-
-
-@dataclass
-class Dist:
-    rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-
-def setup_distributed(device):
-    """Rank, world size and device from torchrun's environment (one process without it)."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if cuda and not torch.cuda.is_available():
-        raise ConfigError("device=cuda, but CUDA is not available")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:  # float32 matmuls stay float32 (no TF32): the depth routing and the loss are computed in float32
-        torch.cuda.set_device(dev)
-    if world_size > 1:
-        torch_dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(rank, world_size, dev)
-
-
-def agreed(dist, fn):
-    """fn() on this rank, its error shared: when fn raises one of USER_ERRORS on any rank, every rank
-    raises the first such error, so all of them exit with the same line instead of waiting on the others."""
-    try:
-        result, error = fn(), None
-    except USER_ERRORS as e:
-        result, error = None, e
-    if dist.world_size > 1:
-        errors = [None] * dist.world_size
-        torch_dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise error
-    return result
-
-
-def from_rank0(dist, obj):
-    """Rank 0's `obj` on every rank."""
-    if dist.world_size == 1:
-        return obj
-    box = [obj]
-    torch_dist.broadcast_object_list(box, src=0)
-    return box[0]
+# Model, optimizer, schedule.
 
 
 def seed_everything(seed):
@@ -216,8 +166,7 @@ def train_step(model, optimizer, batches, lr, accum, grad_clip, dist, autocast, 
     total = torch.zeros((), device=dist.device)
     for micro in range(accum):
         x, y = batches.next_batch()
-        sync = dist.world_size == 1 or micro == accum - 1  # DDP all-reduces gradients on the last one only
-        with nullcontext() if sync else model.no_sync():
+        with gradient_sync(model, micro == accum - 1):  # gradients are all-reduced on the last one only
             with autocast:
                 _, loss = model(x, y)
             (loss / accum).backward()
@@ -226,7 +175,7 @@ def train_step(model, optimizer, batches, lr, accum, grad_clip, dist, autocast, 
     if dist.world_size > 1:
         torch_dist.all_reduce(total)
         torch_dist.all_reduce(signum, op=torch_dist.ReduceOp.MAX)  # a signal to any rank stops them all
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    norm = whole(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf))  # FSDP: of all shards
     total, norm, signum = torch.stack([total, norm.float(), signum]).tolist()  # the step's one sync
     loss = total / (accum * dist.world_size)
     if healthy(loss, norm, max_loss):
@@ -273,12 +222,177 @@ def diverged(what, loss, norm, step, saved, max_loss):
             f"{last_good(saved)}. Try a lower lr or a longer warmup")
 
 
-def weights_finite(model):
-    return bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all())
+def weights_finite(model, dist):
+    """Whether every weight is finite, on every rank (each checks its shard, under FSDP)."""
+    mine = all(bool(torch.isfinite(local(p)).all()) for p in model.parameters())
+    return any_rank(dist, not mine) == 0
 
 
 # ----------------------------------------------------------------------------------------------
 # The run.
+
+
+def build(tc, mc, dist, ckpt):
+    """Model (sharded with fsdp=true), optimizer and training loader, restored from `ckpt` when
+    resuming; and the step. A checkpoint holds the whole state: each rank loads it, then keeps its shard."""
+    seed_everything(tc.seed)
+    raw_model = GPT(mc, seed=tc.seed).to(dist.device)
+    if ckpt is not None:
+        raw_model.load_state_dict(ckpt["model"])
+    if tc.fsdp and dist.world_size > 1:
+        shard(raw_model, dist)
+    optimizer = build_optimizer(raw_model, tc, dist.device)  # over the (sharded) parameters
+    loader = TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, dist.rank, dist.world_size, seed=tc.data_seed)
+    if ckpt is None:
+        return raw_model, optimizer, loader, 0
+    load_optimizer_state(optimizer, ckpt["optimizer"])
+    loader.load_state_dict(ckpt["loader"])
+    set_rng_state(ckpt["rng"], dist.device)
+    return raw_model, optimizer, loader, ckpt["step"]
+
+
+def wrap(raw_model, tc, dist):
+    """(the model for evaluation: compiled if asked; the model for training: that one in DDP when
+    distributed without FSDP, which shards the model itself)"""
+    model = compile_model(raw_model) if tc.compile else raw_model
+    return model, ddp(model, dist) if dist.world_size > 1 and not tc.fsdp else model
+
+
+def start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config_path):
+    """Make the run directory this run's (rank 0): drop what this run replaces, write config.json and
+    the log it keeps. Print what this run is and the loss to beat."""
+    log = RunLog(run_dir / "log.jsonl", dist.master)
+    resolved = {"config_file": config_path, "train": asdict(tc), "model": asdict(mc),
+                "tokenizer": meta["tokenizer"], "world_size": dist.world_size, "grad_accum": accum,
+                "max_steps": total_steps(tc)}
+    if dist.master:
+        for name in ("summary.json",) if claim.continuing else ("summary.json", "ckpt.pt", "wandb_id.txt"):
+            with writing(run_dir / name, RunDirError):
+                (run_dir / name).unlink(missing_ok=True)
+        write_file(run_dir / "config.json", (json.dumps(resolved, indent=2) + "\n").encode(), RunDirError)
+        write_file(run_dir / "log.jsonl", "".join(line + "\n" for line in claim.kept_log).encode(), RunDirError)
+    if tc.wandb_log:  # a failure to start W&B stops every rank, before step 1
+        log.tracker = agreed(dist, lambda: start_wandb(tc, run_dir, resolved, claim) if dist.master else None)
+    log(textwrap.fill(" ".join(f"{k}={v}" for k, v in {**asdict(tc), **asdict(mc)}.items()), 110,
+                      initial_indent="config: ", subsequent_indent="        "))
+    ranks = f"{dist.world_size} x {dist.device.type}" + (f" ({'FSDP' if tc.fsdp else 'DDP'})" if dist.world_size > 1 else "")
+    log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters, "
+        f"{raw_model.flops_per_token() / 1e6:.1f} MFLOP/token | {meta['tokenizer']} tokens, {ranks} | "
+        f"{total_steps(tc)} steps of {tc.batch_tokens} tokens ({accum} micro-steps of {tc.batch_size}x{tc.seq_len} "
+        f"per rank) | run dir {run_dir}")
+    baseline = meta.get("unigram_baseline_nats")
+    if baseline is not None:
+        log(f"unigram baseline (val): {baseline:.4f} nats/token, perplexity {math.exp(baseline):.1f}: the loss to beat")
+    if ckpt is not None:
+        changed = [f"{k} {v!r} -> {getattr(tc, k)!r}" for k, v in ckpt["train_config"].items()
+                   if k not in ("resume", "overwrite") and getattr(tc, k, v) != v]
+        changed += [f"{k} {ckpt['model_config'][k]!r} -> {getattr(mc, k)!r} (execution only)" for k in EXECUTION_KEYS
+                    if k in ckpt["model_config"] and ckpt["model_config"][k] != getattr(mc, k)]
+        log(f"resumed at step {ckpt['step']} from {resume_path(tc, run_dir)}"
+            + (f"; changed: {', '.join(changed)}" if changed else ""))
+    return log
+
+
+def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
+    """The training loop, evaluations and checkpoints of one run; returns its summary."""
+    raw_model, optimizer, loader, step = build(tc, mc, dist, ckpt)
+    batches = DeviceBatches(loader, dist.device)
+    model, train_model = wrap(raw_model, tc, dist)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" else nullcontext()
+    log = start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config_path)
+    peak = peak_flops(dist.device)
+    mfu_per_token_s = raw_model.flops_per_token() / (peak * dist.world_size) if peak else None
+    max_steps, ckpt_path, max_loss = total_steps(tc), run_dir / "ckpt.pt", loss_limit(mc.vocab_size)
+    source = resume_path(tc, run_dir)
+    saved = None if ckpt is None else (step, source / "ckpt.pt" if source.is_dir() else source)  # the last checkpoint
+
+    def save():
+        if not weights_finite(raw_model, dist):
+            raise DivergedError(f"non-finite weights after step {step}; {last_good(saved)}")
+        weights, optimizer_state = full_state(raw_model, optimizer)  # every rank: FSDP gathers the shards
+        agreed(dist, lambda: save_checkpoint(ckpt_path, {  # a failed write on rank 0 stops every rank
+            "format": CKPT_FORMAT, "model_config": asdict(mc), "model": weights, "tokenizer": meta["tokenizer"],
+            "step": step, "train_config": asdict(tc), "optimizer": optimizer_state, "loader": batches.state_dict(),
+            "rng": rng_state(dist.device)}) if dist.master else None)
+        return step, ckpt_path
+
+    def evaluation(split):
+        loss, tokens = evaluate(model, split, tc, dist, autocast)
+        if not healthy(loss, 0.0, max_loss):
+            raise DivergedError(diverged(f"{split} loss", loss, 0.0, step, saved, max_loss))
+        log_eval(log, split, step, loss, tokens, progress)
+        return loss
+
+    def stop(signum):  # after a checkpoint at this step
+        name = signal.Signals(signum).name
+        log(None, {"kind": "stop", "step": step, "signal": name})
+        raise Stopped(signum, f"stopped by {name} after step {step}; checkpoint written to {ckpt_path}; "
+                              "resume with --resume=true")
+
+    def stop_if_signalled():  # after the last step: the ranks agree on whether any of them got a signal
+        if signum := int(any_rank(dist, signals.signum or 0)):
+            stop(signum)
+
+    val_loss, seconds, steps, speeds = None, 0.0, 0, []
+    progress, clean = Progress(step, max_steps), False  # clean: finished, or stopped by a signal with a checkpoint
+    try:
+        with GracefulStop(verbose=dist.master) as signals:
+            while step < max_steps:
+                lr = lr_at(step, tc, max_steps)
+                t0 = time.perf_counter()
+                loss, norm, signum = train_step(train_model, optimizer, batches, lr, accum, tc.grad_clip, dist,
+                                                autocast, signals, max_loss)
+                seconds, steps, step = seconds + time.perf_counter() - t0, steps + 1, step + 1
+                progress.stepped(step)
+                if not healthy(loss, norm, max_loss):
+                    raise DivergedError(diverged("loss", loss, norm, step, saved, max_loss))
+                if step % tc.log_interval == 0 or step == max_steps:
+                    speeds.append(log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s, progress))
+                    seconds, steps = 0.0, 0
+                if step % tc.eval_interval == 0 or step == max_steps:
+                    val_loss = evaluation("val")
+                stopping = signum and step < max_steps
+                if (tc.ckpt_interval and step % tc.ckpt_interval == 0) or step == max_steps or stopping:
+                    saved = save()
+                if stopping:
+                    stop(signum)
+
+            # the last step is checkpointed; a signal from here on stops the run before what comes next
+            if val_loss is None:  # resumed at the last step: its final evaluations are redone
+                val_loss = evaluation("val")
+            test_loss = None
+            if meta["splits"].get("test", {}).get("tokens"):
+                stop_if_signalled()
+                test_loss = evaluation("test")
+            stop_if_signalled()
+            summary = summarize(run_dir, step, val_loss, test_loss, raw_model, optimizer, meta, progress, speeds, dist)
+        log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+        clean = True
+    except Stopped:
+        clean = True  # with a checkpoint
+        raise
+    except RunDirError as e:  # a write failed: say what is kept
+        raise RunDirError(f"{e}; {last_good(saved, good=False)}") from None
+    finally:
+        log.finish(clean)  # the W&B run, if any: exit code 0, or 1 (failed)
+    return summary
+
+
+def summarize(run_dir, step, val_loss, test_loss, raw_model, optimizer, meta, progress, speeds, dist):
+    """A finished run's summary, written to summary.json by rank 0: its last step is checkpointed."""
+    cuda = dist.device.type == "cuda"
+    summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
+               "params": raw_model.num_params(),
+               # rank 0's weights and AdamW state (gradients, as large as the weights, live during a step)
+               "state_bytes_per_rank": state_bytes(raw_model, optimizer),
+               "unigram_baseline": meta.get("unigram_baseline_nats"), "seconds": progress.elapsed(),
+               "tokens_per_s": statistics.median(speeds) if speeds else None,  # median over log intervals
+               # CUDA: peak allocated; CPU: the process' peak resident set (the whole run's, one process)
+               "peak_memory_bytes": torch.cuda.max_memory_allocated(dist.device) if cuda else
+               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if dist.master:
+        write_file(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), RunDirError)
+    return summary
 
 
 def main(argv=None):
@@ -331,177 +445,6 @@ def check_data(tc, meta):
                             f"sequence of seq_len + 1 = {tc.seq_len + 1}: use seq_len <= {tokens - 1}, or prepare "
                             f"the data with a larger --{split}_fraction")
     TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, seed=tc.data_seed)  # a window of seq_len + 1
-
-
-def build(tc, mc, dist, ckpt):
-    """Model, optimizer and training loader, restored from `ckpt` when resuming; and the step."""
-    seed_everything(tc.seed)
-    raw_model = GPT(mc, seed=tc.seed).to(dist.device)
-    optimizer = build_optimizer(raw_model, tc, dist.device)
-    loader = TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, dist.rank, dist.world_size, seed=tc.data_seed)
-    if ckpt is None:
-        return raw_model, optimizer, loader, 0
-    raw_model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    loader.load_state_dict(ckpt["loader"])
-    set_rng_state(ckpt["rng"], dist.device)
-    return raw_model, optimizer, loader, ckpt["step"]
-
-
-# DDP's flag for broadcasting buffers before every forward (torch 2.13 renamed broadcast_buffers)
-NO_BUFFER_SYNC = next(name for name in ("forward_sync_buffers", "broadcast_buffers")
-                      if name in inspect.signature(DistributedDataParallel).parameters)
-
-
-def wrap(raw_model, tc, dist):
-    """(the model for evaluation: compiled if asked; the model for training: that one in DDP if distributed)"""
-    model = compile_model(raw_model) if tc.compile else raw_model
-    if dist.world_size == 1:
-        return model, model
-    # the model's only buffers are the constant rotary tables: nothing to broadcast before every forward
-    return model, DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
-                                          **{NO_BUFFER_SYNC: False})
-
-
-def start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config_path):
-    """Make the run directory this run's (rank 0): drop what this run replaces, write config.json and
-    the log it keeps. Print what this run is and the loss to beat."""
-    log = RunLog(run_dir / "log.jsonl", dist.master)
-    resolved = {"config_file": config_path, "train": asdict(tc), "model": asdict(mc),
-                "tokenizer": meta["tokenizer"], "world_size": dist.world_size, "grad_accum": accum,
-                "max_steps": total_steps(tc)}
-    if dist.master:
-        for name in ("summary.json",) if claim.continuing else ("summary.json", "ckpt.pt", "wandb_id.txt"):
-            with writing(run_dir / name, RunDirError):
-                (run_dir / name).unlink(missing_ok=True)
-        write_file(run_dir / "config.json", (json.dumps(resolved, indent=2) + "\n").encode(), RunDirError)
-        write_file(run_dir / "log.jsonl", "".join(line + "\n" for line in claim.kept_log).encode(), RunDirError)
-    if tc.wandb_log:  # a failure to start W&B stops every rank, before step 1
-        log.tracker = agreed(dist, lambda: start_wandb(tc, run_dir, resolved, claim) if dist.master else None)
-    log(textwrap.fill(" ".join(f"{k}={v}" for k, v in {**asdict(tc), **asdict(mc)}.items()), 110,
-                      initial_indent="config: ", subsequent_indent="        "))
-    log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters, "
-        f"{raw_model.flops_per_token() / 1e6:.1f} MFLOP/token | {meta['tokenizer']} tokens, "
-        f"{dist.world_size} x {dist.device.type} | {total_steps(tc)} steps of {tc.batch_tokens} tokens "
-        f"({accum} micro-steps of {tc.batch_size}x{tc.seq_len} per rank) | run dir {run_dir}")
-    baseline = meta.get("unigram_baseline_nats")
-    if baseline is not None:
-        log(f"unigram baseline (val): {baseline:.4f} nats/token, perplexity {math.exp(baseline):.1f}: the loss to beat")
-    if ckpt is not None:
-        changed = [f"{k} {v!r} -> {getattr(tc, k)!r}" for k, v in ckpt["train_config"].items()
-                   if k not in ("resume", "overwrite") and getattr(tc, k, v) != v]
-        changed += [f"{k} {ckpt['model_config'][k]!r} -> {getattr(mc, k)!r} (execution only)" for k in EXECUTION_KEYS
-                    if k in ckpt["model_config"] and ckpt["model_config"][k] != getattr(mc, k)]
-        log(f"resumed at step {ckpt['step']} from {resume_path(tc, run_dir)}"
-            + (f"; changed: {', '.join(changed)}" if changed else ""))
-    return log
-
-
-def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
-    """The training loop, evaluations and checkpoints of one run; returns its summary."""
-    raw_model, optimizer, loader, step = build(tc, mc, dist, ckpt)
-    batches = DeviceBatches(loader, dist.device)
-    model, train_model = wrap(raw_model, tc, dist)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" else nullcontext()
-    log = start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config_path)
-    peak = peak_flops(dist.device)
-    mfu_per_token_s = raw_model.flops_per_token() / (peak * dist.world_size) if peak else None
-    max_steps, ckpt_path, max_loss = total_steps(tc), run_dir / "ckpt.pt", loss_limit(mc.vocab_size)
-    source = resume_path(tc, run_dir)
-    saved = None if ckpt is None else (step, source / "ckpt.pt" if source.is_dir() else source)  # the last checkpoint
-
-    def save():
-        if not weights_finite(raw_model):
-            raise DivergedError(f"non-finite weights after step {step}; {last_good(saved)}")
-        agreed(dist, lambda: save_checkpoint(ckpt_path, {  # a failed write on rank 0 stops every rank
-            "format": CKPT_FORMAT, "model_config": asdict(mc), "model": raw_model.state_dict(),
-            "tokenizer": meta["tokenizer"], "step": step, "train_config": asdict(tc), "optimizer": optimizer.state_dict(),
-            "loader": batches.state_dict(), "rng": rng_state(dist.device)}) if dist.master else None)
-        return step, ckpt_path
-
-    def evaluation(split):
-        loss, tokens = evaluate(model, split, tc, dist, autocast)
-        if not healthy(loss, 0.0, max_loss):
-            raise DivergedError(diverged(f"{split} loss", loss, 0.0, step, saved, max_loss))
-        log_eval(log, split, step, loss, tokens, progress)
-        return loss
-
-    def stop(signum):  # after a checkpoint at this step
-        name = signal.Signals(signum).name
-        log(None, {"kind": "stop", "step": step, "signal": name})
-        raise Stopped(signum, f"stopped by {name} after step {step}; checkpoint written to {ckpt_path}; "
-                              "resume with --resume=true")
-
-    def stop_if_signalled():  # after the last step: the ranks agree on whether any of them got a signal
-        if signum := any_rank_signal(signals, dist):
-            stop(signum)
-
-    val_loss, seconds, steps, speeds = None, 0.0, 0, []
-    progress, clean = Progress(step, max_steps), False  # clean: finished, or stopped by a signal with a checkpoint
-    try:
-        with GracefulStop(verbose=dist.master) as signals:
-            while step < max_steps:
-                lr = lr_at(step, tc, max_steps)
-                t0 = time.perf_counter()
-                loss, norm, signum = train_step(train_model, optimizer, batches, lr, accum, tc.grad_clip, dist,
-                                                autocast, signals, max_loss)
-                seconds, steps, step = seconds + time.perf_counter() - t0, steps + 1, step + 1
-                progress.stepped(step)
-                if not healthy(loss, norm, max_loss):
-                    raise DivergedError(diverged("loss", loss, norm, step, saved, max_loss))
-                if step % tc.log_interval == 0 or step == max_steps:
-                    speeds.append(log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s, progress))
-                    seconds, steps = 0.0, 0
-                if step % tc.eval_interval == 0 or step == max_steps:
-                    val_loss = evaluation("val")
-                stopping = signum and step < max_steps
-                if (tc.ckpt_interval and step % tc.ckpt_interval == 0) or step == max_steps or stopping:
-                    saved = save()
-                if stopping:
-                    stop(signum)
-
-            # the last step is checkpointed; a signal from here on stops the run before what comes next
-            if val_loss is None:  # resumed at the last step: its final evaluations are redone
-                val_loss = evaluation("val")
-            test_loss = None
-            if meta["splits"].get("test", {}).get("tokens"):
-                stop_if_signalled()
-                test_loss = evaluation("test")
-            stop_if_signalled()
-            summary = summarize(run_dir, step, val_loss, test_loss, raw_model, meta, progress, speeds, dist)
-        log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
-        clean = True
-    except Stopped:
-        clean = True  # with a checkpoint
-        raise
-    except RunDirError as e:  # a write failed: say what is kept
-        raise RunDirError(f"{e}; {last_good(saved, good=False)}") from None
-    finally:
-        log.finish(clean)  # the W&B run, if any: exit code 0, or 1 (failed)
-    return summary
-
-
-def any_rank_signal(signals, dist):
-    """The signal number a GracefulStop holds on any rank (0: none), the same on every rank."""
-    signum = torch.full((), float(signals.signum or 0), device=dist.device)
-    if dist.world_size > 1:
-        torch_dist.all_reduce(signum, op=torch_dist.ReduceOp.MAX)
-    return int(signum.item())
-
-
-def summarize(run_dir, step, val_loss, test_loss, raw_model, meta, progress, speeds, dist):
-    """A finished run's summary, written to summary.json by rank 0: its last step is checkpointed."""
-    cuda = dist.device.type == "cuda"
-    summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
-               "params": raw_model.num_params(),
-               "unigram_baseline": meta.get("unigram_baseline_nats"), "seconds": progress.elapsed(),
-               "tokens_per_s": statistics.median(speeds) if speeds else None,  # median over log intervals
-               # CUDA: peak allocated; CPU: the process' peak resident set (the whole run's, one process)
-               "peak_memory_bytes": torch.cuda.max_memory_allocated(dist.device) if cuda else
-               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if dist.master:
-        write_file(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), RunDirError)
-    return summary
 
 
 def cli(argv=None):

@@ -1,0 +1,168 @@
+"""
+How the ranks of a torchrun job share one run: DDP (the default) or FSDP2 (fsdp=true).
+
+    DDP     every rank holds the whole model and AdamW state; gradients are all-reduced. About 16
+            bytes per parameter on every GPU (4 weight, 4 gradient, 8 AdamW), before activations.
+    FSDP2   torch.distributed.fsdp.fully_shard: every sublayer's parameters, gradients and AdamW
+            state are split across the N ranks (16 / N bytes per parameter), each sublayer's whole
+            weights gathered just before it runs and freed after; gradients are reduce-scattered.
+
+Both compute the same training step in float32 parameters under the same autocast (no mixed-
+precision policy: the depth-routing parameters and math stay float32 exactly as under DDP). They
+sum gradients in a different order (an all-reduce against a reduce-scatter), so their numbers agree
+to float32 rounding, not bit for bit. A checkpoint holds the whole, unsharded state either way
+(full_state), so one process, DDP and FSDP runs resume from each other's checkpoints.
+"""
+
+import inspect
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from checkpoint import CheckpointError, RunDirError
+from config import ConfigError
+from shards import DataError
+
+SHARED_ERRORS = (ConfigError, CheckpointError, DataError, RunDirError)  # raised by one rank, said by all
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+
+def setup_distributed(device):
+    """Rank, world size and device from torchrun's environment (one process without it)."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        raise ConfigError("device=cuda, but CUDA is not available")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:  # float32 matmuls stay float32 (no TF32): the depth routing and the loss are computed in float32
+        torch.cuda.set_device(dev)
+    if world_size > 1:
+        torch_dist.init_process_group("nccl" if cuda else "gloo")
+    return Dist(rank, world_size, dev)
+
+
+def agreed(dist, fn):
+    """fn() on this rank, its error shared: when fn raises one of SHARED_ERRORS on any rank, every rank
+    raises the first such error, so all of them exit with the same line instead of waiting on the others."""
+    try:
+        result, error = fn(), None
+    except SHARED_ERRORS as e:
+        result, error = None, e
+    if dist.world_size > 1:
+        errors = [None] * dist.world_size
+        torch_dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+    return result
+
+
+def from_rank0(dist, obj):
+    """Rank 0's `obj` on every rank."""
+    if dist.world_size == 1:
+        return obj
+    box = [obj]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank(dist, value):
+    """The largest of the ranks' values (a float), the same on every rank."""
+    t = torch.full((), float(value), device=dist.device)
+    if dist.world_size > 1:
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+    return t.item()
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP and FSDP2.
+
+
+def shard(model, dist):
+    """FSDP2, in place: every sublayer (attention, MLP) is a unit of its own, the root holds the rest
+    (embedding, head, the residual variant's routing parameters). Sublayers, not Blocks, are the units
+    because GPT.forward calls block.attn and block.mlp, never a Block's own forward, where FSDP2's
+    hooks would sit."""
+    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    for block in model.blocks:
+        fully_shard(block.attn, mesh=mesh)
+        fully_shard(block.mlp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+# DDP's flag for broadcasting buffers before every forward (torch 2.13 renamed broadcast_buffers)
+NO_BUFFER_SYNC = next(name for name in ("forward_sync_buffers", "broadcast_buffers")
+                      if name in inspect.signature(DistributedDataParallel).parameters)
+
+
+def ddp(model, dist):
+    # the model's only buffers are the constant rotary tables: nothing to broadcast before every forward
+    return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+                                   **{NO_BUFFER_SYNC: False})
+
+
+def gradient_sync(model, on):
+    """A context for one micro-step's backward: with on=False, the gradients stay local (accumulating
+    on this rank), without DDP's all-reduce or FSDP2's reduce-scatter; the last micro-step syncs."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(on)
+        return nullcontext()
+    return nullcontext() if on or not isinstance(model, DistributedDataParallel) else model.no_sync()
+
+
+def local(t):
+    """This rank's part of a tensor (the tensor itself unless it is sharded)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t):
+    """The whole tensor of a sharded one (a collective: every rank calls it), else the tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def state_bytes(model, optimizer):
+    """Bytes of this rank's weights and optimizer state at rest: all of them under DDP, its shards under
+    FSDP (whose root keeps its weights gathered after a forward until the next backward: resharded here)."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
+    tensors = [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
+    return sum(local(t).numel() * t.element_size() for t in tensors)
+
+
+def full_state(model, optimizer):
+    """(model state_dict, optimizer state_dict) as one process holds them: sharded tensors gathered
+    whole, in the same order on every rank (each gather is a collective). The checkpoint's format."""
+    opt = optimizer.state_dict()
+    return ({k: whole(v) for k, v in model.state_dict().items()},
+            {"state": {i: {k: whole(v) for k, v in s.items()} for i, s in opt["state"].items()},
+             "param_groups": opt["param_groups"]})
+
+
+def load_optimizer_state(optimizer, state):
+    """Load a whole optimizer state (full_state's) into an optimizer whose parameters may be sharded:
+    each state tensor of a sharded parameter is sharded as that parameter is."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if isinstance(params[0], DTensor):
+        def like(p, v):
+            return distribute_tensor(v.to(p.device), p.device_mesh, p.placements) \
+                if torch.is_tensor(v) and v.shape == p.shape else v
+        state = {"state": {i: {k: like(params[i], v) for k, v in s.items()} for i, s in state["state"].items()},
+                 "param_groups": state["param_groups"]}
+    optimizer.load_state_dict(state)
