@@ -21,9 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from checkpoint import CheckpointError, RunDirError
@@ -99,7 +96,11 @@ def shard(model, dist):
     """FSDP2, in place: every sublayer (attention, MLP) is a unit of its own, the root holds the rest
     (embedding, head, the residual variant's routing parameters). Sublayers, not Blocks, are the units
     because GPT.forward calls block.attn and block.mlp, never a Block's own forward, where FSDP2's
-    hooks would sit."""
+    hooks would sit. (FSDP2 is imported here: a second of start-up that a run without it skips; its
+    sharded tensors and modules are told apart below by their methods.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
     for block in model.blocks:
         fully_shard(block.attn, mesh=mesh)
@@ -121,26 +122,26 @@ def ddp(model, dist):
 def gradient_sync(model, on):
     """A context for one micro-step's backward: with on=False, the gradients stay local (accumulating
     on this rank), without DDP's all-reduce or FSDP2's reduce-scatter; the last micro-step syncs."""
-    if isinstance(model, FSDPModule):
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
         model.set_requires_gradient_sync(on)
         return nullcontext()
     return nullcontext() if on or not isinstance(model, DistributedDataParallel) else model.no_sync()
 
 
 def local(t):
-    """This rank's part of a tensor (the tensor itself unless it is sharded)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's part of a tensor (the tensor itself unless it is a sharded DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def whole(t):
-    """The whole tensor of a sharded one (a collective: every rank calls it), else the tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The whole tensor of a sharded DTensor (a collective: every rank calls it), else the tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def state_bytes(model, optimizer):
     """Bytes of this rank's weights and optimizer state at rest: all of them under DDP, its shards under
     FSDP (whose root keeps its weights gathered after a forward until the next backward: resharded here)."""
-    if isinstance(model, FSDPModule):
+    if hasattr(model, "reshard"):  # an FSDP2 module
         model.reshard()
     tensors = [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
     return sum(local(t).numel() * t.element_size() for t in tensors)
@@ -159,7 +160,9 @@ def load_optimizer_state(optimizer, state):
     """Load a whole optimizer state (full_state's) into an optimizer whose parameters may be sharded:
     each state tensor of a sharded parameter is sharded as that parameter is."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if isinstance(params[0], DTensor):
+    if hasattr(params[0], "device_mesh"):  # sharded DTensors
+        from torch.distributed.tensor import distribute_tensor
+
         def like(p, v):
             return distribute_tensor(v.to(p.device), p.device_mesh, p.placements) \
                 if torch.is_tensor(v) and v.shape == p.shape else v

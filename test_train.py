@@ -22,6 +22,7 @@ import torch
 import train
 import checkpoint
 import config
+import distributed
 import runlog
 from checkpoint import CheckpointError, load_checkpoint
 from config import ConfigError
@@ -198,7 +199,7 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(data_dir, tmp_
 
 
 def test_runs_that_differ_only_in_residual_are_paired(data_dir):
-    cpu, built = train.Dist(rank=0, world_size=1, device=torch.device("cpu")), []
+    cpu, built = distributed.Dist(rank=0, world_size=1, device=torch.device("cpu")), []
     for residual in ("standard", "block_attnres"):
         tc, model_settings = config.parse_config([CONFIG, f"--data_dir={data_dir}", f"--residual={residual}"])
         mc = config.build_model_config(model_settings, tc, load_meta(data_dir))
@@ -721,7 +722,7 @@ def test_batches_read_ahead_checkpoint_the_state_of_the_batches_used(data_dir):
 
 
 def test_a_training_step_synchronises_with_the_device_once(data_dir, monkeypatch):
-    cpu = train.Dist(rank=0, world_size=1, device=torch.device("cpu"))
+    cpu = distributed.Dist(rank=0, world_size=1, device=torch.device("cpu"))
     tc, model_settings = config.parse_config([CONFIG, f"--data_dir={data_dir}"])
     model, optimizer, loader, _ = train.build(tc, config.build_model_config(model_settings, tc, load_meta(data_dir)),
                                               cpu, ckpt=None)
@@ -749,8 +750,8 @@ def test_ddp_does_not_broadcast_the_constant_buffers(data_dir, tmp_path):
         tc, model_settings = config.parse_config([CONFIG, f"--data_dir={data_dir}"])
         model = train.GPT(config.build_model_config(model_settings, tc, load_meta(data_dir)))
         assert {name for name, _ in model.named_buffers()} == {"cos", "sin"}  # constants, the same on every rank
-        _, ddp = train.wrap(model, tc, train.Dist(rank=0, world_size=2, device=torch.device("cpu")))
-        assert isinstance(ddp, train.DistributedDataParallel) and ddp.broadcast_buffers is False
+        _, ddp = train.wrap(model, tc, distributed.Dist(rank=0, world_size=2, device=torch.device("cpu")))
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and ddp.broadcast_buffers is False
         del ddp
     finally:
         torch.distributed.destroy_process_group()
@@ -761,7 +762,7 @@ def test_float32_matmuls_stay_float32_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     precision = torch.get_float32_matmul_precision()
     try:
-        assert train.setup_distributed("cuda").device == torch.device("cuda", 0)
+        assert distributed.setup_distributed("cuda").device == torch.device("cuda", 0)
         assert torch.get_float32_matmul_precision() == "highest"  # no TF32 for the routing and the loss
     finally:
         torch.set_float32_matmul_precision(precision)
