@@ -10,9 +10,10 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
-# the tests' extras: pytest, and wandb (optional for users: wandb_log=true), so its tests run
-$(VENV)/.test-installed: $(VENV)/.installed
-	$(PY) -m pip install -q pytest wandb
+# the tests' extras: pytest, pytest-xdist (one test process per core), and wandb (optional for users:
+# wandb_log=true), so its tests run
+$(VENV)/.test-installed: $(VENV)/.installed Makefile
+	$(PY) -m pip install -q pytest pytest-xdist wandb
 	touch $@
 
 demo: $(VENV)/.installed
@@ -20,8 +21,8 @@ demo: $(VENV)/.installed
 	$(PY) train.py configs/demo.py --overwrite=true
 	$(PY) sample.py --ckpt runs/demo --prompt "ROMEO:" --max_new_tokens 100
 
-test: $(VENV)/.test-installed
-	$(PY) -m pytest -q
+test: $(VENV)/.test-installed  # one test process per core, one thread each
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto
 
 gpu-check: $(VENV)/.installed  # on a CUDA machine: bench, torchrun stop/resume, sampling; one summary
 	$(PY) gpu_check.py
