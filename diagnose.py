@@ -203,8 +203,14 @@ def plot_routing_maps(maps, path, title, residual):
 
 
 def val_curve(run):
-    """[(step, val loss)] from a run's log.jsonl."""
-    rows = [json.loads(line) for line in open(os.path.join(run, "log.jsonl"))]
+    """[(step, val loss)] from a run's log.jsonl; a line that is not a JSON record (the torn last line
+    of a killed run, or one being appended) is skipped."""
+    rows = []
+    for line in open(os.path.join(run, "log.jsonl")):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
     return [(r["step"], r["loss"]) for r in rows if r.get("kind") == "eval" and r.get("split") == "val"]
 
 

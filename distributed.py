@@ -35,6 +35,7 @@ class Dist:
     rank: int
     world_size: int
     device: torch.device
+    objects: object = None  # the process group that carries Python objects (on the CPU); None: the default one
 
     @property
     def master(self):
@@ -50,9 +51,12 @@ def setup_distributed(device):
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:  # float32 matmuls stay float32 (no TF32): the depth routing and the loss are computed in float32
         torch.cuda.set_device(dev)
+    objects = None
     if world_size > 1:
         torch_dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(rank, world_size, dev)
+        if cuda:  # objects (the checkpoint rank 0 reads, errors) go through host memory, not a GPU buffer
+            objects = torch_dist.new_group(backend="gloo")
+    return Dist(rank, world_size, dev, objects)
 
 
 def agreed(dist, fn):
@@ -64,7 +68,7 @@ def agreed(dist, fn):
         result, error = None, e
     if dist.world_size > 1:
         errors = [None] * dist.world_size
-        torch_dist.all_gather_object(errors, error)
+        torch_dist.all_gather_object(errors, error, group=dist.objects)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise error
@@ -76,7 +80,7 @@ def from_rank0(dist, obj):
     if dist.world_size == 1:
         return obj
     box = [obj]
-    torch_dist.broadcast_object_list(box, src=0)
+    torch_dist.broadcast_object_list(box, src=0, group=dist.objects)
     return box[0]
 
 
@@ -147,12 +151,18 @@ def state_bytes(model, optimizer):
     return sum(local(t).numel() * t.element_size() for t in tensors)
 
 
-def full_state(model, optimizer):
-    """(model state_dict, optimizer state_dict) as one process holds them: sharded tensors gathered
-    whole, in the same order on every rank (each gather is a collective). The checkpoint's format."""
+def full_state(model, optimizer, dist):
+    """(model state_dict, optimizer state_dict) as one process holds them, on rank 0's CPU (None in
+    place of the tensors elsewhere): the checkpoint's format. Sharded tensors are gathered one at a
+    time, in the same order on every rank (each gather is a collective), and moved off the device at
+    once, so no rank ever holds the whole model and optimizer state on its GPU."""
+    def gathered(v):
+        v = whole(v) if torch.is_tensor(v) else v
+        return (v.cpu() if dist.master else None) if torch.is_tensor(v) else v
+
     opt = optimizer.state_dict()
-    return ({k: whole(v) for k, v in model.state_dict().items()},
-            {"state": {i: {k: whole(v) for k, v in s.items()} for i, s in opt["state"].items()},
+    return ({k: gathered(v) for k, v in model.state_dict().items()},
+            {"state": {i: {k: gathered(v) for k, v in s.items()} for i, s in opt["state"].items()},
              "param_groups": opt["param_groups"]})
 
 

@@ -42,7 +42,7 @@ from shards import (DATA_DIR, FORMAT_VERSION, SPLITS, TOKENIZERS, DataError, che
 DEFAULT_CORPUS = DATA_DIR / "shakespeare.jsonl.gz"
 # the files a preparation owns in its out_dir (and their temporary names while being written)
 OUR_FILES = re.compile(r"\.?((train|val|test)_\d{6}\.bin|meta\.json)(\.tmp)?")
-STAGING = ".staging"  # a preparation is built here, beside the one it replaces, and moved into place complete
+STAGING = ".prepare_data-staging"  # a preparation is built here, beside the one it replaces, then moved in
 MAX_SHARD_TOKENS = 2**30  # a shard is assembled in memory: 2 GiB of uint16 ids
 
 
@@ -329,8 +329,8 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             streaming=False, tokenizer="gpt2", out_dir=None, val_fraction=0.05, test_fraction=0.05,
             shard_tokens=10**8, num_proc=1, overwrite=False):
     """Tokenize a source into shards under out_dir and write its meta.json; returns the meta dict.
-    The new preparation is built in out_dir/.staging and moved into place once complete, so a failure
-    (a bad source, a full disk, an interrupt) leaves what out_dir held as it was."""
+    The new preparation is built in out_dir/.prepare_data-staging and moved into place once complete,
+    so a failure (a bad source, a full disk, an interrupt) leaves what out_dir held as it was."""
     tok = get_tokenizer(tokenizer)
     check_fits_uint16(tok)
     if val_fraction + test_fraction >= 1:
@@ -370,11 +370,11 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     lock = DirLock(out_dir, "prepare_data.py run", DataError)
     staging, swapping = out_dir / STAGING, False  # swapping: out_dir's previous preparation is being replaced
     try:
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed run left
         if not overwrite and _up_to_date(out_dir, settings):
             print(f"{out_dir} is already prepared from this source with these settings (--overwrite rebuilds it)")
             return load_meta(out_dir)
         had = (out_dir / "meta.json").exists()
-        shutil.rmtree(staging, ignore_errors=True)  # what a killed run left
         try:
             staging.mkdir()
             ds = load_source(dataset, name, data_files, source_split, text_column, streaming)
@@ -402,7 +402,12 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
                 "splits": splits, "unigram_baseline_nats": baseline}
         write_meta(staging, meta)
         swapping = True
-        _swap_in(staging, out_dir)
+        try:
+            _swap_in(staging, out_dir)
+        except OSError as e:
+            raise DataError(f"{os_error_message(e, out_dir)}, while moving the new preparation into place: "
+                            "neither the old one nor the new one is left; run prepare_data.py again") from None
+        swapping = False  # done: the new preparation is whole
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for p in _our_files(out_dir) if swapping or created else []:

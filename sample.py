@@ -110,10 +110,11 @@ def filter_logits(logits, top_k=None, top_p=None):
 
 
 def sample_logits(logits, temperature=1.0, top_k=None, top_p=None, generators=None):
-    """Token ids [B] from logits [B, vocab]: the argmax of each row when temperature is 0, else row b
+    """Token ids [B] from logits [B, vocab]: the argmax of each row when temperature is 0 (or below the
+    smallest normal float, its limit), else row b
     draws from softmax(logits[b] / temperature) after filter_logits, with generators[b] (None: the
     global generator)."""
-    if temperature == 0:
+    if temperature < torch.finfo(logits.dtype).tiny:  # 0, or so small that dividing by it overflows: greedy
         return logits.argmax(-1)
     # the row's largest logit subtracted first: a tiny temperature then sends the others to -inf, not NaN
     scaled = (logits - logits.amax(-1, keepdim=True)) / temperature

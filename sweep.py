@@ -160,6 +160,16 @@ def claim(spec, variant, seed):
         return None
 
 
+def run_child(cmd):
+    """Run a training command to its end; its exit status. Ctrl-C reaches the child too (the same
+    process group), which finishes its step and writes a checkpoint: wait for it rather than kill it."""
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        return proc.wait()  # a second Ctrl-C stops the child at once, and this wait with it
+
+
 def run_all(spec, launcher):
     # seed-major: a partial sweep already holds complete paired sets
     runs = [(variant, seed) for seed in spec["seeds"] for variant in spec["variants"]]
@@ -181,7 +191,10 @@ def run_all(spec, launcher):
             cmd = train_command(spec, variant, seed, launcher)
             print(f"\n=== {variant}, seed {seed}: {' '.join(cmd)}", flush=True)
             start = time.monotonic()
-            if subprocess.run(cmd).returncode != 0:
+            returncode = run_child(cmd)
+            if returncode in (130, 143):
+                raise SystemExit(f"run {variant} seed {seed} stopped with a checkpoint; run the sweep again to resume it")
+            if returncode != 0:
                 raise SystemExit(f"error: run {variant} seed {seed} failed; fix it and run the sweep again to resume")
             durations.append(time.monotonic() - start)
         finally:
@@ -266,6 +279,8 @@ def gap_over_training(runs, reference, variants):
     for r in runs:
         by.setdefault(r["variant"], {})[r["seed"]] = r["curve"]
     gaps = {}
+    if reference not in by:  # not one finished run of it yet
+        return gaps
     for variant in variants:
         if variant == reference or variant not in by:
             continue
@@ -288,23 +303,29 @@ def _p(row):
     return f"**{text}**" if row.get("p_holm", 1) < 0.05 else text
 
 
-def table(rows, reference):
-    """The main table: one line per variant, its comparisons with the reference and the second one."""
+def _compared(c, with_t):
+    """A comparison's cells: mean difference [95% CI], wins, (t,) p (Holm); empty for none."""
+    if c is None:
+        return [""] * (4 if with_t else 3)
+    return ([f"{c['delta_mean']:+.4f} [{_num(c['ci95'][0], '+.4f')}, {_num(c['ci95'][1], '+.4f')}]",
+             f"{c['wins']}/{c['paired_seeds']}"] + ([_num(c["t"], ".2f")] if with_t else []) + [_p(c)])
+
+
+def table(rows, reference, compact=False):
+    """One line per variant: its parameters against the reference, its comparisons with the reference
+    and with the second reference; the full table adds the val NLL, t, and tokens/s and memory ratios."""
     second = next((r["second"]["reference"] for r in rows if "second" in r), None)
-    head = (f"| variant | params vs `{reference}` | val NLL (mean ± sd) | Δ vs `{reference}` [95% CI] | wins | t | "
-            f"p (Holm) |" + (f" Δ vs `{second}` [95% CI] | wins | p (Holm) |" if second else "") +
-            " tokens/s | peak memory |")
-    out = [head, "|" + " --- |" * (head.count("|") - 1)]
+    full = not compact
+    cols = (["variant", f"params vs `{reference}`"] + ["val NLL (mean ± sd)"] * full +
+            [f"Δ vs `{reference}` [95% CI]", "wins"] + ["t"] * full + ["p (Holm)"] +
+            ([f"Δ vs `{second}` [95% CI]", "wins", "p (Holm)"] if second else []) + ["tokens/s", "peak memory"] * full)
+    out = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in rows:
-        cells = [f"`{r['variant']}`", _num(r.get("params_vs_reference_pct"), "+.1f") + "%" if r.get("params_vs_reference_pct") is not None else "-",
-                 f"{r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f}"]
-        for c in ([r] if r["variant"] != reference else [None]) + ([r.get("second")] if second else []):
-            if c is None:
-                cells += ["", "", ""] + ([""] if len(cells) == 3 else [])
-                continue
-            cells += [f"{c['delta_mean']:+.4f} [{_num(c['ci95'][0], '+.4f')}, {_num(c['ci95'][1], '+.4f')}]",
-                      f"{c['wins']}/{c['paired_seeds']}"] + ([_num(c["t"], ".2f")] if c is r else []) + [_p(c)]
-        cells += [_num(r["tokens_per_s_ratio"], ".3f"), _num(r["memory_ratio"], ".3f")]
+        cells = [f"`{r['variant']}`", _num(r.get("params_vs_reference_pct"), "+.1f") + "%"]
+        cells += [f"{r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f}"] * full
+        cells += _compared(r if r["variant"] != reference else None, with_t=full)
+        cells += _compared(r.get("second"), with_t=False) if second else []
+        cells += [_num(r["tokens_per_s_ratio"], ".3f"), _num(r["memory_ratio"], ".3f")] * full
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -353,6 +374,8 @@ def plot_forest(rows, reference, controls, path):
     order = [v for v in sorted(by, key=lambda v: by[v]["delta_mean"]) if v not in controls.values()]
     order = [x for v in order for x in [v] + ([controls[v]] if controls.get(v) in by else [])]
     order += [v for v in by if v not in order]
+    if not order:
+        return None
     fig, ax = plt.subplots(figsize=(7, 0.32 * len(order) + 1.2))
     for y, v in enumerate(order):
         r, is_control = by[v], v in controls.values()
@@ -401,7 +424,7 @@ def report(spec):
     rows = summarize(runs, reference, second, controls)
     gaps = gap_over_training(runs, reference, spec["variants"])
     second_gaps = gap_over_training(runs, second, spec["variants"]) if second else {}
-    sections = [table(rows, reference), seed_table(rows, reference)]
+    sections = [table(rows, reference, compact=True), table(rows, reference), seed_table(rows, reference)]
     if any("control" in r for r in rows):
         sections.append(control_table(rows))
     sections += [gap_table(gaps, reference)] + ([gap_table(second_gaps, second)] if second_gaps else [])

@@ -520,10 +520,20 @@ def test_overwrite_without_room_keeps_the_previous_preparation(tmp_path, monkeyp
     assert prep(src, out, "--shard_tokens", 400, "--overwrite") == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err == f"error: no space left on device writing {calls[2]}; {out}'s previous preparation is unchanged"
-    assert calls[2].parent == out / ".staging"  # the new one was built beside the old one
+    assert calls[2].parent == out / prepare_data.STAGING  # the new one was built beside the old one
     assert files_of(out) == before  # the old preparation, whole, and no staging directory
     monkeypatch.undo()
     assert prep(src, out, "--shard_tokens", 400, "--overwrite") == 0  # with room: replaced
-    assert load_meta(out)["shard_tokens"] == 400 and ".staging" not in files_of(out)
+    assert load_meta(out)["shard_tokens"] == 400 and prepare_data.STAGING not in files_of(out)
     assert set(files_of(out)) == {".lock", "meta.json", *load_meta(out)["splits"]["train"]["files"],
                                   *load_meta(out)["splits"]["val"]["files"], *load_meta(out)["splits"]["test"]["files"]}
+
+
+def test_a_directory_of_the_users_in_out_dir_is_left_alone(tmp_path):
+    out = tmp_path / "out"
+    (out / ".staging").mkdir(parents=True)  # the user's, with a name a tool might use for its own
+    (out / ".staging" / "notes.txt").write_text("mine")
+    (out / "README").write_text("also mine")
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    assert prep(src, out) == 0 and prep(src, out, "--overwrite") == 0
+    assert (out / ".staging" / "notes.txt").read_text() == "mine" and (out / "README").read_text() == "also mine"

@@ -158,15 +158,43 @@ def test_progress_lines_count_finished_runs_as_done(tmp_path, monkeypatch, capsy
         (Path(out_dir) / name).mkdir(parents=True)
         (Path(out_dir) / name / "summary.json").write_text("{}")
         now[0] += next(durations)
-        return types.SimpleNamespace(returncode=0)
+        return 0
 
-    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    monkeypatch.setattr(sweep, "run_child", fake_run)
     monkeypatch.setattr(sweep, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     sweep.run_all(spec, launcher="")
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("sweep:")]
     assert lines == ["sweep: 2/4 runs done, 0:01:00 elapsed, ETA 0:02:00",  # a, seed 0; 2 left at 60 s
                      "sweep: 3/4 runs done, 0:03:00 elapsed, ETA 0:01:30",  # a, seed 1; 1 left at 90 s
                      "sweep: 4/4 runs done, 0:03:30 elapsed, ETA 0:00:00"]  # b, seed 1
+
+
+def test_ctrl_c_waits_for_the_run_to_checkpoint_and_the_sweep_says_so(tmp_path, monkeypatch):
+    class Child:  # a training run that gets the terminal's SIGINT too: it checkpoints and exits 130
+        waits = 0
+
+        def __init__(self, cmd):
+            pass
+
+        def wait(self):
+            Child.waits += 1
+            if Child.waits == 1:
+                raise KeyboardInterrupt  # Ctrl-C while the sweep waits
+            return 130
+    monkeypatch.setattr(sweep.subprocess, "Popen", Child)
+    spec = dict(base="configs/test.py", variants={"a": ""}, seeds=[0], overrides="", out_dir=str(tmp_path))
+    with pytest.raises(SystemExit, match="run a seed 0 stopped with a checkpoint; run the sweep again to resume it"):
+        sweep.run_all(spec, launcher="")
+    assert Child.waits == 2  # waited for, not killed
+
+
+def test_tables_and_plots_of_a_sweep_that_has_barely_started(tmp_path):
+    (tmp_path / "log.jsonl").write_text('{"kind": "eval", "split": "val", "step": 2, "loss": 3.0}\n{"kind": "ev')
+    assert diagnose.val_curve(str(tmp_path)) == [(2, 3.0)]  # a torn last line, as a kill leaves it
+    runs = [dict(variant="base", seed=0, val_loss=3.0, params=10, curve={"2": 3.0})]
+    assert sweep.gap_over_training(runs, "second", ["base", "second"]) == {}  # no run of that reference yet
+    rows = sweep.summarize(runs, "base", second="second")
+    assert sweep.plot_forest(rows, "base", {}, tmp_path / "forest.png") is None  # nothing but the reference
 
 
 def test_sweep_processes_share_the_runs_of_one_sweep_file(tmp_path, monkeypatch, capsys):
@@ -181,9 +209,9 @@ def test_sweep_processes_share_the_runs_of_one_sweep_file(tmp_path, monkeypatch,
         ran.append((variant, name))
         (tmp_path / variant / name).mkdir(parents=True)
         (tmp_path / variant / name / "summary.json").write_text("{}")
-        return types.SimpleNamespace(returncode=0)
+        return 0
 
-    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    monkeypatch.setattr(sweep, "run_child", fake_run)
     sweep.run_all(spec, launcher="")
     assert ran == [("a", "seed0"), ("b", "seed0"), ("b", "seed1")]
     assert "sweep: 1 run(s) were taken by another sweep process" in capsys.readouterr().out
@@ -217,7 +245,7 @@ def test_a_bad_sweep_file_is_one_line_before_any_run(case, tmp_path, monkeypatch
     path = tmp_path / "sweep_bad.py"
     if text is not None:
         path.write_text(text)
-    monkeypatch.setattr(sweep.subprocess, "run", None)  # never reached
+    monkeypatch.setattr(sweep, "run_child", None)  # never reached
     with pytest.raises(SystemExit) as e:
         sweep.main([str(path), "--out_dir", str(tmp_path / "runs")])
     assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value)
@@ -253,7 +281,7 @@ def test_a_wandb_sweep_without_wandb_stops_before_any_run(tmp_path, monkeypatch)
     spec = dict(base="configs/test.py", variants={"a": ""}, seeds=[0], overrides="", out_dir=str(tmp_path),
                 wandb=True)
     monkeypatch.setattr(sweep.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(sweep.subprocess, "run", None)  # never reached
+    monkeypatch.setattr(sweep, "run_child", None)  # never reached
     with pytest.raises(SystemExit, match="error: the sweep logs to W&B .* wandb package is not installed"):
         sweep.run_all(spec, launcher="")
 

@@ -349,8 +349,8 @@ def test_cli_bad_input_gives_one_clear_error(case, match, run_dir, tmp_path, cap
 def test_a_tiny_temperature_samples_the_most_likely_token(run_dir, capsys):
     rc, greedy, _ = cli(capsys, "--ckpt", run_dir, "--prompt", "ab", "--max_new_tokens", 8, "--temperature", 0)
     assert rc == 0
-    for t in ("1e-45", "1e-30"):  # 1 / t overflows float32: the draw must still be the argmax, not NaN
+    for t in ("1e-46", "1e-45", "1e-30"):  # 1 / t overflows float32 (or t rounds to 0): the argmax, not NaN
         rc, out, err = cli(capsys, "--ckpt", run_dir, "--prompt", "ab", "--max_new_tokens", 8, "--temperature", t)
         assert (rc, out) == (0, greedy), err
     logits = torch.tensor([[1.0, 3.0, -2.0], [0.5, -1.0, 0.25]])
-    assert sample_logits(logits, 1e-45).tolist() == [1, 0]
+    assert sample_logits(logits, 1e-45).tolist() == [1, 0] and sample_logits(logits, 1e-46).tolist() == [1, 0]

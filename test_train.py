@@ -10,6 +10,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -556,6 +557,8 @@ def test_a_resumed_finished_run_logs_each_record_once(data_dir, tmp_path, straig
     (run_dir / "summary.json").unlink()
     run(data_dir, tmp_path, "--run_name=done", "--resume=true")
     assert record_keys(run_dir) == once and (run_dir / "summary.json").exists()
+    speed = statistics.median(r["tokens_per_s"] for r in records(run_dir))  # the run's, kept from its log
+    assert json.loads((run_dir / "summary.json").read_text())["tokens_per_s"] == pytest.approx(speed)
 
 
 def test_a_finite_but_huge_loss_is_a_divergence_and_its_resume_says_so_again(data_dir, tmp_path, capsys):
@@ -768,18 +771,23 @@ def test_float32_matmuls_stay_float32_on_cuda(monkeypatch):
         torch.set_float32_matmul_precision(precision)
 
 
-RANK1_SIGTERM_IN_STEP_2 = """
+def signal_in_step_2(name):
+    """The code of a train.py that sends itself signal `name` before its second step (two_ranks runs it)."""
+    return f"""
 import os, signal, sys
 import train
 real, calls = train.train_step, []
 def step(*args, **kwargs):
     calls.append(1)
     if len(calls) == 2:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.{name})
     return real(*args, **kwargs)
 train.train_step = step
 sys.exit(train.cli(sys.argv[1:]))
 """
+
+
+RANK1_SIGTERM_IN_STEP_2 = signal_in_step_2("SIGTERM")
 
 
 def two_ranks(args_of_rank, code_of_rank=(None, None)):
@@ -838,18 +846,7 @@ def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tm
 # ----------------------------------------------------------------------------------------------
 # FSDP2: the same run sharded; its checkpoints load anywhere
 
-KILL_9_IN_STEP_2 = """
-import os, signal, sys
-import train
-real, calls = train.train_step, []
-def step(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(*args, **kwargs)
-train.train_step = step
-sys.exit(train.cli(sys.argv[1:]))
-"""
+KILL_9_IN_STEP_2 = signal_in_step_2("SIGKILL")
 
 
 def assert_close_runs(a, b, atol=1e-5):
@@ -863,8 +860,10 @@ def assert_close_runs(a, b, atol=1e-5):
 
 
 def test_fsdp_equals_one_process_for_dar(data_dir, tmp_path):
-    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--residual=dar"]
-    run(data_dir, tmp_path, "--run_name=one", "--residual=dar")
+    # 9 evaluation windows: rank 0 gets 5 (2 batches of up to 4), rank 1 gets 4 (1 batch); under FSDP
+    # every forward is collective, so both ranks must run 2 forwards or the evaluation hangs
+    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--residual=dar", "--eval_tokens=288"]
+    run(data_dir, tmp_path, "--run_name=one", "--residual=dar", "--eval_tokens=288")
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args + ["--run_name=fsdp", "--fsdp=true"])
     assert (rc0, rc1) == (0, 0), err0 + err1
     assert_close_runs(tmp_path / "one", tmp_path / "fsdp")

@@ -186,14 +186,22 @@ def train_step(model, optimizer, batches, lr, accum, grad_clip, dist, autocast, 
 
 @torch.no_grad()
 def evaluate(model, split, tc, dist, autocast):
-    """Mean loss over the first eval_tokens tokens of a split, over all ranks. Returns (loss, tokens)."""
+    """Mean loss over the first eval_tokens tokens of a split, over all ranks. Returns (loss, tokens).
+    Under FSDP every forward gathers weights from all ranks, so every rank runs as many as the rank
+    with the most batches (the split's windows need not divide evenly); the extra ones count nothing."""
     sums = torch.zeros(2, dtype=torch.float64, device=dist.device)  # loss sum, token count
-    for x, y in eval_batches(tc.data_dir, split, tc.batch_size, tc.seq_len, tc.eval_tokens, dist.rank, dist.world_size):
+    batches = list(eval_batches(tc.data_dir, split, tc.batch_size, tc.seq_len, tc.eval_tokens, dist.rank,
+                                dist.world_size))
+    lockstep = tc.fsdp and dist.world_size > 1
+    idle = torch.zeros(1, tc.seq_len, dtype=torch.long)  # a forward for a rank without a batch of its own
+    for i in range(int(any_rank(dist, len(batches))) if lockstep else len(batches)):
+        x, y = batches[i] if i < len(batches) else (idle, idle)
         x, y = x.to(dist.device), y.to(dist.device)
         with autocast:
             _, loss = model(x, y)
-        sums[0] += loss.double() * y.numel()
-        sums[1] += y.numel()
+        if i < len(batches):
+            sums[0] += loss.double() * y.numel()
+            sums[1] += y.numel()
     if dist.world_size > 1:
         torch_dist.all_reduce(sums)
     loss_sum, tokens = sums.tolist()
@@ -309,7 +317,7 @@ def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
     def save():
         if not weights_finite(raw_model, dist):
             raise DivergedError(f"non-finite weights after step {step}; {last_good(saved)}")
-        weights, optimizer_state = full_state(raw_model, optimizer)  # every rank: FSDP gathers the shards
+        weights, optimizer_state = full_state(raw_model, optimizer, dist)  # every rank: FSDP gathers the shards
         agreed(dist, lambda: save_checkpoint(ckpt_path, {  # a failed write on rank 0 stops every rank
             "format": CKPT_FORMAT, "model_config": asdict(mc), "model": weights, "tokenizer": meta["tokenizer"],
             "step": step, "train_config": asdict(tc), "optimizer": optimizer_state, "loader": batches.state_dict(),
@@ -333,7 +341,9 @@ def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
         if signum := int(any_rank(dist, signals.signum or 0)):
             stop(signum)
 
-    val_loss, seconds, steps, speeds = None, 0.0, 0, []
+    val_loss, seconds, steps = None, 0.0, 0
+    # tokens/s of each log interval, those a resumed run kept too: the summary gives their median
+    speeds = [r["tokens_per_s"] for r in map(json.loads, claim.kept_log if claim else []) if "tokens_per_s" in r]
     progress, clean = Progress(step, max_steps), False  # clean: finished, or stopped by a signal with a checkpoint
     try:
         with GracefulStop(verbose=dist.master) as signals:
