@@ -157,8 +157,10 @@ def full_state(model, optimizer, dist):
     time, in the same order on every rank (each gather is a collective), and moved off the device at
     once, so no rank ever holds the whole model and optimizer state on its GPU."""
     def gathered(v):
-        v = whole(v) if torch.is_tensor(v) else v
-        return (v.cpu() if dist.master else None) if torch.is_tensor(v) else v
+        if not torch.is_tensor(v):
+            return v
+        v = whole(v)
+        return v.cpu() if dist.master else None
 
     opt = optimizer.state_dict()
     return ({k: gathered(v) for k, v in model.state_dict().items()},
