@@ -249,9 +249,9 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
         run_dir.mkdir(parents=True, exist_ok=True)
     lock = DirLock(run_dir, "run", RunDirError)
     try:
-        if continuing and not (run_dir / "ckpt.pt").exists() and not (run_dir / "summary.json").exists():
-            # stopped (or never started) before its first checkpoint: nothing to continue, so it starts
-            # afresh, and a requeue script may always pass --resume=true
+        if source == run_dir and not (run_dir / "ckpt.pt").exists() and not (run_dir / "summary.json").exists():
+            # resume=true, stopped (or never started) before its first checkpoint: nothing to continue, so
+            # it starts afresh, and a requeue script may always pass --resume=true (a named file must exist)
             print(f"note: {run_dir} holds no checkpoint yet: starting the run from step 0", file=sys.stderr)
             return Claim(lock, None, False, [])
         if continuing:

@@ -616,6 +616,8 @@ def test_resume_true_without_a_checkpoint_starts_the_run(data_dir, tmp_path, mon
         run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
         assert f"note: {tmp_path / name} holds no checkpoint yet: starting the run from step 0" in capsys.readouterr().err
         assert untimed(tmp_path / name) == untimed(straight) and steps(tmp_path / name) == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(CheckpointError, match="no checkpoint at"):  # a checkpoint named that is not there
+        run(data_dir, tmp_path, "--run_name=named", f"--resume={tmp_path / 'named' / 'ckpt.pt'}")
 
 
 def test_a_resume_past_max_steps_is_refused(data_dir, tmp_path, straight):
