@@ -387,7 +387,8 @@ def plot_forest(rows, reference, controls, path):
               for v in order]
     ax.set_yticks(range(len(order)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel(f"paired Δ val NLL vs {reference} (nats; < 0: better), mean and 95% CI over {by[order[0]]['paired_seeds']} seeds")
+    ax.set_xlabel(f"paired Δ val NLL vs {reference} (nats; < 0: better)\n"
+                  f"mean and 95% CI over {by[order[0]]['paired_seeds']} seeds; filled: Holm-adjusted p < 0.05")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -400,14 +401,14 @@ def plot_gaps(gaps, reference, path):
     plt = pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     for i, (variant, g) in enumerate(gaps.items()):
         steps = sorted(g)
         ax.plot(steps, [g[s][0] for s in steps], ("-", "--", ":")[i // 10 % 3], marker=".", label=variant)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel(f"paired Δ val NLL vs {reference} (nats)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
