@@ -26,6 +26,7 @@ import torch
 
 from checkpoint import CheckpointError, load_checkpoint
 from model import GPT, GPTConfig, _site_name
+from runlog import perplexity
 from shards import DataError, eval_batches
 
 
@@ -282,7 +283,7 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu"):
 
 
 def summary(d):
-    lines = [f"{d['residual']} at step {d['step']}: val loss {d['val_loss']:.4f} (ppl {math.exp(d['val_loss']):.2f})"]
+    lines = [f"{d['residual']} at step {d['step']}: val loss {d['val_loss']:.4f} (ppl {perplexity(d['val_loss']):.2f})"]
     if "js_qk_v_mean" in d:
         lines.append("JS(QK || V) per layer: " + " ".join(f"{x:.3f}" for x in d["js_qk_v_per_layer"])
                      + f"  mean {d['js_qk_v_mean']:.3f} (max ln 2 = 0.693)")
