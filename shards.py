@@ -120,7 +120,7 @@ def get_tokenizer(name):
 
 def _write_atomic(path, chunks):
     """Write byte chunks atomically (files.write_atomic); a failed write is one DataError line."""
-    write_atomic(path, lambda f: [f.write(chunk) for chunk in chunks], DataError)
+    write_atomic(path, lambda f: f.writelines(chunks), DataError)
 
 
 def check_fits_uint16(tokenizer):

@@ -190,16 +190,17 @@ def evaluate(model, split, tc, dist, autocast):
     Under FSDP every forward gathers weights from all ranks, so every rank runs as many as the rank
     with the most batches (the split's windows need not divide evenly); the extra ones count nothing."""
     sums = torch.zeros(2, dtype=torch.float64, device=dist.device)  # loss sum, token count
-    batches = list(eval_batches(tc.data_dir, split, tc.batch_size, tc.seq_len, tc.eval_tokens, dist.rank,
-                                dist.world_size))
+    batches = eval_batches(tc.data_dir, split, tc.batch_size, tc.seq_len, tc.eval_tokens, dist.rank, dist.world_size)
     lockstep = tc.fsdp and dist.world_size > 1
-    idle = torch.zeros(1, tc.seq_len, dtype=torch.long)  # a forward for a rank without a batch of its own
-    for i in range(int(any_rank(dist, len(batches))) if lockstep else len(batches)):
-        x, y = batches[i] if i < len(batches) else (idle, idle)
+    while True:
+        batch = next(batches, None)
+        if not (any_rank(dist, batch is not None) if lockstep else batch is not None):
+            break
+        x, y = batch or (torch.zeros(1, tc.seq_len, dtype=torch.long),) * 2  # idle: a forward, nothing counted
         x, y = x.to(dist.device), y.to(dist.device)
         with autocast:
             _, loss = model(x, y)
-        if i < len(batches):
+        if batch is not None:
             sums[0] += loss.double() * y.numel()
             sums[1] += y.numel()
     if dist.world_size > 1:
