@@ -10,10 +10,10 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
-# the tests' extras: pytest, pytest-xdist (one test process per core), and wandb (optional for users:
-# wandb_log=true), so its tests run
+# the tests' extras: pytest, pytest-xdist (one test process per core), ruff (the linter), and wandb
+# (optional for users: wandb_log=true), so its tests run
 $(VENV)/.test-installed: $(VENV)/.installed Makefile
-	$(PY) -m pip install -q pytest pytest-xdist wandb
+	$(PY) -m pip install -q pytest pytest-xdist ruff wandb
 	touch $@
 
 demo: $(VENV)/.installed
@@ -21,11 +21,12 @@ demo: $(VENV)/.installed
 	$(PY) train.py configs/demo.py --overwrite=true
 	$(PY) sample.py --ckpt runs/demo --prompt "ROMEO:" --max_new_tokens 100
 
-test: $(VENV)/.test-installed  # one test process per core, one thread each
+test: $(VENV)/.test-installed  # the linter, then one test process per core, one thread each
+	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto
 
 gpu-check: $(VENV)/.installed  # on a CUDA machine: bench, torchrun stop/resume, sampling; one summary
-	$(PY) gpu_check.py
+	$(PY) -m tools.gpu_check
 
 clean:
 	rm -rf $(VENV) data/*/ runs/

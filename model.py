@@ -26,13 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch._functorch.config
 import torch.nn as nn
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from routing import TwoPhaseRouter, compute_dtype, float32_routing, matmul32, rms_inv, transport
 
-RESIDUALS = ("standard", "full_attnres", "block_attnres", "rd_attnres", "dar", "hc", "mhc",
-             "denseformer", "muddformer", "delta_attnres")
 RD_MODES = ("decoupled", "tied", "average", "frozen_v")
 DAR_ROUTINGS = ("cross", "self_kv", "cross_v", "fixed_kv", "sep_v")
 DEPTH_IMPLS = ("two_phase", "reference")
@@ -50,7 +48,7 @@ class GPTConfig:
     tie_embeddings: bool = False  # share wte and lm_head
     rope_base: float = 10000.0
     logit_softcap: float = 0.0  # 0 = off; else logits = c * tanh(logits / c)
-    residual: str = "standard"  # one of RESIDUALS
+    residual: str = "standard"  # a name in RESIDUALS (the table of variants, above class GPT)
     attnres_block_size: int = 4  # S, in sublayers (4 = two transformer layers); block_attnres, rd_attnres
     rd_mode: str | None = None  # rd_attnres only; None means "decoupled"
     dar_block_size: int = 2  # K, in transformer layers (2K sublayers); 1 is Full DAR
@@ -75,7 +73,8 @@ class GPTConfig:
         need(self.rd_mode is None or self.rd_mode in RD_MODES,
              f"unknown rd_mode {self.rd_mode!r}; choose one of {', '.join(RD_MODES)}")
         need(self.dar_routing is None or self.residual == "dar",
-             f"dar_routing={self.dar_routing!r} only applies to residual='dar' (got residual={self.residual!r}); drop dar_routing")
+             f"dar_routing={self.dar_routing!r} only applies to residual='dar' "
+             f"(got residual={self.residual!r}); drop dar_routing")
         need(self.dar_routing is None or self.dar_routing in DAR_ROUTINGS,
              f"unknown dar_routing {self.dar_routing!r}; choose one of {', '.join(DAR_ROUTINGS)}")
         need(self.dar_block_size >= 1, f"dar_block_size counts transformer layers and must be >= 1, got {self.dar_block_size}")
@@ -98,7 +97,8 @@ class GPTConfig:
              f"delta_block_size counts sublayers and must be >= 1, got {self.delta_block_size}")
         need(self.mlp_hidden is None or self.mlp_hidden >= 1, f"mlp_hidden must be >= 1, got {self.mlp_hidden}")
         need(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        need((self.n_embd // self.n_head) % 2 == 0, f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
+        need((self.n_embd // self.n_head) % 2 == 0,
+             f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
         need(math.isfinite(self.logit_softcap) and self.logit_softcap >= 0,
              f"logit_softcap must be a finite number >= 0, got {self.logit_softcap}")
         need(math.isfinite(self.rope_base) and self.rope_base > 0,
@@ -113,7 +113,10 @@ class GPTConfig:
 #     h       = sum_r a_r * v_r       values are the raw sources              gain would be redundant)
 #
 # computed in float32 (float64 for float64 models), also inside bf16 autocast regions, where only the
-# sources stay bf16. This is the math; routing.py computes the same numbers fast (depth_impl).
+# sources stay bf16. This is the math, and depth_impl="reference" runs it (ReferenceRouter); training
+# runs routing.TwoPhaseRouter by default (depth_impl="two_phase"), tested equal to it. A router is
+# given query rows W and the sources; anything that only changes the queries (a temperature: W / tau)
+# runs on both paths unchanged.
 
 
 def depth_attention(w, keys, values=None):
@@ -166,6 +169,9 @@ ROUTERS = {"two_phase": TwoPhaseRouter, "reference": ReferenceRouter}
 
 class StandardResidual(nn.Module):
     """Section 1: h_{j+1} = h_j + y_j, h_0 = x0."""
+
+    def __init__(self, cfg=None):
+        super().__init__()
 
     def reset_parameters(self, rng):
         pass
@@ -259,18 +265,21 @@ class AttnRes(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, rng):
-        for p in self.parameters():
-            p.zero_()  # zero queries: uniform routing at init, what makes these variants train stably
+        self.w.zero_()  # zero queries: uniform routing at init, what makes these variants train stably
+        if hasattr(self, "w_v"):
+            self.w_v.zero_()
 
     def start(self, x0, record=None):
         return _AttnResStream(self, x0, record)
 
     def chunk_queries(self, j0):
         """The query rows of the chunk that starts at site j0: w[j] of each site, then RD's w_v of
-        each attention site. Returns (W [Q, d], {j: (rows of site j)})."""
-        sites = range(j0, min(j0 + self.chunk, self.L))
+        each attention site; j0 = L is the readout's chunk, its query alone. Returns (W [Q, d],
+        {j: (rows of site j)}). Every query a router sees comes from here: a change of the queries
+        (a temperature, say: w / tau) is made once, and both depth_impl paths get it."""
+        sites = range(j0, min(j0 + self.chunk, self.L)) if j0 < self.L else range(self.L, self.L + 1)
         W, rows = [self.w[sites.start:sites.stop]], {j: (j - j0,) for j in sites}
-        attention = [j for j in sites if j % 2 == 0]
+        attention = [j for j in sites if j % 2 == 0 and j < self.L]
         if hasattr(self, "w_v") and attention:
             W.append(self.w_v[attention[0] // 2:attention[-1] // 2 + 1])
             rows.update({j: (j - j0, len(sites) + i) for i, j in enumerate(attention)})
@@ -297,8 +306,9 @@ class _AttnResStream(_BlockHistory):
 
     def readout(self):
         self._close_block()
-        self._open(self.m.w[-1:])
-        return self._read((0,), "readout")[0]
+        W, rows = self.m.chunk_queries(self.m.L)
+        self._open(W)
+        return self._read(rows[self.m.L], "readout")[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,6 +376,10 @@ class DualAttnRes(nn.Module):
     def start(self, x0, record=None):
         return _DARStream(self, x0, record)
 
+    def chunk_queries(self, j0):
+        """w [C, 2, d]: the queries of the chunk that starts at site j0, site by site (j0 = L: the readout's)."""
+        return self.w[j0:j0 + self.chunk] if j0 < self.L else self.w[self.L:]
+
 
 def transport_reference(P, rho, beta, y):
     """P'_m = rho P_m + (1 - rho) P_o + beta_m y; routing.transport computes it with less memory traffic."""
@@ -411,7 +425,7 @@ class _DARStream(_BlockHistory):
         if j > 0 and j % self.m.S == 0:
             self._close_block()
         if j % self.m.chunk == 0:
-            self._open_chunk(self.m.w[j:j + self.m.chunk])
+            self._open_chunk(self.m.chunk_queries(j))
         return self._retrieve(j, _site_name(j))
 
     def write(self, j, y):
@@ -427,7 +441,7 @@ class _DARStream(_BlockHistory):
 
     def readout(self):
         self._close_block()
-        self._open_chunk(self.m.w[-1:])
+        self._open_chunk(self.m.chunk_queries(self.m.L))
         return self._retrieve(-1, "readout")
 
 
@@ -830,22 +844,26 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
 
+# Every residual variant: its name (the `residual` key) and the module that implements it. This table
+# is the one list of variants: GPTConfig accepts exactly its names, and a new variant is one more row.
+RESIDUALS = {
+    "standard": StandardResidual,
+    "full_attnres": AttnRes,
+    "block_attnres": AttnRes,
+    "rd_attnres": AttnRes,
+    "dar": DualAttnRes,
+    "hc": HyperConnections,
+    "mhc": ManifoldHC,
+    "denseformer": DenseFormer,
+    "muddformer": MUDDFormer,
+    "delta_attnres": DeltaAttnRes,
+}
+
+
 def make_residual(cfg):
-    if cfg.residual == "standard":
-        return StandardResidual()
-    if cfg.residual == "dar":
-        return DualAttnRes(cfg)
-    if cfg.residual == "hc":
-        return HyperConnections(cfg)
-    if cfg.residual == "mhc":
-        return ManifoldHC(cfg)
-    if cfg.residual == "denseformer":
-        return DenseFormer(cfg)
-    if cfg.residual == "muddformer":
-        return MUDDFormer(cfg)
-    if cfg.residual == "delta_attnres":
-        return DeltaAttnRes(cfg)
-    return AttnRes(cfg)
+    if cfg.residual not in RESIDUALS:  # GPTConfig refuses it first; this guards a config built otherwise
+        raise ValueError(f"unknown residual {cfg.residual!r}; choose one of {', '.join(RESIDUALS)}")
+    return RESIDUALS[cfg.residual](cfg)
 
 
 class GPT(nn.Module):
@@ -946,8 +964,7 @@ def compile_model(model, **kwargs):
     "same_as_forward"), which turns the float32 matmuls of the routing backward (DAR's transport,
     mHC's projection) into bf16 ones. With "off", compiled and eager gradients agree. Shapes are
     static unless asked otherwise (dynamic=False): a run has one batch shape, and evaluation's last
-    short batch is one more static graph. (A process compiling five variants with automatic dynamic
-    shapes died once of heap corruption on CPU; with static shapes it did not.)"""
+    short batch is one more static graph (why: docs/performance.md)."""
     torch._functorch.config.backward_pass_autocast = "off"
     return torch.compile(model, **{"dynamic": False, **kwargs})
 

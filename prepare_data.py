@@ -35,9 +35,20 @@ from pathlib import Path
 
 import numpy as np
 
-from files import DirLock, os_error_message, sync_dir
-from shards import (DATA_DIR, FORMAT_VERSION, SPLITS, TOKENIZERS, DataError, check_fits_uint16, get_tokenizer,
-                    load_meta, read_header, write_meta, write_shard)
+from depthres.files import DirLock, os_error_message, sync_dir
+from depthres.shards import (
+    DATA_DIR,
+    FORMAT_VERSION,
+    SPLITS,
+    TOKENIZERS,
+    DataError,
+    check_fits_uint16,
+    get_tokenizer,
+    load_meta,
+    read_header,
+    write_meta,
+    write_shard,
+)
 
 DEFAULT_CORPUS = DATA_DIR / "shakespeare.jsonl.gz"
 # the files a preparation owns in its out_dir (and their temporary names while being written)

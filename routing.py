@@ -129,7 +129,7 @@ class _Phase1(Function):
 
     @staticmethod
     def forward(ctx, W, inv, streams, *sources):
-        dt, (n, M, N) = inv.dtype, inv.shape
+        dt, (_, M, N) = inv.dtype, inv.shape
         lse, O, a, dots = _phase1(W.to(dt), inv, [s.reshape(M, N, -1).to(dt) for s in sources], streams)
         ctx.streams = streams
         ctx.save_for_backward(W, inv, a, dots, *sources)
@@ -140,7 +140,7 @@ class _Phase1(Function):
     def backward(ctx, g_lse, _, *g_o):
         W, inv, a, dots, *sources = ctx.saved_tensors
         with autocast_off(inv):
-            dt, (n, M, N) = inv.dtype, inv.shape
+            dt, (_, M, N) = inv.dtype, inv.shape
             srcs = [s.reshape(M, N, -1).to(dt) for s in sources]
             Wf, rows = W.to(dt), _rows(W, ctx.streams)
             zero = torch.zeros_like(srcs[0][0]) if any(g is None for g in g_o) else None

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
+from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres.shards import DataError, get_tokenizer
 from model import GPT, GPTConfig, KVCache
-from shards import DataError, get_tokenizer
-from checkpoint import CheckpointError, load_checkpoint
 
 
 class UsageError(ValueError):

@@ -35,22 +35,45 @@ import textwrap
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from checkpoint import (CKPT_FORMAT, EXECUTION_KEYS, RunDirError, claim_run_dir, last_good, resume_path, rng_state,
-                        save_checkpoint, set_rng_state)
-from config import build_model_config, grad_accum_steps, parse_config, total_steps, usage
-from distributed import (SHARED_ERRORS, agreed, any_rank, ddp, from_rank0, full_state, gradient_sync, load_optimizer_state,
-                         local, setup_distributed, shard, state_bytes, whole)
-from files import write_file, writing
-from model import GPT, compile_model
-from runlog import Progress, RunLog, log_eval, log_train, peak_flops, require_wandb, start_wandb
-from shards import DataError, TokenLoader, check_split, eval_batches, load_meta
+from depthres.checkpoint import (
+    CKPT_FORMAT,
+    EXECUTION_KEYS,
+    RunDirError,
+    claim_run_dir,
+    last_good,
+    resume_path,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from depthres.config import TrainConfig, build_model_config, grad_accum_steps, parse_config, total_steps, usage
+from depthres.distributed import (
+    SHARED_ERRORS,
+    Dist,
+    agreed,
+    any_rank,
+    ddp,
+    from_rank0,
+    full_state,
+    gradient_sync,
+    load_optimizer_state,
+    local,
+    setup_distributed,
+    shard,
+    state_bytes,
+    whole,
+)
+from depthres.files import write_file, writing
+from depthres.runlog import Progress, RunLog, log_eval, log_train, peak_flops, require_wandb, start_wandb
+from depthres.shards import DataError, TokenLoader, check_split, eval_batches, load_meta
+from model import GPT, GPTConfig, compile_model
 
 
 class DivergedError(RuntimeError):
@@ -66,6 +89,46 @@ class Stopped(Exception):
     def __init__(self, signum, message):
         super().__init__(message)
         self.signum = signum
+
+
+@dataclass
+class Run:
+    """One run: what it was asked (tc, mc), its data (meta), its ranks (dist), its directory and the
+    claim on it, the checkpoint it continues; train_loop fills in the rest as it builds it."""
+
+    tc: TrainConfig
+    mc: GPTConfig
+    meta: dict
+    dist: Dist
+    run_dir: Path
+    claim: object = None  # checkpoint.Claim on rank 0; None on the other ranks
+    ckpt: dict | None = None  # the checkpoint resumed from
+    config_path: str | None = None
+    raw_model: GPT | None = None  # the parameters (sharded under FSDP)
+    model: torch.nn.Module | None = None  # for evaluation: raw_model, compiled if asked
+    train_model: torch.nn.Module | None = None  # for training: model, in DDP when distributed without FSDP
+    optimizer: torch.optim.Optimizer | None = None
+    batches: object = None  # DeviceBatches of the training split
+    autocast: object = field(default_factory=nullcontext)
+    log: object = None  # runlog.RunLog
+    step: int = 0  # optimizer steps done
+    saved: tuple | None = None  # (step, path) of the last checkpoint written or resumed from
+
+    @property
+    def accum(self):
+        return grad_accum_steps(self.tc, self.dist.world_size)
+
+    @property
+    def max_steps(self):
+        return total_steps(self.tc)
+
+    @property
+    def max_loss(self):
+        return loss_limit(self.mc.vocab_size)
+
+    @property
+    def ckpt_path(self):
+        return self.run_dir / "ckpt.pt"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,18 +219,19 @@ class GracefulStop:
             raise KeyboardInterrupt
 
 
-def train_step(model, optimizer, batches, lr, accum, grad_clip, dist, autocast, stop=None, max_loss=math.inf):
-    """One optimizer step over `accum` micro-batches per rank. Returns (loss averaged over the whole
+def train_step(run, lr, stop=None):
+    """One optimizer step over run.accum micro-batches per rank. Returns (loss averaged over the whole
     batch, gradient norm before clipping, the signal number `stop` holds or 0), the same on every
     rank, read from the device in one synchronisation; the update is applied only when the step is
-    healthy (a finite loss of at most max_loss, a finite norm)."""
+    healthy (a finite loss of at most run.max_loss, a finite norm)."""
+    model, optimizer, dist, accum = run.train_model, run.optimizer, run.dist, run.accum
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = torch.zeros((), device=dist.device)
     for micro in range(accum):
-        x, y = batches.next_batch()
+        x, y = run.batches.next_batch()
         with gradient_sync(model, micro == accum - 1):  # gradients are all-reduced on the last one only
-            with autocast:
+            with run.autocast:
                 _, loss = model(x, y)
             (loss / accum).backward()
         total += loss.detach()
@@ -175,10 +239,10 @@ def train_step(model, optimizer, batches, lr, accum, grad_clip, dist, autocast, 
     if dist.world_size > 1:
         torch_dist.all_reduce(total)
         torch_dist.all_reduce(signum, op=torch_dist.ReduceOp.MAX)  # a signal to any rank stops them all
-    norm = whole(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf))  # FSDP: of all shards
+    norm = whole(torch.nn.utils.clip_grad_norm_(model.parameters(), run.tc.grad_clip or math.inf))  # FSDP: all shards
     total, norm, signum = torch.stack([total, norm.float(), signum]).tolist()  # the step's one sync
     loss = total / (accum * dist.world_size)
-    if healthy(loss, norm, max_loss):
+    if healthy(loss, norm, run.max_loss):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, norm, int(signum)
@@ -267,13 +331,14 @@ def wrap(raw_model, tc, dist):
     return model, ddp(model, dist) if dist.world_size > 1 and not tc.fsdp else model
 
 
-def start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config_path):
+def start_log(run):
     """Make the run directory this run's (rank 0): drop what this run replaces, write config.json and
-    the log it keeps. Print what this run is and the loss to beat."""
-    log = RunLog(run_dir / "log.jsonl", dist.master)
-    resolved = {"config_file": config_path, "train": asdict(tc), "model": asdict(mc),
-                "tokenizer": meta["tokenizer"], "world_size": dist.world_size, "grad_accum": accum,
-                "max_steps": total_steps(tc)}
+    the log it keeps. Print what this run is and the loss to beat. Sets run.log."""
+    tc, mc, meta, dist, run_dir, claim = run.tc, run.mc, run.meta, run.dist, run.run_dir, run.claim
+    log = run.log = RunLog(run_dir / "log.jsonl", dist.master)
+    resolved = {"config_file": run.config_path, "train": asdict(tc), "model": asdict(mc),
+                "tokenizer": meta["tokenizer"], "world_size": dist.world_size, "grad_accum": run.accum,
+                "max_steps": run.max_steps}
     if dist.master:
         for name in ("summary.json",) if claim.continuing else ("summary.json", "ckpt.pt", "wandb_id.txt"):
             with writing(run_dir / name, RunDirError):
@@ -285,124 +350,135 @@ def start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config
     log(textwrap.fill(" ".join(f"{k}={v}" for k, v in {**asdict(tc), **asdict(mc)}.items()), 110,
                       initial_indent="config: ", subsequent_indent="        "))
     ranks = f"{dist.world_size} x {dist.device.type}" + (f" ({'FSDP' if tc.fsdp else 'DDP'})" if dist.world_size > 1 else "")
-    log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters, "
-        f"{raw_model.flops_per_token() / 1e6:.1f} MFLOP/token | {meta['tokenizer']} tokens, {ranks} | "
-        f"{total_steps(tc)} steps of {tc.batch_tokens} tokens ({accum} micro-steps of {tc.batch_size}x{tc.seq_len} "
+    log(f"{mc.residual}: {run.raw_model.num_params() / 1e6:.2f}M parameters, "
+        f"{run.raw_model.flops_per_token() / 1e6:.1f} MFLOP/token | {meta['tokenizer']} tokens, {ranks} | "
+        f"{run.max_steps} steps of {tc.batch_tokens} tokens ({run.accum} micro-steps of {tc.batch_size}x{tc.seq_len} "
         f"per rank) | run dir {run_dir}")
     baseline = meta.get("unigram_baseline_nats")
     if baseline is not None:
         log(f"unigram baseline (val): {baseline:.4f} nats/token, perplexity {math.exp(baseline):.1f}: the loss to beat")
-    if ckpt is not None:
+    if run.ckpt is not None:
+        ckpt = run.ckpt
         changed = [f"{k} {v!r} -> {getattr(tc, k)!r}" for k, v in ckpt["train_config"].items()
                    if k not in ("resume", "overwrite") and getattr(tc, k, v) != v]
         changed += [f"{k} {ckpt['model_config'][k]!r} -> {getattr(mc, k)!r} (execution only)" for k in EXECUTION_KEYS
                     if k in ckpt["model_config"] and ckpt["model_config"][k] != getattr(mc, k)]
         log(f"resumed at step {ckpt['step']} from {resume_path(tc, run_dir)}"
             + (f"; changed: {', '.join(changed)}" if changed else ""))
-    return log
 
 
-def train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, config_path):
+def save(run):
+    """A checkpoint of the run at its step (every rank takes part: FSDP gathers the shards)."""
+    if not weights_finite(run.raw_model, run.dist):
+        raise DivergedError(f"non-finite weights after step {run.step}; {last_good(run.saved)}")
+    weights, optimizer_state = full_state(run.raw_model, run.optimizer, run.dist)
+
+    def write():  # rank 0 writes; a failed write stops every rank
+        save_checkpoint(run.ckpt_path, {
+            "format": CKPT_FORMAT, "model_config": asdict(run.mc), "model": weights, "tokenizer": run.meta["tokenizer"],
+            "step": run.step, "train_config": asdict(run.tc), "optimizer": optimizer_state,
+            "loader": run.batches.state_dict(), "rng": rng_state(run.dist.device)})
+    agreed(run.dist, lambda: write() if run.dist.master else None)
+    run.saved = (run.step, run.ckpt_path)
+
+
+def evaluation(run, split, progress):
+    """The split's loss at this step, logged; a loss past run.max_loss is a divergence."""
+    loss, tokens = evaluate(run.model, split, run.tc, run.dist, run.autocast)
+    if not healthy(loss, 0.0, run.max_loss):
+        raise DivergedError(diverged(f"{split} loss", loss, 0.0, run.step, run.saved, run.max_loss))
+    log_eval(run.log, split, run.step, loss, tokens, progress)
+    return loss
+
+
+def stop(run, signum):
+    """Stop after a checkpoint at this step."""
+    name = signal.Signals(signum).name
+    run.log(None, {"kind": "stop", "step": run.step, "signal": name})
+    raise Stopped(signum, f"stopped by {name} after step {run.step}; checkpoint written to {run.ckpt_path}; "
+                          "resume with --resume=true")
+
+
+def train_loop(run):
     """The training loop, evaluations and checkpoints of one run; returns its summary."""
-    raw_model, optimizer, loader, step = build(tc, mc, dist, ckpt)
-    batches = DeviceBatches(loader, dist.device)
-    model, train_model = wrap(raw_model, tc, dist)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" else nullcontext()
-    log = start_log(tc, mc, meta, dist, raw_model, accum, run_dir, ckpt, claim, config_path)
+    tc, dist = run.tc, run.dist
+    run.raw_model, run.optimizer, loader, run.step = build(tc, run.mc, dist, run.ckpt)
+    run.batches = DeviceBatches(loader, dist.device)
+    run.model, run.train_model = wrap(run.raw_model, tc, dist)
+    if dist.device.type == "cuda":
+        run.autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    start_log(run)
+    if run.ckpt is not None:  # the checkpoint this run continues is its last good one until it writes its own
+        source = resume_path(tc, run.run_dir)
+        run.saved = (run.step, source / "ckpt.pt" if source.is_dir() else source)
     peak = peak_flops(dist.device)
-    mfu_per_token_s = raw_model.flops_per_token() / (peak * dist.world_size) if peak else None
-    max_steps, ckpt_path, max_loss = total_steps(tc), run_dir / "ckpt.pt", loss_limit(mc.vocab_size)
-    source = resume_path(tc, run_dir)
-    saved = None if ckpt is None else (step, source / "ckpt.pt" if source.is_dir() else source)  # the last checkpoint
-
-    def save():
-        if not weights_finite(raw_model, dist):
-            raise DivergedError(f"non-finite weights after step {step}; {last_good(saved)}")
-        weights, optimizer_state = full_state(raw_model, optimizer, dist)  # every rank: FSDP gathers the shards
-        agreed(dist, lambda: save_checkpoint(ckpt_path, {  # a failed write on rank 0 stops every rank
-            "format": CKPT_FORMAT, "model_config": asdict(mc), "model": weights, "tokenizer": meta["tokenizer"],
-            "step": step, "train_config": asdict(tc), "optimizer": optimizer_state, "loader": batches.state_dict(),
-            "rng": rng_state(dist.device)}) if dist.master else None)
-        return step, ckpt_path
-
-    def evaluation(split):
-        loss, tokens = evaluate(model, split, tc, dist, autocast)
-        if not healthy(loss, 0.0, max_loss):
-            raise DivergedError(diverged(f"{split} loss", loss, 0.0, step, saved, max_loss))
-        log_eval(log, split, step, loss, tokens, progress)
-        return loss
-
-    def stop(signum):  # after a checkpoint at this step
-        name = signal.Signals(signum).name
-        log(None, {"kind": "stop", "step": step, "signal": name})
-        raise Stopped(signum, f"stopped by {name} after step {step}; checkpoint written to {ckpt_path}; "
-                              "resume with --resume=true")
-
-    def stop_if_signalled():  # after the last step: the ranks agree on whether any of them got a signal
-        if signum := int(any_rank(dist, signals.signum or 0)):
-            stop(signum)
-
-    val_loss, seconds, steps = None, 0.0, 0
     # tokens/s of each log interval, those a resumed run kept too: the summary gives their median
-    speeds = [r["tokens_per_s"] for r in map(json.loads, claim.kept_log if claim else []) if "tokens_per_s" in r]
-    progress, clean = Progress(step, max_steps), False  # clean: finished, or stopped by a signal with a checkpoint
+    speeds = [r["tokens_per_s"] for r in map(json.loads, run.claim.kept_log if run.claim else []) if "tokens_per_s" in r]
+    progress = Progress(run.step, run.max_steps, batch_tokens=tc.batch_tokens, speeds=speeds,
+                        mfu_per_token_s=run.raw_model.flops_per_token() / (peak * dist.world_size) if peak else None)
+    val_loss, clean = None, False  # clean: finished, or stopped by a signal with a checkpoint
     try:
         with GracefulStop(verbose=dist.master) as signals:
-            while step < max_steps:
-                lr = lr_at(step, tc, max_steps)
+            while run.step < run.max_steps:
+                lr = lr_at(run.step, tc, run.max_steps)
                 t0 = time.perf_counter()
-                loss, norm, signum = train_step(train_model, optimizer, batches, lr, accum, tc.grad_clip, dist,
-                                                autocast, signals, max_loss)
-                seconds, steps, step = seconds + time.perf_counter() - t0, steps + 1, step + 1
-                progress.stepped(step)
-                if not healthy(loss, norm, max_loss):
-                    raise DivergedError(diverged("loss", loss, norm, step, saved, max_loss))
-                if step % tc.log_interval == 0 or step == max_steps:
-                    speeds.append(log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s, progress))
-                    seconds, steps = 0.0, 0
-                if step % tc.eval_interval == 0 or step == max_steps:
-                    val_loss = evaluation("val")
-                stopping = signum and step < max_steps
-                if (tc.ckpt_interval and step % tc.ckpt_interval == 0) or step == max_steps or stopping:
-                    saved = save()
+                loss, norm, signum = train_step(run, lr, signals)
+                run.step += 1
+                progress.stepped(run.step, time.perf_counter() - t0)
+                if not healthy(loss, norm, run.max_loss):
+                    raise DivergedError(diverged("loss", loss, norm, run.step, run.saved, run.max_loss))
+                last = run.step == run.max_steps
+                if run.step % tc.log_interval == 0 or last:
+                    log_train(run.log, progress, run.step, loss, lr, norm)
+                if run.step % tc.eval_interval == 0 or last:
+                    val_loss = evaluation(run, "val", progress)
+                stopping = signum and not last
+                if (tc.ckpt_interval and run.step % tc.ckpt_interval == 0) or last or stopping:
+                    save(run)
                 if stopping:
-                    stop(signum)
+                    stop(run, signum)
 
             # the last step is checkpointed; a signal from here on stops the run before what comes next
             if val_loss is None:  # resumed at the last step: its final evaluations are redone
-                val_loss = evaluation("val")
+                val_loss = evaluation(run, "val", progress)
             test_loss = None
-            if meta["splits"].get("test", {}).get("tokens"):
-                stop_if_signalled()
-                test_loss = evaluation("test")
-            stop_if_signalled()
-            summary = summarize(run_dir, step, val_loss, test_loss, raw_model, optimizer, meta, progress, speeds, dist)
-        log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+            if run.meta["splits"].get("test", {}).get("tokens"):
+                stop_if_signalled(run, signals)
+                test_loss = evaluation(run, "test", progress)
+            stop_if_signalled(run, signals)
+            summary = summarize(run, val_loss, test_loss, progress)
+        run.log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
         clean = True
     except Stopped:
         clean = True  # with a checkpoint
         raise
     except RunDirError as e:  # a write failed: say what is kept
-        raise RunDirError(f"{e}; {last_good(saved, good=False)}") from None
+        raise RunDirError(f"{e}; {last_good(run.saved, good=False)}") from None
     finally:
-        log.finish(clean)  # the W&B run, if any: exit code 0, or 1 (failed)
+        run.log.finish(clean)  # the W&B run, if any: exit code 0, or 1 (failed)
     return summary
 
 
-def summarize(run_dir, step, val_loss, test_loss, raw_model, optimizer, meta, progress, speeds, dist):
+def stop_if_signalled(run, signals):
+    """After the last step: the ranks agree on whether any of them got a signal, and stop if one did."""
+    if signum := int(any_rank(run.dist, signals.signum or 0)):
+        stop(run, signum)
+
+
+def summarize(run, val_loss, test_loss, progress):
     """A finished run's summary, written to summary.json by rank 0: its last step is checkpointed."""
-    cuda = dist.device.type == "cuda"
-    summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
-               "params": raw_model.num_params(),
+    cuda = run.dist.device.type == "cuda"
+    summary = {"run_dir": str(run.run_dir), "step": run.step, "val_loss": val_loss, "test_loss": test_loss,
+               "params": run.raw_model.num_params(),
                # rank 0's weights and AdamW state (gradients, as large as the weights, live during a step)
-               "state_bytes_per_rank": state_bytes(raw_model, optimizer),
-               "unigram_baseline": meta.get("unigram_baseline_nats"), "seconds": progress.elapsed(),
-               "tokens_per_s": statistics.median(speeds) if speeds else None,  # median over log intervals
+               "state_bytes_per_rank": state_bytes(run.raw_model, run.optimizer),
+               "unigram_baseline": run.meta.get("unigram_baseline_nats"), "seconds": progress.elapsed(),
+               "tokens_per_s": statistics.median(progress.speeds) if progress.speeds else None,  # over log intervals
                # CUDA: peak allocated; CPU: the process' peak resident set (the whole run's, one process)
-               "peak_memory_bytes": torch.cuda.max_memory_allocated(dist.device) if cuda else
+               "peak_memory_bytes": torch.cuda.max_memory_allocated(run.dist.device) if cuda else
                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if dist.master:
-        write_file(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), RunDirError)
+    if run.dist.master:
+        write_file(run.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), RunDirError)
     return summary
 
 
@@ -416,7 +492,7 @@ def main(argv=None):
     meta = load_meta(tc.data_dir)
     mc = build_model_config(model_settings, tc, meta)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    accum = grad_accum_steps(tc, world_size)
+    grad_accum_steps(tc, world_size)  # a batch that does not split over the ranks: an error before any compute
     if tc.warmup_steps > total_steps(tc) and int(os.environ.get("RANK", 0)) == 0:
         print(f"warning: warmup_steps={tc.warmup_steps} is more than the run's {total_steps(tc)} steps: the "
               f"learning rate ends its warmup at {lr_at(total_steps(tc) - 1, tc, total_steps(tc)):.3g}, "
@@ -431,7 +507,7 @@ def main(argv=None):
         agreed(dist, lambda: check_data(tc, meta) if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None)
         claim = agreed(dist, lambda: claim_run_dir(tc, run_dir, mc, meta["tokenizer"]) if dist.master else None)
         ckpt = from_rank0(dist, claim.ckpt if claim else None)  # only rank 0 reads out_dir
-        summary = train_loop(tc, mc, meta, dist, accum, run_dir, ckpt, claim, argv[0])
+        summary = train_loop(Run(tc, mc, meta, dist, run_dir, claim, ckpt, argv[0]))
         if dist.world_size > 1:
             torch_dist.barrier()  # every rank is done with the group before any rank takes it down
         return summary

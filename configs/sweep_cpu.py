@@ -1,8 +1,8 @@
 # The README's CPU experiment: every variant x 5 paired seeds on configs/exp_cpu.py, plus a
 # parameter-matched standard control for each variant with more than 1% extra parameters.
-#   python prepare_data.py --tokenizer byte && python sweep.py configs/sweep_cpu.py
+#   python prepare_data.py --tokenizer byte && python -m tools.sweep configs/sweep_cpu.py
 # 85 runs, about 3 hours as two processes of one thread each (they share the runs):
-#   OMP_NUM_THREADS=1 python sweep.py configs/sweep_cpu.py & OMP_NUM_THREADS=1 python sweep.py configs/sweep_cpu.py
+#   OMP_NUM_THREADS=1 python -m tools.sweep configs/sweep_cpu.py & OMP_NUM_THREADS=1 python -m tools.sweep configs/sweep_cpu.py
 base = "configs/exp_cpu.py"
 variants = {
     "standard": "residual=standard",

@@ -1,11 +1,11 @@
 """
 Paired comparisons: every variant with every seed, and a table of what came out.
 
-    python sweep.py configs/sweep_cpu.py                          # one run after another, on this machine
-    python sweep.py configs/sweep_cpu.py --launcher "torchrun --nproc_per_node=8"
-    python sweep.py configs/sweep_cpu.py --table_only             # just the table, from finished runs
-    python sweep.py configs/sweep_cpu.py --table_only --reference block_attnres
-    python sweep.py configs/sweep_cpu.py --wandb                  # every run logged to Weights & Biases
+    python -m tools.sweep configs/sweep_cpu.py                          # one run after another, on this machine
+    python -m tools.sweep configs/sweep_cpu.py --launcher "torchrun --nproc_per_node=8"
+    python -m tools.sweep configs/sweep_cpu.py --table_only             # just the table, from finished runs
+    python -m tools.sweep configs/sweep_cpu.py --table_only --reference block_attnres
+    python -m tools.sweep configs/sweep_cpu.py --wandb                  # every run logged to Weights & Biases
 
 A sweep file is Python that sets:
     base       a train.py config file
@@ -46,12 +46,12 @@ import time
 import traceback
 from pathlib import Path
 
-from config import build_model_config, parse_config
-from diagnose import plot_curves, pyplot, val_curve
-from files import DirLock
-from stats import holm, paired_t
+from depthres.config import build_model_config, parse_config
+from depthres.files import DirLock
+from tools.diagnose import plot_curves, pyplot, val_curve
+from tools.stats import holm, paired_t
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_sweep(path, reference=None):
@@ -126,7 +126,7 @@ def wants_wandb(spec, variant):
 
 def train_command(spec, variant, seed, launcher):
     d = run_dir(spec, variant, seed)
-    args = [str(HERE / "train.py"), spec["base"], f"--out_dir={d.parent}", f"--run_name={d.name}",
+    args = [str(ROOT / "train.py"), spec["base"], f"--out_dir={d.parent}", f"--run_name={d.name}",
             f"--seed={seed}", f"--data_seed={seed}"]
     if wants_wandb(spec, variant):  # one W&B group per sweep; the overrides below may still change these
         args += ["--wandb_log=true", f"--wandb_group={Path(spec['out_dir']).name}",

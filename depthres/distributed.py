@@ -23,9 +23,9 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
-from checkpoint import CheckpointError, RunDirError
-from config import ConfigError
-from shards import DataError
+from depthres.checkpoint import CheckpointError, RunDirError
+from depthres.config import ConfigError
+from depthres.shards import DataError
 
 SHARED_ERRORS = (ConfigError, CheckpointError, DataError, RunDirError)  # raised by one rank, said by all
 

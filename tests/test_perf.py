@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch._dynamo
 
-import bench
 from model import GPT, GPTConfig, compile_model
+from tools import bench
 
 FAMILIES = [
     dict(residual="standard"),

@@ -16,16 +16,16 @@ import base64
 import hashlib
 import json
 import struct
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 import tiktoken
 import torch
 
-from files import write_atomic
+from depthres.files import write_atomic
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
 GPT2_RANKS = DATA_DIR / "gpt2.tiktoken"
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -107,7 +107,7 @@ class GPT2Tokenizer:
 TOKENIZERS = {"gpt2": GPT2Tokenizer, "byte": ByteTokenizer}
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_tokenizer(name):
     """The tokenizer called `name` ("gpt2" or "byte")."""
     if name not in TOKENIZERS:

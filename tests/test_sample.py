@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-import checkpoint
-from model import GPT, GPTConfig, RD_MODES, RESIDUALS
-from shards import get_tokenizer
+from depthres import checkpoint
+from depthres.shards import get_tokenizer
+from model import GPT, RD_MODES, RESIDUALS, GPTConfig
 from sample import SampleWriter, TextStream, Window, filter_logits, generate, main, sample_logits, sample_seed
 
 VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]

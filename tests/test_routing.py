@@ -4,9 +4,9 @@ alone (values, every gradient, gradcheck) and every routed variant, block size a
 import pytest
 import torch
 
-import bench
-from model import GPT, GPTConfig, DAR_STREAMS, ReferenceRouter
+from model import DAR_STREAMS, GPT, GPTConfig, ReferenceRouter
 from routing import TwoPhaseRouter, rms_inv
+from tools import bench
 
 # --- the router alone: phase 1 over the completed sources, phase 2 with the recent ones ----------------
 

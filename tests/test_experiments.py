@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import config
-import diagnose
-import stats
-import sweep
 import train
+from depthres import config
 from model import GPT, GPTConfig
+from tools import diagnose, stats, sweep
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- the paired-comparison table --------------------------------------------------------------------
@@ -404,11 +404,11 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
                     f'seeds = [0, 1]\nreference = "block"\n'
                     f'overrides = "data_dir={byte_data} max_steps=4 eval_interval=2 ckpt_interval=2"\n'
                     f'out_dir = "{tmp_path / "runs"}"\n')
-    cmd = [sys.executable, "sweep.py", str(spec)]
+    cmd = [sys.executable, "-m", "tools.sweep", str(spec)]
     died_early = tmp_path / "runs" / "tied" / "seed1"  # a run killed before its first checkpoint
     died_early.mkdir(parents=True)
     (died_early / "log.jsonl").write_text('{"kind": "train", "step": 1, "lo')
-    first = subprocess.run(cmd, capture_output=True, text=True)
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert first.returncode == 0, first.stderr[-2000:]
     progress = re.findall(r"^sweep: (\d+)/(\d+) runs done, \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d$",
                           first.stdout, re.M)
@@ -418,12 +418,12 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
     # rd_attnres with tied queries is exactly block_attnres: paired runs agree to rounding
     assert tied["paired_seeds"] == 2 and abs(tied["delta_mean"]) < 1e-5
     assert (tmp_path / "runs" / "results.csv").read_text().count("\n") == 5
-    again = subprocess.run(cmd, capture_output=True, text=True)  # everything finished: nothing reruns
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # everything finished: nothing reruns
     assert again.returncode == 0 and "===" not in again.stdout and "sweep:" not in again.stdout
 
 
-@pytest.mark.parametrize("path", sorted(str(p.relative_to(Path(__file__).parent))
-                                        for p in (Path(__file__).parent / "configs").glob("sweep_*.py")))
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT))
+                                        for p in (ROOT / "configs").glob("sweep_*.py")))
 def test_every_sweep_variant_is_a_valid_config(path):
     spec = sweep.load_sweep(path)
     for overrides in spec["variants"].values():

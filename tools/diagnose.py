@@ -1,14 +1,14 @@
 """
 What did a model's depth routing learn? Diagnostics from a checkpoint, on held-out tokens.
 
-    python diagnose.py --ckpt runs/demo                  # routing maps, and per variant:
+    python -m tools.diagnose --ckpt runs/demo                  # routing maps, and per variant:
         rd_attnres   Jensen-Shannon divergence between the QK and V routes, per layer and mean
         dar          linear CKA between the two streams per layer, and each stream's rescue gain
         hc, mhc      the mean residual mixing matrices
         full_attnres, block_attnres, delta_attnres   the mean largest routing weight per site
         denseformer  the DWA weight matrix (static: no tokens needed)
         muddformer   the mean per-token weights per way (Q, K, V, R), on the newest output and on x0
-    python diagnose.py --curves runs/sweep/*/            # validation-loss curves across runs
+    python -m tools.diagnose --curves runs/sweep/*/            # validation-loss curves across runs
 
 Writes diagnostics.json and PNG plots into --out (default: the run directory). Plots need
 matplotlib (optional: `pip install matplotlib`); without it the numbers are still written.
@@ -24,11 +24,10 @@ import sys
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint
+from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres.runlog import perplexity
+from depthres.shards import DataError, eval_batches
 from model import GPT, GPTConfig, _site_name
-from runlog import perplexity
-from shards import DataError, eval_batches
-
 
 # --- the measures ---------------------------------------------------------------------------------
 
@@ -163,11 +162,36 @@ def pyplot():
         return None
 
 
-ROUTE_NAMES = {"rd_attnres": ("QK route", "V route"), "dar": ("stream 0", "stream 1"),
-               "muddformer": ("Q way", "K way", "V way", "R way"), "denseformer": ("DWA weights",)}
+def recorded_kind(records):
+    """What a model's routing record holds, read from the record itself (so a new variant is diagnosed
+    by what it records, not by its name):
+        "one_route"    one weight vector per site [n, B, T]: Full, Block, Delta AttnRes, rd_tied
+        "two_routes"   RD-AttnRes: attention sites [n, 2 routes, B, T], MLP sites one route
+        "two_targets"  DAR: per site [2 targets, n, B, T], with "<site>/alpha" and the states "state.j"
+        "ways"         MUDDFormer: the mixes of the layer outputs [4 ways, n, B, T], at attention sites only
+        "dwa"          DenseFormer: the static weights "dwa.i"
+        "mixing"       HC, mHC: "<site>/pre", "<site>/res", "<site>/post" and the states
+        None           nothing routed is recorded (standard, or a variant that records nothing)"""
+    keys = set(records[0]) if records else set()
+    if any(k.endswith("/alpha") for k in keys):
+        return "two_targets"
+    if any(k.endswith("/res") for k in keys):
+        return "mixing"
+    if any(k.startswith("dwa.") for k in keys):
+        return "dwa"
+    sites = [k for k in keys if "/" not in k and not k.startswith("state.")]
+    if not sites:
+        return None
+    if all(records[0][k].dim() == 3 for k in sites):
+        return "one_route"
+    return "two_routes" if "mlp.0" in keys else "ways"
 
 
-def plot_routing_maps(maps, path, title, residual):
+ROUTE_NAMES = {"two_routes": ("QK route", "V route"), "two_targets": ("stream 0", "stream 1"),
+               "ways": ("Q way", "K way", "V way", "R way"), "dwa": ("DWA weights",)}
+
+
+def plot_routing_maps(maps, path, title, kind):
     """One heatmap per route: rows are sites in depth order, columns are sources (0 = embedding).
     RD-AttnRes: the QK and V routes (MLP sites and readout appear in both); DAR: one per stream;
     MUDDFormer: one per way (the readout's one way in each). DenseFormer and MUDDFormer weights are
@@ -175,15 +199,15 @@ def plot_routing_maps(maps, path, title, residual):
     plt = pyplot()
     if plt is None:
         return None
-    names = ROUTE_NAMES.get(residual, ("routing weights",))
+    names = ROUTE_NAMES.get(kind, ("routing weights",))
     routes = {name: {} for name in names}
     for site, m in maps.items():
         for r, name in enumerate(names):
             if m.dim() == 1:
                 routes[name][site] = m
             else:  # RD attention sites [n, 2 routes]; DAR sites [2 targets, n]; MUDD sites [4 ways, n]
-                routes[name][site] = m[:, r] if residual == "rd_attnres" else m[r]
-    signed = residual in ("denseformer", "muddformer")
+                routes[name][site] = m[:, r] if kind == "two_routes" else m[r]
+    signed = kind in ("dwa", "ways")
     top = max(v.nan_to_num().abs().max().item() for v in maps.values()) if signed else 1.0
     scale = dict(cmap="RdBu_r", vmin=-top, vmax=top) if signed else dict(cmap="viridis", vmin=0, vmax=1)
     fig, axes = plt.subplots(1, len(routes), figsize=(4.5 * len(routes), 6), squeeze=False)
@@ -250,33 +274,33 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu"):
                eval_batches(tc["data_dir"], "val", batch_size, cfg.block_size, tokens)]
     loss, records = collect(model, batches)
     out = dict(checkpoint=ckpt_path, residual=cfg.residual, step=ckpt["step"], val_loss=loss)
-    n = cfg.n_layer
-    if cfg.residual not in ("standard", "hc", "mhc", "denseformer"):
-        out["routing_maps"] = {k: v.tolist() for k, v in routing_maps(records, n).items()}
-    if cfg.residual in ("full_attnres", "block_attnres", "delta_attnres"):
+    n, kind = cfg.n_layer, recorded_kind(records)
+    maps = routing_maps(records, n)
+    if maps and kind not in ("dwa", "mixing"):
+        out["routing_maps"] = {k: v.tolist() for k, v in maps.items()}
+    if kind == "one_route":
         peak = max_weight_per_site(records, n)
         out["max_weight_per_site"], out["max_weight_mean"] = peak, statistics.fmean(peak.values()) if peak else None
-    if cfg.residual == "denseformer":  # NaN (j not in S(i)) as null in the JSON
-        dwa = dwa_weights(records, n, cfg.denseformer_dilation or 1)
-        out["dwa_weights"] = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in dwa.items()}
-    if cfg.residual == "muddformer":
-        out["mudd_ways"] = mudd_way_summary(routing_maps(records, n))
-    if cfg.residual == "rd_attnres" and (cfg.rd_mode or "decoupled") != "tied":
+    if kind == "dwa":  # NaN (j not in S(i)) as null in the JSON
+        maps = dwa_weights(records, n, cfg.denseformer_dilation or 1)
+        out["dwa_weights"] = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in maps.items()}
+    if kind == "ways":
+        out["mudd_ways"] = mudd_way_summary(maps)
+    if kind == "two_routes":
         js = rd_js_per_layer(records, n)
         out["js_qk_v_per_layer"], out["js_qk_v_mean"] = js, sum(js) / n
-    if cfg.residual == "dar":
+    if kind == "two_targets":
         out["cka_per_layer"] = dar_cka_per_layer(records, n)
         out["rescue_gain_per_layer"] = [dict(stream0=g0, stream1=g1, d_none=dn)
                                         for g0, g1, dn in dar_rescue_gains(model, batches, loss)]
-    if cfg.residual in ("hc", "mhc"):
+    if kind == "mixing":
         out["mixing_matrices"] = {k: v.tolist() for k, v in mixing_matrices(records, n).items()}
 
     out_dir = out_dir or (ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(ckpt_path))
     os.makedirs(out_dir, exist_ok=True)
     if "routing_maps" in out or "dwa_weights" in out:
-        maps = routing_maps(records, n) if "routing_maps" in out else dwa
         out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
-                                                f"{cfg.residual}, step {ckpt['step']}", cfg.residual)
+                                                f"{cfg.residual}, step {ckpt['step']}", kind)
     with open(os.path.join(out_dir, "diagnostics.json"), "w") as f:
         json.dump(out, f, indent=1)
     return out

@@ -1,6 +1,6 @@
 """gpu_check.py, run at toy size on CPU (gloo), so that the GPU check cannot rot between GPU sessions."""
 
-import gpu_check
+from tools import gpu_check
 
 
 def test_the_gpu_check_passes_at_toy_size(tmp_path, capsys):

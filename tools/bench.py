@@ -1,8 +1,8 @@
 """
 Benchmark a training step of every residual variant against the standard residual, in one run.
 
-    python bench.py                                   # CPU: a small model in float32
-    python bench.py --device cuda --n_layer 12 --n_embd 768 --n_head 6 --seq_len 1024 \\
+    python -m tools.bench                                   # CPU: a small model in float32
+    python -m tools.bench --device cuda --n_layer 12 --n_embd 768 --n_head 6 --seq_len 1024 \\
         --batch_size 8 --dtype bf16 --compile         # the GPU size of the performance targets
 
 Each variant runs a full training step (forward, backward, AdamW). Repeats are interleaved across
@@ -219,7 +219,7 @@ def main(argv=None):
             row["peak_ratio"] = row["cuda_peak_bytes"] / base["cuda_peak_bytes"]
     cuda = device.type == "cuda"
     if cuda:
-        from runlog import peak_flops
+        from depthres.runlog import peak_flops
         peak = peak_flops(device)
         if peak:
             base["mfu"] = ref.model.flops_per_token() * base["tokens_per_s"] / peak

@@ -11,8 +11,8 @@ exit status when a check fails. Three parts, each in its own processes:
           backward, are not bit-reproducible, so later steps may drift apart a little)
   sample  sample.py on the trained checkpoint: tokens/s with the KV cache and without
 
-    python gpu_check.py                       # on the GPU machine: all of it, in a few minutes
-    python gpu_check.py --toy                 # the same script at toy size on CPU (gloo): what the test runs
+    python -m tools.gpu_check                       # on the GPU machine: all of it, in a few minutes
+    python -m tools.gpu_check --toy                 # the same script at toy size on CPU (gloo): what the test runs
 """
 
 import argparse
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 BENCH = ["--n_layer", "12", "--n_embd", "768", "--n_head", "6", "--seq_len", "1024", "--batch_size", "8",
          "--dtype", "bf16", "--compile", "--repeats", "5", "--warmup", "2", "--routing_blocks", "4:4,8:4,16:4"]
 TOY_BENCH = ["--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--seq_len", "16", "--batch_size", "2",
@@ -61,7 +61,7 @@ def records(run_dir, kind):
 
 def check_bench(args, out):
     """bench.py's table and JSON; the numbers for the summary."""
-    cmd = [sys.executable, "bench.py", *(TOY_BENCH if args.toy else BENCH), "--out", str(out / "bench.json")]
+    cmd = [sys.executable, "-m", "tools.bench", *(TOY_BENCH if args.toy else BENCH), "--out", str(out / "bench.json")]
     if args.variants:
         cmd += ["--variants", args.variants]
     stdout, _ = run(cmd, timeout=args.timeout)
@@ -154,7 +154,7 @@ def main(argv=None):
     if not args.toy:
         import torch
         if not torch.cuda.is_available():
-            print("error: no CUDA GPU here; `python gpu_check.py --toy` runs the check at toy size on CPU", file=sys.stderr)
+            print("error: no CUDA GPU here; `python -m tools.gpu_check --toy` runs the check at toy size on CPU", file=sys.stderr)
             return 2
         args.gpus = args.gpus or torch.cuda.device_count()
     args.gpus = args.gpus or 2

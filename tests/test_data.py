@@ -15,13 +15,22 @@ import pytest
 import torch
 
 import prepare_data
-import shards
-from files import write_atomic
+from depthres import shards
+from depthres.files import write_atomic
+from depthres.shards import (
+    SPLITS,
+    DataError,
+    GPT2Tokenizer,
+    TokenLoader,
+    eval_batches,
+    get_tokenizer,
+    load_meta,
+    open_shard,
+    write_shard,
+)
 from prepare_data import main, split_of
-from shards import (SPLITS, DataError, GPT2Tokenizer, TokenLoader, eval_batches, get_tokenizer, load_meta, open_shard,
-                    write_shard)
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 _rng = random.Random(0)
 # 60 documents of random numbered words (so windows differ), non-ASCII text, and one empty document
 DOCS = [" ".join(_rng.choice(["to", "be", "or", "thee", "été", "naïve", "日本", "😀", "\n"]) + str(_rng.randrange(1000))
@@ -445,7 +454,7 @@ def test_two_preparations_into_one_directory_one_is_refused(tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from files import DirLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from depthres.files import DirLock; "
                                "DirLock(sys.argv[1], 'prepare_data.py run'); print('locked', flush=True); "
                                "time.sleep(60)", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from checkpoint import RunDirError
-from config import ConfigError
-from files import write_file, writing
+from depthres.checkpoint import RunDirError
+from depthres.config import ConfigError
+from depthres.files import write_file, writing
 
 
 class RunLog:
@@ -90,11 +90,16 @@ class Progress:
     and an ETA: the mean wall time per step since the end of the first step (which holds compilation
     and warm-up; evaluations and checkpoints are averaged in), times the steps left."""
 
-    def __init__(self, step, max_steps, clock=time.perf_counter):
+    def __init__(self, step, max_steps, clock=time.perf_counter, batch_tokens=None, mfu_per_token_s=None, speeds=()):
         self.max_steps, self.clock, self.start = max_steps, clock, clock()
         self.marks = [(step, self.start)]  # (step, time): at the start, then after the first step
+        self.batch_tokens, self.mfu_per_token_s = batch_tokens, mfu_per_token_s  # for log_train's tokens/s and MFU
+        self.seconds, self.steps = 0.0, 0  # the steps' own time since the last log line (no evaluations)
+        self.speeds = list(speeds)  # tokens/s of every log interval
 
-    def stepped(self, step):
+    def stepped(self, step, seconds=0.0):
+        """Step `step` is done; it took `seconds` of training (evaluations and checkpoints not counted)."""
+        self.seconds, self.steps = self.seconds + seconds, self.steps + 1
         if len(self.marks) == 1:
             self.marks.append((step, self.clock()))
 
@@ -124,18 +129,21 @@ def log_eval(log, split, step, loss, tokens, progress):
          "elapsed_s": elapsed})
 
 
-def log_train(log, step, loss, lr, norm, seconds, steps, tc, mfu_per_token_s, progress):
-    """One line and record for the `steps` steps that took `seconds` since the previous one; returns tokens/s."""
-    tok_s, ms = tc.batch_tokens * steps / seconds, 1000 * seconds / steps
+def log_train(log, progress, step, loss, lr, norm):
+    """One line and record for the steps since the previous one (progress holds their time); returns tokens/s."""
+    seconds, steps = progress.seconds, progress.steps
+    tok_s, ms = progress.batch_tokens * steps / seconds, 1000 * seconds / steps
     elapsed, eta = progress.elapsed(), progress.eta(step)
     record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": norm,
               "tokens_per_s": tok_s, "ms_per_step": ms, "elapsed_s": elapsed, "eta_s": eta}
     line = (f"{progress.at(step)} ({100 * step / progress.max_steps:.1f}%) | loss {loss:.4f} | lr {lr:.2e} | "
             f"norm {norm:.2f} | {tok_s:,.0f} tok/s | {ms:.0f} ms/step")
-    if mfu_per_token_s is not None:
-        record["mfu"] = mfu_per_token_s * tok_s
+    if progress.mfu_per_token_s is not None:
+        record["mfu"] = progress.mfu_per_token_s * tok_s
         line += f" | MFU {100 * record['mfu']:.1f}%"
     log(line + f" | {hms(elapsed)} elapsed, ETA {hms(eta)}", record)
+    progress.seconds, progress.steps = 0.0, 0
+    progress.speeds.append(tok_s)
     return tok_s
 
 

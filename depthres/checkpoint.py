@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import total_steps
-from files import DirLock, write_atomic, writing
+from depthres.config import total_steps
+from depthres.files import DirLock, write_atomic, writing
 from model import GPTConfig
-
 
 CKPT_FORMAT = "depthres-ckpt-2"
 CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng",

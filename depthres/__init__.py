@@ -1,0 +1,9 @@
+"""The run machinery that train.py, sample.py and the tools share; model.py knows nothing of it.
+
+    config        train.py's keys, their parsing and the model config built from them
+    files         atomic writes and directory locks
+    shards        tokenizers, the token-shard format, meta.json and the loaders
+    checkpoint    the run directory, its claim and its checksummed checkpoints
+    runlog        log lines, log.jsonl, W&B, progress and MFU
+    distributed   how ranks share a run: DDP, FSDP2, agreed errors
+"""

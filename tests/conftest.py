@@ -1,0 +1,40 @@
+"""Fixtures the tests share: one thread per test process, the tiny byte corpus, one uninterrupted run."""
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from prepare_data import DEFAULT_CORPUS, prepare
+
+from runs import run
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The test model is tiny: a second thread only adds synchronisation (and contention on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """40 short documents of the embedded corpus as byte tokens (2 of them val, 2 test)."""
+    tmp = tmp_path_factory.mktemp("data")
+    with gzip.open(DEFAULT_CORPUS, "rt") as f:
+        texts = [json.loads(line)["text"][:3000] for line in f][:40]
+    source = tmp / "tiny.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prepare(data_files=[str(source)], tokenizer="byte", out_dir=tmp / "byte")
+    return tmp / "byte"
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    """An uninterrupted run of configs/test.py: 6 steps, checkpoints at 3 and 6."""
+    out = tmp_path_factory.mktemp("straight")
+    run(data_dir, out, "--run_name=straight")
+    return out / "straight"

@@ -1,0 +1,160 @@
+"""Bad data, configs, keys and checkpoints are one `error:` line before step 1."""
+
+import json
+import math
+import random
+import re
+
+import pytest
+
+import train
+from depthres import config
+from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres.config import ConfigError
+from depthres.shards import DataError, load_meta
+from train import DivergedError
+
+from runs import CONFIG, run
+
+# ----------------------------------------------------------------------------------------------
+# Reliability: data and configs are checked before step 1
+
+
+def broken_copy(data_dir, tmp_path, name, change):
+    """A copy of data_dir with `change(copy)` applied."""
+    out = tmp_path / name
+    out.mkdir()
+    for f in data_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    change(out)
+    return out
+
+
+def truncate(name):
+    return lambda d: (d / name).write_bytes((d / name).read_bytes()[:-3])
+
+
+def test_bad_data_is_found_before_step_1(data_dir, tmp_path, monkeypatch):
+    from depthres.shards import get_tokenizer, open_shard, write_shard
+
+    def id_300_in_val(d):
+        tokens = open_shard(d / "val_000000.bin").copy()
+        tokens[5] = 300  # inside the padded vocabulary of 320: it would train silently
+        write_shard(d / "val_000000.bin", tokens, get_tokenizer("byte"))
+
+    def no_vocab_size(d):
+        meta = json.loads((d / "meta.json").read_text())
+        del meta["vocab_size"]
+        (d / "meta.json").write_text(json.dumps(meta))
+
+    val_tokens = load_meta(data_dir)["splits"]["val"]["tokens"]
+    cases = [(broken_copy(data_dir, tmp_path, "val", truncate("val_000000.bin")), [],
+              "val_000000.bin is truncated or corrupt"),
+             (broken_copy(data_dir, tmp_path, "test", truncate("test_000000.bin")), [],
+              "test_000000.bin is truncated or corrupt"),
+             (broken_copy(data_dir, tmp_path, "ids", id_300_in_val), [],
+              "val_000000.bin holds token id 300, outside the byte tokenizer's ids 0..256"),
+             (broken_copy(data_dir, tmp_path, "meta", no_vocab_size), [], "meta.json lacks vocab_size"),
+             (data_dir, [f"--seq_len={val_tokens}", f"--eval_tokens={val_tokens}", "--batch_size=1",
+                         f"--batch_tokens={val_tokens}"],
+              f"split 'val' of {data_dir} has {val_tokens} tokens, too few for one evaluation sequence of "
+              f"seq_len \\+ 1 = {val_tokens + 1}: use seq_len <= {val_tokens - 1}, or prepare the data with a "
+              "larger --val_fraction")]
+    monkeypatch.setattr(train, "train_step", None)  # never reached
+    for data, args, message in cases:
+        with pytest.raises(DataError, match=message):
+            run(data, tmp_path / "runs", *args)
+        assert not (tmp_path / "runs").exists()
+    with pytest.raises(ConfigError, match="eval_tokens=16 is less than one sequence of seq_len=32 tokens: "
+                                          "set eval_tokens >= 32"):
+        run(data_dir, tmp_path / "runs", "--eval_tokens=16")
+
+
+def test_config_values_out_of_range_are_config_errors(data_dir, tmp_path, capsys, monkeypatch):
+    for arg, message in [("--seed=-1", r"seed must be in \[0, 2\*\*32\), got -1"),
+                         ("--seed=5e9", r"seed must be in \[0, 2\*\*32\), got 5000000000"),
+                         ("--data_seed=-1", r"data_seed must be in \[0, 2\*\*32\)"),
+                         ("--lr=inf", "lr must be a finite number, got inf"),
+                         ("--lr=nan", "lr must be a finite number, got nan"),
+                         ("--grad_clip=inf", "grad_clip must be a finite number"),
+                         ("--lr=0", "lr > 0"),
+                         ("--eps=-1", "eps must be >= 0"),
+                         ("--wandb_project=me/runs", "wandb_project must be a non-empty name without /"),
+                         ("--wandb_tags=seed0," + "x" * 65, "wandb_tags: a W&B tag is at most 64 characters")]:
+        with pytest.raises(ConfigError, match=message):
+            config.parse_config([CONFIG, arg])
+    run(data_dir, tmp_path, "--warmup_steps=10", "--max_steps=2")
+    assert ("warning: warmup_steps=10 is more than the run's 2 steps: the learning rate ends its warmup at 0.002, "
+            "never reaching lr=0.01") in capsys.readouterr().err
+
+    monkeypatch.setattr(train, "train_step", lambda *args, **kwargs: (4178201.5, math.inf, 0))
+    with pytest.raises(DivergedError, match=re.escape("non-finite gradient norm at step 1 (loss 4178201.5, gradient "
+                                                      "norm inf)")):
+        run(data_dir, tmp_path, "--run_name=diverged")
+
+
+def test_a_random_bytes_checkpoint_never_quotes_unsafe_advice(tmp_path):
+    bad = tmp_path / "ckpt.pt"
+    bad.write_bytes(random.Random(1).randbytes(100_000))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(bad)
+    assert str(e.value).startswith(f"{bad} is not a readable checkpoint") and "weights_only" not in str(e.value)
+
+
+BAD_CONFIG_FILES = [
+    ("residual = 'standard'\nn_layer = 2 +\n", "line 2: syntax error"),
+    ("import math\nn_layer = 2\nlr = math.sqrt(-1)\n", "line 3: ValueError: math domain error"),
+    ("n_layer = undefined_name\n", "line 1: NameError"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD_CONFIG_FILES, ids=["syntax", "raises", "name"])
+def test_a_config_file_that_fails_names_its_line(tmp_path, text, message):
+    path = tmp_path / "bad.py"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(f"config file {path}, {message}")):
+        config.parse_config([str(path)])
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--rope_base=0", "rope_base must be a finite number > 0"),
+    ("--rope_base=-5", "rope_base must be a finite number > 0"),
+    ("--rope_base=inf", "rope_base must be a finite number > 0"),
+    ("--rope_base=nan", "rope_base must be a finite number > 0"),
+    ("--logit_softcap=inf", "logit_softcap must be a finite number >= 0"),
+    ("--run_name=a/b", "run_name must be a plain directory name inside out_dir"),
+    ("--run_name=..", "run_name must be a plain directory name inside out_dir"),
+    ("--run_name=/tmp/elsewhere", "run_name must be a plain directory name inside out_dir"),
+])
+def test_bad_keys_are_refused_before_step_1(data_dir, tmp_path, monkeypatch, arg, message):
+    monkeypatch.setattr(train, "train_step", None)  # never reached
+    with pytest.raises(ConfigError, match=message):
+        run(data_dir, tmp_path, arg)
+    assert not any(tmp_path.iterdir())
+
+
+def edit_meta(change):
+    def edit(d):
+        meta = json.loads((d / "meta.json").read_text())
+        change(meta)
+        (d / "meta.json").write_text(json.dumps(meta))
+    return edit
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.update(vocab_size="257"), "vocab_size '257' is not the byte tokenizer's 257"),
+    (lambda m: m.update(vocab_size=-1), "vocab_size -1 is not the byte tokenizer's 257"),
+    (lambda m: m.update(splits=[]), "splits is a JSON list, not an object"),
+    (lambda m: m["splits"]["train"].update(files="train_000000.bin"), "split 'train': files 'train_000000.bin' is not "
+                                                                     "a list of file names"),
+    (lambda m: m["splits"]["val"].update(files=["../../secret.bin"]), "is not a list of file names"),
+    (lambda m: m.update(tokenizer="sentencepiece"), "tokenizer 'sentencepiece' is not one of gpt2, byte"),
+    (lambda m: m["splits"]["train"].update(tokens=m["splits"]["train"]["tokens"] + 5),
+     "split 'train' of .* holds [0-9,]+ tokens in its shards, but its meta.json says [0-9,]+"),
+], ids=["vocab_str", "vocab_negative", "splits_list", "files_str", "files_path", "tokenizer", "tokens"])
+def test_a_bad_meta_json_is_refused_before_step_1(data_dir, tmp_path, monkeypatch, change, message):
+    data = broken_copy(data_dir, tmp_path, "data", edit_meta(change))
+    monkeypatch.setattr(train, "train_step", None)  # never reached
+    with pytest.raises(DataError, match=message):
+        run(data, tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()

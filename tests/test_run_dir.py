@@ -1,0 +1,321 @@
+"""The run directory's promises (docs/reliability.md): kills, signals, full disks, locks, checksums,
+resumes that log every record once."""
+
+import errno
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from depthres import checkpoint, runlog
+from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres.config import ConfigError
+from train import DivergedError
+
+from runs import CONFIG, ROOT, assert_same_run, kill_in_step, losses, poll, records, run, steps, untimed
+
+
+def contents(run_dir):
+    return {p.name: p.read_bytes() for p in sorted(Path(run_dir).iterdir()) if p.name != ".lock"}
+
+
+def test_a_fresh_run_never_replaces_a_run(data_dir, tmp_path, straight):
+    run(data_dir, tmp_path, "--run_name=a")
+    before = contents(tmp_path / "a")
+    with pytest.raises(checkpoint.RunDirError, match=re.escape(
+            f"{tmp_path / 'a'} already holds a run (config.json, log.jsonl, ckpt.pt, summary.json): "
+            "continue it with --resume=true, or start over with --overwrite=true")):
+        run(data_dir, tmp_path, "--run_name=a", "--max_steps=2")
+    with pytest.raises(checkpoint.RunDirError, match="replace it with --overwrite=true, or choose another run_name"):
+        run(data_dir, tmp_path, "--run_name=a", f"--resume={straight}")  # another run's checkpoint, into a
+    assert contents(tmp_path / "a") == before  # nothing touched
+
+    run(data_dir, tmp_path, "--run_name=a", "--max_steps=2", "--overwrite=true")  # told to: a new run
+    assert steps(tmp_path / "a") == [1, 2] and load_checkpoint(tmp_path / "a")["step"] == 2
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["step"] == 2
+    with pytest.raises(ConfigError, match="resume=true continues the run that overwrite=true would delete"):
+        run(data_dir, tmp_path, "--run_name=a", "--resume=true", "--overwrite=true")
+
+    (tmp_path / "b").mkdir()  # a run that died before its first checkpoint
+    (tmp_path / "b" / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    with pytest.raises(checkpoint.RunDirError, match=r"already holds a run \(log.jsonl\): replace it with --overwrite"):
+        run(data_dir, tmp_path, "--run_name=b")
+
+
+def test_cli_sigterm_stops_with_a_checkpoint_and_a_second_run_is_refused(data_dir, tmp_path, capsys):
+    run_dir = tmp_path / "long"
+    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=long"]
+    first = subprocess.Popen([sys.executable, "train.py", *args, "--max_steps=100000", "--ckpt_interval=0"], cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    try:
+        poll(lambda: (run_dir / "log.jsonl").exists() and records(run_dir))
+        assert train.cli(args + ["--resume=true"]) == 1
+        assert capsys.readouterr().err == f"error: {run_dir} is in use by another run (pid {first.pid})\n"
+        first.send_signal(signal.SIGTERM)
+        err = first.communicate(timeout=60)[1]
+    finally:
+        first.kill()
+    assert first.returncode == 143, err  # 128 + SIGTERM
+    step = load_checkpoint(run_dir)["step"]
+    assert err.splitlines()[-1] == (f"stopped by SIGTERM after step {step}; checkpoint written to "
+                                    f"{run_dir / 'ckpt.pt'}; resume with --resume=true")
+    assert steps(run_dir)[-1] == step and "Traceback" not in err
+
+
+def test_the_lock_goes_with_the_process_that_held_it(data_dir, tmp_path):
+    run_dir = tmp_path / "test"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from depthres.files import DirLock; "
+                               "DirLock(sys.argv[1], 'run'); print('locked', flush=True); time.sleep(60)",
+                               str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    with pytest.raises(checkpoint.RunDirError, match=f"is in use by another run \\(pid {holder.pid}\\)"):
+        run(data_dir, tmp_path, "--max_steps=1")
+    assert [p.name for p in run_dir.iterdir()] == [".lock"]
+    holder.kill()  # kill -9: no chance to clean up
+    holder.wait()
+    run(data_dir, tmp_path, "--max_steps=1")
+
+
+def test_resume_tolerates_a_torn_last_log_line(data_dir, tmp_path, monkeypatch, straight):
+    # a kill or a full disk in the middle of an append; blank lines
+    for name, tail in (("torn", '{"kind": "train", "step": 5, "lo'), ("blank", "\n\n")):
+        monkeypatch.setattr(train, "train_step", kill_in_step(5))
+        with pytest.raises(KeyboardInterrupt):
+            run(data_dir, tmp_path, f"--run_name={name}")
+        monkeypatch.undo()
+        with open(tmp_path / name / "log.jsonl", "a") as f:
+            f.write(tail)
+        run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
+        assert_same_run(tmp_path / name, straight)
+        assert steps(tmp_path / name) == [1, 2, 3, 4, 5, 6]  # each step once: the records after step 3 were redone
+
+
+KILLED_IN_THE_SECOND_CHECKPOINT_WRITE = """
+import io, os, signal, sys, torch
+import train
+real, calls = torch.save, []
+def save(obj, f, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:  # the checkpoint of step 6: half of it on disk, then kill -9
+        whole = io.BytesIO()
+        real(obj, whole)
+        f.write(whole.getvalue()[:len(whole.getvalue()) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def test_kill_9_in_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path, straight):
+    cmd = [sys.executable, "-c", KILLED_IN_THE_SECOND_CHECKPOINT_WRITE, CONFIG, f"--data_dir={data_dir}",
+           f"--out_dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "test"
+    assert (run_dir / ".ckpt.pt.tmp").exists() and load_checkpoint(run_dir)["step"] == 3
+    run(data_dir, tmp_path, "--resume=true")
+    assert_same_run(run_dir, straight)
+    assert steps(run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_sigterm_or_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path, monkeypatch, straight):
+    for name, signum in (("term", signal.SIGTERM), ("int", signal.SIGINT)):
+        handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+        monkeypatch.setattr(train, "train_step", kill_in_step(4, signum))
+        with pytest.raises(train.Stopped, match=f"stopped by {signal.Signals(signum).name} after step 4") as e:
+            run(data_dir, tmp_path, f"--run_name={name}")
+        monkeypatch.undo()
+        assert e.value.signum == signum and [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
+        assert load_checkpoint(tmp_path / name)["step"] == 4 and steps(tmp_path / name) == [1, 2, 3, 4]
+        run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
+        assert_same_run(tmp_path / name, straight)
+
+    monkeypatch.setattr(train, "train_step", kill_in_step(4, signal.SIGINT, signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: at once
+        run(data_dir, tmp_path, "--run_name=twice")
+    assert load_checkpoint(tmp_path / "twice")["step"] == 3 and steps(tmp_path / "twice") == [1, 2, 3]
+
+
+def test_a_full_disk_or_a_read_only_directory_is_one_line(data_dir, tmp_path, monkeypatch, capsys):
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    run_dir = tmp_path / "test"
+    real, calls = train.train_step, []
+
+    def disk_full_from_step_5(*args, **kwargs):  # every write from then on fails with ENOSPC, as on a full disk
+        calls.append(1)
+        if len(calls) == 5:
+            (run_dir / victim).unlink(missing_ok=True)
+            (run_dir / victim).symlink_to("/dev/full")
+        return real(*args, **kwargs)
+
+    for victim, failed in ((".ckpt.pt.tmp", "ckpt.pt"), ("log.jsonl", "log.jsonl")):
+        calls.clear()
+        monkeypatch.setattr(train, "train_step", disk_full_from_step_5)
+        assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--overwrite=true"]) == 1
+        monkeypatch.undo()
+        err = capsys.readouterr().err
+        assert err == (f"error: no space left on device writing {run_dir / failed}; the last checkpoint (step 3) "
+                       f"is kept at {run_dir / 'ckpt.pt'}\n")
+        assert not (run_dir / ".ckpt.pt.tmp").exists()  # the failed write leaves nothing behind
+        assert load_checkpoint(run_dir)["step"] == 3
+        (run_dir / victim).unlink(missing_ok=True)
+
+    real_open, real_mkdir = os.open, os.mkdir
+    read_only = tmp_path / "ro"
+
+    def refuse(fn):
+        def call(path, *args, **kwargs):
+            if str(path).startswith(str(read_only)):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return fn(path, *args, **kwargs)
+        return call
+    monkeypatch.setattr(os, "open", refuse(real_open))
+    monkeypatch.setattr(os, "mkdir", refuse(real_mkdir))
+    monkeypatch.setattr(train, "train_step", None)  # never reached
+    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={read_only}"]) == 1
+    assert capsys.readouterr().err == f"error: cannot write {read_only / 'test'}: read-only file system\n"
+
+
+def flip_a_weight_byte(path):
+    raw = bytearray(path.read_bytes())
+    weight = torch.load(path, weights_only=True)["model"]["lm_head.weight"].numpy().tobytes()
+    at = raw.find(weight) + len(weight) // 2
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_damaged_checkpoint_is_refused_by_its_checksum(data_dir, tmp_path, capsys):
+    run(data_dir, tmp_path, "--max_steps=1")
+    ckpt = tmp_path / "test" / "ckpt.pt"
+    flip_a_weight_byte(ckpt)
+    assert set(torch.load(ckpt, weights_only=True)) == set(checkpoint.CKPT_KEYS)  # torch alone does not notice
+    message = "ckpt.pt is corrupt: its contents do not match the checksum written with it"
+    with pytest.raises(CheckpointError, match=message):
+        run(data_dir, tmp_path, "--resume=true", "--max_steps=2")
+    import sample
+    assert sample.main(["--ckpt", str(ckpt), "--max_new_tokens", "2"]) == 2
+    assert message in capsys.readouterr().err
+    torch.save({"format": "depthres-ckpt-1", "model": {}}, ckpt)
+    with pytest.raises(CheckpointError, match="an older train.py's, without a checksum"):
+        load_checkpoint(ckpt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reliability, round two: no record doubled, a huge loss is a divergence, every bad input one line
+
+
+def record_keys(run_dir):
+    return [(r["kind"], r.get("split"), r["step"]) for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())]
+
+
+def test_a_resumed_finished_run_logs_each_record_once(data_dir, tmp_path, straight):
+    run_dir = tmp_path / "done"
+    run(data_dir, tmp_path, "--run_name=done")
+    once = record_keys(run_dir)
+    assert len(once) == len(set(once)) and ("eval", "test", 6) in once
+    run(data_dir, tmp_path, "--run_name=done", "--resume=true")  # a finished run: its final evaluations redone
+    assert record_keys(run_dir) == once
+    assert untimed(run_dir) == untimed(straight)
+    # killed after the last checkpoint, before summary.json: the same
+    (run_dir / "summary.json").unlink()
+    run(data_dir, tmp_path, "--run_name=done", "--resume=true")
+    assert record_keys(run_dir) == once and (run_dir / "summary.json").exists()
+    speed = statistics.median(r["tokens_per_s"] for r in records(run_dir))  # the run's, kept from its log
+    assert json.loads((run_dir / "summary.json").read_text())["tokens_per_s"] == pytest.approx(speed)
+
+
+def test_a_finite_but_huge_loss_is_a_divergence_and_its_resume_says_so_again(data_dir, tmp_path, capsys):
+    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--lr=3e3", "--min_lr=0", "--grad_clip=0",
+            "--warmup_steps=0", "--max_steps=8"]
+    for extra in ([], ["--resume=true"]):
+        assert train.cli(args + extra) == 1
+        err = capsys.readouterr().err
+        assert re.search(r"error: loss \S+ at step \d is above 23.1 nats \(4 ln\(vocab\), far worse than a uniform "
+                         r"guess\): training diverged and stopped before this update; (no checkpoint was written|the "
+                         r"last good checkpoint \(step \d\) is kept at .*ckpt.pt)\. Try a lower lr", err), err
+        assert "Traceback" not in err
+    assert runlog.perplexity(800.0) == math.inf and runlog.perplexity(2.0) == pytest.approx(math.exp(2.0))
+
+
+def test_a_huge_val_loss_stops_before_the_checkpoint(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "evaluate", lambda *args: (800.0, 1024))
+    with pytest.raises(DivergedError, match=r"val loss 800 at step 3 is above 23.1 nats .* stopped before this "
+                                            r"checkpoint; no checkpoint was written"):
+        run(data_dir, tmp_path)
+    assert not (tmp_path / "test" / "ckpt.pt").exists()
+
+
+def test_sigterm_during_the_final_evaluations_stops_gracefully(data_dir, tmp_path, monkeypatch, straight):
+    real, calls = train.evaluate, []
+
+    def evaluate(model, split, tc, dist, autocast):  # SIGTERM while the last step's val evaluation runs
+        calls.append(split)
+        out = real(model, split, tc, dist, autocast)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    with pytest.raises(train.Stopped, match="stopped by SIGTERM after step 6; checkpoint written to"):
+        run(data_dir, tmp_path, "--run_name=late")
+    monkeypatch.undo()
+    assert calls == ["val", "val"]  # the test evaluation did not start
+    assert not (tmp_path / "late" / "summary.json").exists() and load_checkpoint(tmp_path / "late")["step"] == 6
+    run(data_dir, tmp_path, "--run_name=late", "--resume=true")
+    assert untimed(tmp_path / "late") == untimed(straight) and steps(tmp_path / "late") == [1, 2, 3, 4, 5, 6]
+    assert len(record_keys(tmp_path / "late")) == len(set(record_keys(tmp_path / "late")))
+
+
+def test_resume_true_without_a_checkpoint_starts_the_run(data_dir, tmp_path, monkeypatch, capsys, straight):
+    monkeypatch.setattr(train, "train_step", kill_in_step(2, signal.SIGTERM))
+    with pytest.raises(train.Stopped):  # a SIGTERM before the first checkpoint writes one at step 2 ...
+        run(data_dir, tmp_path, "--run_name=early", "--ckpt_interval=0")
+    monkeypatch.setattr(train, "train_step", kill_in_step(2))
+    with pytest.raises(KeyboardInterrupt):  # ... a kill does not
+        run(data_dir, tmp_path, "--run_name=killed")
+    monkeypatch.undo()
+    assert not (tmp_path / "killed" / "ckpt.pt").exists() and steps(tmp_path / "killed") == [1]
+    capsys.readouterr()
+    for name in ("killed", "never_started"):  # a requeue script that always passes --resume=true
+        run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
+        assert f"note: {tmp_path / name} holds no checkpoint yet: starting the run from step 0" in capsys.readouterr().err
+        assert untimed(tmp_path / name) == untimed(straight) and steps(tmp_path / name) == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(CheckpointError, match="no checkpoint at"):  # a checkpoint named that is not there
+        run(data_dir, tmp_path, "--run_name=named", f"--resume={tmp_path / 'named' / 'ckpt.pt'}")
+
+
+def test_a_resume_past_max_steps_is_refused(data_dir, tmp_path, straight):
+    message = "checkpoint .*straight is at step 6, past this run's last step 2: resume with max_steps >= 6"
+    with pytest.raises(CheckpointError, match=message):
+        run(data_dir, straight.parent, "--run_name=straight", "--resume=true", "--max_steps=2")
+    with pytest.raises(CheckpointError, match=message):  # from another run's checkpoint too
+        run(data_dir, tmp_path, f"--resume={straight}", "--max_steps=2")
+
+
+def test_a_checkpoint_from_before_newer_keys_still_resumes_and_samples(data_dir, tmp_path, monkeypatch, straight):
+    # written by the train.py before mlp_hidden and fsdp existed: its configs lack them
+    monkeypatch.setattr(train, "train_step", kill_in_step(5))
+    with pytest.raises(KeyboardInterrupt):
+        run(data_dir, tmp_path, "--run_name=old")
+    monkeypatch.undo()
+    path = tmp_path / "old" / "ckpt.pt"
+    ckpt = load_checkpoint(path)
+    del ckpt["model_config"]["mlp_hidden"], ckpt["train_config"]["fsdp"]
+    checkpoint.save_checkpoint(path, ckpt)
+    run(data_dir, tmp_path, "--run_name=old", "--resume=true")
+    assert losses(tmp_path / "old") == losses(straight)
+    import sample
+    assert sample.main(["--ckpt", str(path), "--max_new_tokens", "2"]) == 0
