@@ -1,0 +1,162 @@
+"""docs/adding_a_variant.md, followed as a newcomer would: two small variants added the guide's way
+(one row in model.RESIDUALS each), then trained, sampled and diagnosed. If a step of the guide stops
+working, this file fails."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import model
+import sample
+from model import GPT, AttnRes, GPTConfig, _SumStream
+from test_equivalence import zero_grad_at_init
+from tools import diagnose
+
+from runs import run
+
+
+class ReZero(nn.Module):
+    """ReZero (Bachlechner et al., 2020): h_{j+1} = h_j + alpha_j y_j, alpha_j = 0 at init."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(2 * cfg.n_layer))
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        self.alpha.zero_()
+
+    def start(self, x0, record=None):
+        return _ReZeroStream(self, x0)
+
+
+class _ReZeroStream(_SumStream):
+    def __init__(self, mod, x0):
+        super().__init__(x0)
+        self.m = mod
+
+    def write(self, j, y):
+        self.h = self.h + self.m.alpha[j] * y
+
+
+class TemperedAttnRes(AttnRes):
+    """Block AttnRes with a learnable temperature per site: logit_r = (w / tau) . RMSNorm(s_r),
+    tau = exp(log_tau) = 1 at init. A temperature only changes the query rows a router receives, so
+    it is one override of chunk_queries, and both depth_impl paths run it unchanged."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.log_tau = nn.Parameter(torch.zeros(self.L + 1))
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        super().reset_parameters(rng)
+        self.log_tau.zero_()  # tau = 1: exactly Block AttnRes
+
+    def chunk_queries(self, j0):
+        W, rows = super().chunk_queries(j0)
+        site = torch.empty(len(W), dtype=torch.long)  # the site of each query row
+        for j, site_rows in rows.items():
+            site[list(site_rows)] = j
+        return W / self.log_tau[site].exp().to(W.dtype)[:, None], rows
+
+
+# Parameters that start with a zero gradient by construction (the guide's exemptions, by predicate):
+#   rezero: alpha = 0 hides every sublayer's output, so no sublayer weight gets a gradient;
+#   tempered: with zero queries, w / tau = 0 whatever tau, so log_tau gets none.
+ZERO_GRAD = {"rezero": lambda name: name.startswith("blocks."), "tempered": ("router.log_tau",)}
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """The guide's step 2: one row per variant in model.RESIDUALS."""
+    monkeypatch.setitem(model.RESIDUALS, "rezero", ReZero)
+    monkeypatch.setitem(model.RESIDUALS, "tempered", TemperedAttnRes)
+
+
+def tiny(residual, **kw):
+    cfg = dict(vocab_size=61, block_size=24, n_layer=3, n_head=2, n_embd=32, attnres_block_size=4)
+    return GPT(GPTConfig(residual=residual, **{**cfg, **kw}), seed=0).double()
+
+
+def tokens():
+    return torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_an_unregistered_name_is_refused():
+    with pytest.raises(ValueError, match="unknown residual 'rezero'; choose one of standard, "):
+        GPTConfig(residual="rezero")
+
+
+@pytest.mark.parametrize("residual", ["rezero", "tempered"])
+def test_a_new_variant_learns_and_exempts_only_what_its_init_zeroes(registered, residual):
+    net, idx = tiny(residual), tokens()
+    _, loss = net(idx, idx.roll(-1, 1))
+    loss.backward()
+    for name, p in net.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        if zero_grad_at_init(ZERO_GRAD[residual], name):
+            assert p.grad.abs().max() < 1e-13, f"{name} was expected to start with a zero gradient"
+        else:
+            assert p.grad.abs().max() > 1e-12, f"{name} has an all-zero gradient at init"
+
+
+def test_rezero_starts_as_the_embedding_alone(registered):
+    """alpha = 0: every sublayer's output is hidden, the logits are lm_head(norm(x0))."""
+    net, idx = tiny("rezero"), tokens()
+    expected = net.lm_head(model.norm(net.wte(idx)))
+    torch.testing.assert_close(net(idx)[0], expected, rtol=0, atol=1e-12)
+
+
+def test_a_temperature_of_one_is_block_attnres_on_both_paths(registered):
+    """At init (tau = 1) the tempered variant is Block AttnRes bit for bit in its shared weights and
+    outputs; with random queries and temperatures its two-phase path equals the reference (float64)."""
+    idx = tokens()
+    block, tempered = tiny("block_attnres"), tiny("tempered")
+    shared = block.state_dict()
+    assert all(torch.equal(shared[k], v) for k, v in tempered.state_dict().items() if k in shared)
+    assert torch.equal(block(idx)[0], tempered(idx)[0])
+    out = []
+    for impl in ("two_phase", "reference"):
+        net = tiny("tempered", depth_impl=impl)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1)
+            for p in net.router.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        logits, loss = net(idx, idx.roll(-1, 1))
+        loss.backward()
+        out.append((logits, net.router.log_tau.grad, net.router.w.grad))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    with torch.no_grad():  # the readout's query is tempered too: it comes from chunk_queries as well
+        net.router.log_tau[-1] += 1.0
+    assert not torch.allclose(net(idx)[0], out[-1][0])
+
+
+def test_reset_parameters_zeroes_only_what_the_papers_zero(registered):
+    """A parameter a subclass adds keeps its own init: AttnRes zeroes its queries, nothing else."""
+    class WithGain(AttnRes):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.gain = nn.Parameter(torch.ones(3))
+
+    model.RESIDUALS["with_gain"] = WithGain
+    try:
+        assert torch.equal(tiny("with_gain").router.gain, torch.ones(3, dtype=torch.float64))
+    finally:
+        del model.RESIDUALS["with_gain"]
+
+
+@pytest.mark.parametrize("residual", ["rezero", "tempered"])
+def test_a_new_variant_trains_samples_and_diagnoses(registered, residual, data_dir, tmp_path, capsys):
+    summary = run(data_dir, tmp_path, f"--residual={residual}", "--run_name=new", "--max_steps=4")
+    assert summary["step"] == 4 and math.isfinite(summary["val_loss"])
+    assert sample.main(["--ckpt", str(tmp_path / "new"), "--max_new_tokens", "4", "--seed", "0"]) == 0
+    found = diagnose.diagnose(str(tmp_path / "new"), str(tmp_path / "diag"), tokens=256, batch_size=2)
+    assert math.isfinite(found["val_loss"])
+    if residual == "tempered":  # it records like Block AttnRes, so it is diagnosed like it
+        assert "routing_maps" in found and found["max_weight_mean"] is not None
+    else:  # it records nothing: no routing measures, and no crash
+        assert "routing_maps" not in found
