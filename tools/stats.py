@@ -5,6 +5,8 @@ The statistics of a paired comparison, in plain Python (no SciPy):
                          its degrees of freedom n - 1 and two-sided p-value
     t_quantile(q, df)    the q-quantile of Student's t, for confidence intervals
     holm(ps)             Holm-Bonferroni adjusted p-values across a family of tests
+    sign_flip_p(d)       the exact paired permutation (sign-flip) p-value: no normality assumed
+    detectable(sd, n)    the smallest mean difference a paired t-test detects with 80% power
 
 A variant is compared with a reference on the same seeds (same initial weights, same batches), so
 the differences d_s = loss(variant, s) - loss(reference, s) are the data; seed noise common to both
@@ -96,3 +98,27 @@ def holm(ps):
         running = max(running, min(1.0, (m - rank) * p))
         adjusted[i] = running
     return adjusted
+
+
+def sign_flip_p(d):
+    """The exact two-sided sign-flip p-value of paired differences d: under "no difference" each d_s
+    is as likely to have either sign, so the p-value is the share of the 2^n sign patterns whose
+    |mean| is at least the observed one. It assumes symmetry, not normality; with n seeds it cannot
+    go below 2 / 2^n (0.0625 at n = 5)."""
+    n = len(d)
+    if n == 0:
+        return math.nan
+    observed = abs(sum(d)) * (1 - 1e-12)  # ties count as at least as extreme, whatever the rounding
+    hits = sum(abs(sum(x if mask >> i & 1 else -x for i, x in enumerate(d))) >= observed for mask in range(2 ** n))
+    return hits / 2 ** n
+
+
+def detectable(sd, n, alpha=0.05, power=0.8):
+    """The smallest true mean difference that a two-sided paired t-test at level `alpha` detects
+    with probability `power`, given the differences' sd over n seeds: (t_{1-alpha/2} + t_{power})
+    sd / sqrt(n), both quantiles with n - 1 degrees of freedom (the usual approximation of the
+    noncentral t, slightly optimistic at small n). A family corrected by Holm tests its first
+    hypothesis at alpha / m: pass that level for a corrected design."""
+    if n < 2 or not math.isfinite(sd):
+        return math.nan
+    return (t_quantile(1 - alpha / 2, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)

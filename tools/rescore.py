@@ -1,0 +1,110 @@
+"""
+Score finished runs on whole splits: each run's final checkpoint on every token of its validation and
+test splits, not the fixed prefix (eval_tokens) the run itself evaluates.
+
+    python -m tools.rescore runs/sweep_cpu/rd_attnres/seed0          # one run (or several)
+    python -m tools.rescore --sweep configs/sweep_cpu.py             # every finished run of a sweep
+    python -m tools.rescore RUN_DIR --tokens 65536 --splits val      # as the run scored it (a check)
+
+Writes scores.json into each run directory (atomically): {"step", "val": {"loss", "tokens"}, "test":
+{...}, "max_tokens"}. A run whose scores.json is of its checkpoint's step is skipped unless --force.
+The numbers are those train.py's evaluation computes (the same windows of seq_len, the same batches,
+float64 sums), so with --tokens set to the run's eval_tokens they equal its logged losses.
+Exit status: 0 done; 2 with one `error:` line (no checkpoint, a corrupt one, missing data, a run
+directory that cannot be written).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres.files import write_file
+from depthres.shards import DataError, eval_batches
+from model import GPT, GPTConfig
+from tools.sweep import load_sweep, run_dir
+
+
+class RescoreError(RuntimeError):
+    """A run directory that cannot be scored or written."""
+
+
+@torch.no_grad()
+def split_loss(model, data_dir, split, batch_size, seq_len, max_tokens=None):
+    """(mean loss, tokens) over the first max_tokens targets of a split (None: all of it)."""
+    total, tokens = 0.0, 0
+    for x, y in eval_batches(data_dir, split, batch_size, seq_len, max_tokens):
+        _, loss = model(x, y)
+        total += loss.double().item() * y.numel()
+        tokens += y.numel()
+    return total / tokens, tokens
+
+
+def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir=None):
+    """Score one run directory's checkpoint; returns its scores (and writes scores.json), or None when
+    an up-to-date scores.json is there already."""
+    path = Path(path)
+    ckpt = load_checkpoint(path)
+    out = path / "scores.json"
+    if out.exists() and not force:
+        try:
+            old = json.loads(out.read_text())
+            if old.get("step") == ckpt["step"] and old.get("max_tokens") == max_tokens and \
+                    all(s in old for s in splits):
+                return None
+        except ValueError:
+            pass  # a torn file: score again
+    tc = ckpt["train_config"]
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    scores = {"step": ckpt["step"], "max_tokens": max_tokens}
+    for split in splits:
+        loss, tokens = split_loss(model, data_dir or tc["data_dir"], split, tc["batch_size"], tc["seq_len"], max_tokens)
+        scores[split] = {"loss": loss, "tokens": tokens}
+    write_file(out, (json.dumps(scores, indent=2) + "\n").encode(), RescoreError)
+    return scores
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (each with ckpt.pt)")
+    p.add_argument("--sweep", help="a sweep file: every finished run (summary.json) of it")
+    p.add_argument("--splits", default="val,test", help="comma-separated splits to score (default: val,test)")
+    p.add_argument("--tokens", type=int, default=None, help="score only the first TOKENS targets (default: all)")
+    p.add_argument("--data_dir", default=None, help="the prepared data (default: each run's own data_dir)")
+    p.add_argument("--force", action="store_true", help="score again runs whose scores.json is up to date")
+    args = p.parse_args(argv)
+    splits = tuple(s for s in args.splits.split(",") if s)
+    try:
+        if not args.runs and not args.sweep:
+            raise RescoreError("give run directories or --sweep SWEEP_FILE")
+        if args.tokens is not None and args.tokens < 1:
+            raise RescoreError(f"--tokens must be at least 1, got {args.tokens}")
+        if not splits or not set(splits) <= {"train", "val", "test"}:
+            raise RescoreError(f"--splits takes train, val and test, got {args.splits!r}")
+        runs = [Path(r) for r in args.runs]
+        if args.sweep:
+            spec = load_sweep(args.sweep)
+            runs += [d for v in spec["variants"] for s in spec["seeds"]
+                     if (d := run_dir(spec, v, s)).joinpath("summary.json").exists()]
+        for r in runs:
+            t0 = time.perf_counter()
+            scores = rescore(r, splits, args.tokens, args.force, args.data_dir)
+            if scores is None:
+                print(f"{r}: up to date")
+            else:
+                print(f"{r}: step {scores['step']}, " + ", ".join(
+                    f"{s} {scores[s]['loss']:.5f} ({scores[s]['tokens']:,} tokens)" for s in splits)
+                    + f" in {time.perf_counter() - t0:.0f}s", flush=True)
+    except (CheckpointError, DataError, RescoreError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
