@@ -9,14 +9,14 @@ Train a GPT with a depth-routing residual, on CPU, one GPU, or many through torc
     python train.py --help                                           # every key, its type and default
 
 A config is a Python file that assigns keys (`residual = "block_attnres"`); `--key=value` overrides
-it. The keys are config.TrainConfig's fields and model.GPTConfig's; --help lists them all.
+it. The keys are depthres.config.TrainConfig's fields and model.GPTConfig's; --help lists them all.
 Batch: batch_tokens tokens per optimizer step, in micro-batches of batch_size x seq_len per rank,
 accumulated over batch_tokens / (batch_size * seq_len * world_size) micro-steps.
 Pairing (VARIANTS.md section 8): `seed` fixes the initial weights, `data_seed` the order of the
 batches, so runs that differ only in `residual` start from the same shared weights and see the same
 batches, whatever their number of ranks.
-The run directory out_dir/run_name (checkpoint.py) receives config.json (the resolved config),
-log.jsonl (runlog.py: one JSON record per logged step and per evaluation), ckpt.pt and, once the
+The run directory out_dir/run_name (depthres/checkpoint.py) receives config.json (the resolved config),
+log.jsonl (depthres/runlog.py: one JSON record per logged step and per evaluation), ckpt.pt and, once the
 run has finished, summary.json (final val and test loss, median tokens/s, peak memory). A fresh run
 refuses a directory that holds another run unless overwrite=true. The first SIGINT or SIGTERM
 stops the run after the current step, with a checkpoint.
