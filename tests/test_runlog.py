@@ -52,7 +52,7 @@ def test_a_resume_may_change_execution_only_keys(data_dir, tmp_path, monkeypatch
             run(data_dir, tmp_path)
     capsys.readouterr()
     run(data_dir, tmp_path, "--resume=true", "--activation_checkpointing=true")
-    assert "; changed: activation_checkpointing False -> True (execution only)\n" in capsys.readouterr().out
+    assert "; changed: activation_checkpointing False -> True (execution only: bit for bit)\n" in capsys.readouterr().out
     assert_same_run(tmp_path / "test", straight)  # recomputing the sublayers changes no bit of the training
     ckpt = load_checkpoint(tmp_path / "test")
     assert ckpt["model_config"]["activation_checkpointing"] is True
