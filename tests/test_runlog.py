@@ -125,8 +125,10 @@ def read_wandb_run(offline_run_dir):
 
 
 def as_logged(record):
+    """What runlog.track sends W&B of a record: its numbers (a resume record has none)."""
     kind = record.get("split", record["kind"])
-    return {f"{kind}/{k}": v for k, v in record.items() if k not in ("kind", "split", "step")}
+    return {f"{kind}/{k}": v for k, v in record.items()
+            if k not in ("kind", "split", "step") and isinstance(v, (int, float))}
 
 
 def test_wandb_logs_every_record_and_a_resume_continues_its_run(data_dir, tmp_path, monkeypatch):
