@@ -34,7 +34,7 @@ import sys
 import textwrap
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ import torch.distributed as torch_dist
 from depthres.checkpoint import (
     CKPT_FORMAT,
     EXECUTION_KEYS,
+    IDENTITY_KEYS,
     RunDirError,
     claim_run_dir,
     last_good,
@@ -63,6 +64,7 @@ from depthres.distributed import (
     from_rank0,
     full_state,
     gradient_sync,
+    launch_env,
     load_optimizer_state,
     local,
     setup_distributed,
@@ -80,7 +82,11 @@ class DivergedError(RuntimeError):
     """Training produced a non-finite loss, gradient or weight."""
 
 
-USER_ERRORS = (*SHARED_ERRORS, DivergedError)  # one `error:` line each
+class CompileError(RuntimeError):
+    """compile=true, and torch.compile failed (no working C++ compiler, say)."""
+
+
+USER_ERRORS = (*SHARED_ERRORS, DivergedError, CompileError)  # one `error:` line each
 
 
 class Stopped(Exception):
@@ -358,13 +364,25 @@ def start_log(run):
     if baseline is not None:
         log(f"unigram baseline (val): {baseline:.4f} nats/token, perplexity {math.exp(baseline):.1f}: the loss to beat")
     if run.ckpt is not None:
-        ckpt = run.ckpt
-        changed = [f"{k} {v!r} -> {getattr(tc, k)!r}" for k, v in ckpt["train_config"].items()
-                   if k not in ("resume", "overwrite") and getattr(tc, k, v) != v]
-        changed += [f"{k} {ckpt['model_config'][k]!r} -> {getattr(mc, k)!r} (execution only)" for k in EXECUTION_KEYS
-                    if k in ckpt["model_config"] and ckpt["model_config"][k] != getattr(mc, k)]
-        log(f"resumed at step {ckpt['step']} from {resume_path(tc, run_dir)}"
-            + (f"; changed: {', '.join(changed)}" if changed else ""))
+        changed = resume_changes(run.ckpt, tc, mc, dist.world_size)
+        text = [f"{k} {old!r} -> {new!r}" + (f" ({EXECUTION_KEYS[k]})" if k in EXECUTION_KEYS else "")
+                for k, (old, new) in changed.items()]
+        source = resume_path(tc, run_dir)
+        # the record keeps what changed at which step in the run directory (the line alone would scroll away)
+        log(f"resumed at step {run.ckpt['step']} from {source}" + (f"; changed: {', '.join(text)}" if text else ""),
+            {"kind": "resume", "step": run.ckpt["step"], "from": str(source), "changed": changed})
+
+
+def resume_changes(ckpt, tc, mc, world_size):
+    """{key: [the checkpoint's value, this run's]} for every key a resume changes: training keys (never
+    IDENTITY_KEYS, which check_resumable refuses to change), EXECUTION_KEYS, and world_size."""
+    changed = {k: [v, getattr(tc, k)] for k, v in ckpt["train_config"].items()
+               if k not in ("resume", "overwrite", *IDENTITY_KEYS) and getattr(tc, k, v) != v}
+    changed |= {k: [ckpt["model_config"][k], getattr(mc, k)] for k in EXECUTION_KEYS
+                if k in ckpt["model_config"] and ckpt["model_config"][k] != getattr(mc, k)}
+    if ckpt.get("world_size", world_size) != world_size:  # a checkpoint from before the key: not known
+        changed["world_size"] = [ckpt["world_size"], world_size]
+    return changed
 
 
 def save(run):
@@ -377,7 +395,7 @@ def save(run):
         save_checkpoint(run.ckpt_path, {
             "format": CKPT_FORMAT, "model_config": asdict(run.mc), "model": weights, "tokenizer": run.meta["tokenizer"],
             "step": run.step, "train_config": asdict(run.tc), "optimizer": optimizer_state,
-            "loader": run.batches.state_dict(), "rng": rng_state(run.dist.device)})
+            "loader": run.batches.state_dict(), "rng": rng_state(run.dist.device), "world_size": run.dist.world_size})
     agreed(run.dist, lambda: write() if run.dist.master else None)
     run.saved = (run.step, run.ckpt_path)
 
@@ -454,9 +472,38 @@ def train_loop(run):
         raise
     except RunDirError as e:  # a write failed: say what is kept
         raise RunDirError(f"{e}; {last_good(run.saved, good=False)}") from None
+    except DivergedError as e:  # the run directory tells (tools/sweep.py tabulates the run as diverged)
+        with suppress(RunDirError):
+            run.log(None, {"kind": "diverged", "step": run.step, "error": str(e)})
+        raise
+    except Exception as e:
+        if tc.compile and compile_failure(e):
+            raise CompileError(compile_message(e, run)) from None
+        raise
     finally:
         run.log.finish(clean)  # the W&B run, if any: exit code 0, or 1 (failed)
     return summary
+
+
+def compile_failure(e):
+    """Whether an exception came out of torch.compile (dynamo or inductor), itself or what it wraps."""
+    while e is not None:
+        if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def compile_message(e, run):
+    """One line for a compilation that failed: torch's first line (its message runs to a hundred)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    first = first if len(first) <= 300 else first[:297] + "..."
+    logged = run.dist.master and run.log.path.exists() and run.log.path.read_bytes().strip()
+    again = "resume with --resume=true" if run.saved or logged else "run the same command again"
+    when = f"after step {run.step}" if run.step else "at step 1"
+    return (f"compile=true, but torch.compile failed {when} ({type(e).__name__}: {first}); "
+            f"{last_good(run.saved, good=False)}: run without compile=true, or fix the compiler (on CPU "
+            f"torch.compile needs a working C++ compiler: g++ or clang, or the one $CXX names), then {again}")
 
 
 def stop_if_signalled(run, signals):
@@ -489,11 +536,11 @@ def main(argv=None):
         print(usage(__doc__))
         return None
     tc, model_settings = parse_config(argv)
+    rank, world_size, local_rank = launch_env()  # a stray WORLD_SIZE without torchrun: one line
     meta = load_meta(tc.data_dir)
     mc = build_model_config(model_settings, tc, meta)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
     grad_accum_steps(tc, world_size)  # a batch that does not split over the ranks: an error before any compute
-    if tc.warmup_steps > total_steps(tc) and int(os.environ.get("RANK", 0)) == 0:
+    if tc.warmup_steps > total_steps(tc) and rank == 0:
         print(f"warning: warmup_steps={tc.warmup_steps} is more than the run's {total_steps(tc)} steps: the "
               f"learning rate ends its warmup at {lr_at(total_steps(tc) - 1, tc, total_steps(tc)):.3g}, "
               f"never reaching lr={tc.lr:g}", file=sys.stderr)
@@ -504,7 +551,7 @@ def main(argv=None):
         # before any compute: wandb if asked, the data (one process per node reads it), the run directory (rank 0)
         if tc.wandb_log:
             agreed(dist, lambda: require_wandb() if dist.master else None)
-        agreed(dist, lambda: check_data(tc, meta) if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None)
+        agreed(dist, lambda: check_data(tc, meta) if local_rank == 0 else None)
         claim = agreed(dist, lambda: claim_run_dir(tc, run_dir, mc, meta["tokenizer"]) if dist.master else None)
         ckpt = from_rank0(dist, claim.ckpt if claim else None)  # only rank 0 reads out_dir
         summary = train_loop(Run(tc, mc, meta, dist, run_dir, claim, ckpt, argv[0]))

@@ -25,9 +25,16 @@ from model import GPTConfig
 CKPT_FORMAT = "depthres-ckpt-2"
 CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng",
              "checksum")
+CKPT_OPTIONAL = ("world_size",)  # keys added since: a checkpoint without them is read as before
 RUN_FILES = ("config.json", "log.jsonl", "ckpt.pt", "summary.json", "wandb_id.txt")  # what a run directory holds
-# model keys that change how the model computes, not what: a run may resume with other values
-EXECUTION_KEYS = ("depth_impl", "depth_chunk", "activation_checkpointing")
+# model keys that change how the model computes, not what: a run may resume with other values. What
+# a change does to the numbers (tests/test_runlog.py): checkpointing recomputes the same operations,
+# the other two order the same sums differently
+EXECUTION_KEYS = {"depth_impl": "execution only: equal to float rounding",
+                  "depth_chunk": "execution only: equal to float rounding",
+                  "activation_checkpointing": "execution only: bit for bit"}
+# training keys that are the run's identity: a resume cannot change them
+IDENTITY_KEYS = {"seed": "the initial weights", "data_seed": "the order of the batches"}
 
 
 class CheckpointError(ValueError):
@@ -118,8 +125,9 @@ def save_checkpoint(path, state):
     the GPTConfig), "model" (state_dict without wrapper prefixes), "tokenizer" (its name, for
     shards.get_tokenizer), "step" (optimizer steps done), "train_config" (asdict of the
     TrainConfig), "optimizer", "loader" (TokenLoader.state_dict), "rng" (python, numpy, torch,
-    cuda) and "checksum" (see checksum(); added here, verified by load_checkpoint). It holds only
-    tensors and plain Python values, so torch.load(weights_only=True) reads it.
+    cuda) and "checksum" (see checksum(); added here, verified by load_checkpoint); and since, the
+    CKPT_OPTIONAL keys: "world_size" (the ranks that wrote it). It holds only tensors and plain Python
+    values, so torch.load(weights_only=True) reads it.
     """
     state = moved({k: v for k, v in state.items() if k != "checksum"}, "cpu")
     state["checksum"] = checksum(state)
@@ -170,21 +178,35 @@ def resume_path(tc, run_dir):
     return run_dir if tc.resume.lower() in ("true", "1") else Path(tc.resume)
 
 
-def check_resumable(ckpt, path, mc, tokenizer, last_step=None):
+def check_resumable(ckpt, path, mc, tokenizer, last_step=None, tc=None):
     """The checkpoint's model is this run's model (EXECUTION_KEYS may differ) on the same tokens, at a
-    step this run reaches (last_step: the run's last step, None: not checked)."""
+    step this run reaches (last_step: the run's last step, None: not checked), with the same identity
+    (IDENTITY_KEYS of tc, the run's TrainConfig; None: not checked)."""
+    if ckpt["tokenizer"] != tokenizer:  # first: another vocabulary would also be another model
+        raise CheckpointError(f"checkpoint {path} was trained on {ckpt['tokenizer']!r} tokens, "
+                              f"but data_dir holds {tokenizer!r} tokens")
     # a key an older checkpoint lacks had its default then (keys are only ever added with the old behaviour)
     have = {**{f.name: f.default for f in fields(GPTConfig)}, **ckpt["model_config"]}
     want = asdict(mc)
     differ = [k for k in sorted(set(have) | set(want))
               if k not in EXECUTION_KEYS and have.get(k, "(absent)") != want.get(k, "(absent)")]
     if differ:
-        detail = ", ".join(f"{k}: {have.get(k, '(absent)')!r} there, {want.get(k, '(absent)')!r} here" for k in differ)
-        raise CheckpointError(f"checkpoint {path} holds another model ({detail}); resume with its config, "
-                              f"or start a fresh run under another run_name")
-    if ckpt["tokenizer"] != tokenizer:
-        raise CheckpointError(f"checkpoint {path} was trained on {ckpt['tokenizer']!r} tokens, "
-                              f"but data_dir holds {tokenizer!r} tokens")
+        def detail(k):
+            there, here = have.get(k, "(absent)"), want.get(k, "(absent)")
+            old_len = ckpt["train_config"].get("seq_len")
+            if k == "block_size" and tc is not None and (there, here) == (old_len, tc.seq_len):
+                return f"seq_len: {there!r} there, {here!r} here (the model's block_size follows it)"
+            return f"{k}: {there!r} there, {here!r} here"
+        raise CheckpointError(f"checkpoint {path} holds another model ({', '.join(map(detail, differ))}); resume "
+                              f"with its config, or start a fresh run under another run_name")
+    if tc is not None:
+        changed = [k for k in IDENTITY_KEYS if ckpt["train_config"].get(k, getattr(tc, k)) != getattr(tc, k)]
+        if changed:
+            there = ", ".join(f"{k}={ckpt['train_config'][k]}" for k in changed)
+            raise CheckpointError(
+                f"checkpoint {path} was trained with {there}; a resume cannot change "
+                f"{' or '.join(f'{k} ({getattr(tc, k)} here: {IDENTITY_KEYS[k]})' for k in changed)}: resume with "
+                f"{there}, or start a fresh run under another run_name")
     if last_step is not None and ckpt["step"] > last_step:
         raise CheckpointError(f"checkpoint {path} is at step {ckpt['step']}, past this run's last step {last_step}: "
                               f"resume with max_steps >= {ckpt['step']} (or a larger max_tokens)")
@@ -201,7 +223,8 @@ def read_log(path, last_step, finished=False):
     """The lines of a log.jsonl whose step is at most `last_step`: what a run resumed from a
     checkpoint at that step keeps (what a killed run logged after its checkpoint is redone). With
     `finished` (the checkpoint is the run's last step), the records of that step other than its
-    train record go too: a resumed finished run redoes its final evaluations. A line that is not a
+    train record go too: a resumed finished run redoes its final evaluations; so does a resume record
+    at that step (the resume that reads this log writes its own). A line that is not a
     JSON record (the torn last line of a kill or a full disk) is dropped, with a note. So every
     (kind, split, step) is logged once, whatever kills and resumes came before."""
     if not path.exists():
@@ -217,12 +240,22 @@ def read_log(path, last_step, finished=False):
             if line.strip():
                 torn.append(n)
             continue
-        if step < last_step or (step == last_step and (kind == "train" or not finished)):
-            kept.append(line)
+        if step < last_step or (step == last_step and (kind == "train" or not finished) and kind != "resume"):
+            kept.append(line)  # (the resume record at last_step is this resume's to write)
     if torn:
         print(f"note: {path}: dropped {len(torn)} unreadable line(s) ({', '.join(map(str, torn[:5]))}), "
               "as a kill or a full disk leaves them", file=sys.stderr)
     return kept
+
+
+def never_started(run_dir, held):
+    """Whether a run directory holding the files `held` holds only what a run writes at its start (its
+    config, an empty log, its W&B id) and nothing it computed."""
+    if not set(held) <= {"config.json", "log.jsonl", "wandb_id.txt"}:
+        return False
+    log = run_dir / "log.jsonl"
+    with writing(log, RunDirError):
+        return not log.exists() or not log.read_bytes().strip()
 
 
 @dataclass
@@ -243,7 +276,7 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
     ckpt = None
     if source is not None and not continuing:  # a new run here, from another run's checkpoint
         ckpt = load_checkpoint(source)
-        check_resumable(ckpt, source, mc, tokenizer, last_step)
+        check_resumable(ckpt, source, mc, tokenizer, last_step, tc)
     with writing(run_dir, RunDirError):
         run_dir.mkdir(parents=True, exist_ok=True)
     lock = DirLock(run_dir, "run", RunDirError)
@@ -255,10 +288,16 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
             return Claim(lock, None, False, [])
         if continuing:
             ckpt = load_checkpoint(source)
-            check_resumable(ckpt, source, mc, tokenizer, last_step)
+            check_resumable(ckpt, source, mc, tokenizer, last_step, tc)
             kept = read_log(run_dir / "log.jsonl", ckpt["step"], finished=ckpt["step"] == last_step)
             return Claim(lock, ckpt, True, kept)
         held = [name for name in RUN_FILES if (run_dir / name).exists()]
+        if held and not tc.overwrite and never_started(run_dir, held):
+            # a start that failed before its first step (a compiler or W&B that would not start, a kill):
+            # nothing was computed, so a plain rerun takes the directory over
+            print(f"note: {run_dir} holds a run that never logged a step ({', '.join(held)}): starting it afresh",
+                  file=sys.stderr)
+            return Claim(lock, ckpt, False, [])
         if held and not tc.overwrite:
             ways = ("continue it with --resume=true, or start over with --overwrite=true"
                     if "ckpt.pt" in held and source is None else

@@ -14,6 +14,7 @@ import runpy
 import traceback
 import types
 import typing
+import unicodedata
 from contextlib import suppress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -23,6 +24,22 @@ from model import GPTConfig
 
 class ConfigError(ValueError):
     """A bad config file, override or combination of keys."""
+
+
+def control_character(text):
+    """(position, character) of the first control character in `text` (C0 such as newline, ESC or BEL,
+    DEL, C1, or a Unicode line or paragraph separator), or None. Such a character in a name that is
+    printed or becomes a path could forge log lines or hide in a directory name."""
+    return next(((i, c) for i, c in enumerate(text) if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+
+
+def check_printable(name, text, error=None):
+    """Raise `error` (ConfigError) when `text`, the value of `name`, holds a control character."""
+    found = control_character(text)
+    if found is not None:
+        raise (error or ConfigError)(
+            f"{name} holds a control character ({found[1]!r} at position {found[0]}), got {text!r}: names that "
+            "are printed or become paths may not hold newlines, escapes or other control characters")
 
 
 def key(default, help):
@@ -72,6 +89,9 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
 
+        for name, typ in TRAIN_TYPES.items():  # run_name, out_dir, data_dir, resume, the W&B names, ..
+            if typ is str:
+                check_printable(name, getattr(self, name))
         for name in ("seed", "data_seed"):
             need(0 <= getattr(self, name) < 2**32, f"{name} must be in [0, 2**32), got {getattr(self, name)}")
         for name, typ in TRAIN_TYPES.items():

@@ -42,13 +42,46 @@ class Dist:
         return self.rank == 0
 
 
+def launch_env():
+    """(rank, world_size, local_rank) from torchrun's environment, checked: (0, 1, 0) without it. A
+    WORLD_SIZE above 1 without the rest of what torchrun sets (a stray export in a shell, say) is one
+    ConfigError line, before anything starts."""
+    env = os.environ
+
+    def number(name, default, low):
+        value = env.get(name)
+        if value is None:
+            return default
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < low:
+            raise ConfigError(f"{name}={value!r} in the environment is not a whole number >= {low}: torchrun sets it "
+                              f"for each rank; unset it to train in one process")
+        return n
+
+    world_size, rank, local_rank = number("WORLD_SIZE", 1, 1), number("RANK", 0, 0), number("LOCAL_RANK", 0, 0)
+    if world_size > 1:
+        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing:
+            raise ConfigError(f"WORLD_SIZE={world_size} is set in the environment, but {', '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun "
+                              f"(torchrun --nproc_per_node={world_size} train.py ...), or unset WORLD_SIZE to train "
+                              "in one process")
+    if rank >= world_size:
+        raise ConfigError(f"RANK={rank} in the environment is not below WORLD_SIZE={world_size}: start the ranks "
+                          "with torchrun, or unset RANK to train in one process")
+    return rank, world_size, local_rank
+
+
 def setup_distributed(device):
     """Rank, world size and device from torchrun's environment (one process without it)."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world_size, local_rank = launch_env()
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise ConfigError("device=cuda, but CUDA is not available")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:  # float32 matmuls stay float32 (no TF32): the depth routing and the loss are computed in float32
         torch.cuda.set_device(dev)
     objects = None

@@ -125,8 +125,23 @@ def test_a_config_file_that_fails_names_its_line(tmp_path, text, message):
     ("--run_name=a/b", "run_name must be a plain directory name inside out_dir"),
     ("--run_name=..", "run_name must be a plain directory name inside out_dir"),
     ("--run_name=/tmp/elsewhere", "run_name must be a plain directory name inside out_dir"),
+    # control characters in what is printed or becomes a path (round three): a forged line, a terminal escape
+    ("--run_name=evil\ndone: run_dir FAKE, step 2, val_loss 0.0001",
+     r"run_name holds a control character \('\\n' at position 4\), got 'evil\\ndone: run_dir FAKE"),
+    ("--run_name=red\x1b[31m", r"run_name holds a control character \('\\x1b' at position 3\)"),
+    ("--run_name=bell\x07", "run_name holds a control character"),
+    ("--run_name=c1\x85", "run_name holds a control character"),
+    ("--run_name=del\x7f", "run_name holds a control character"),
+    ("--run_name=cr\r", "run_name holds a control character"),
+    ("--out_dir=runs\ndone: x", "out_dir holds a control character"),
+    ("--data_dir=data\x1b[2J", "data_dir holds a control character"),
+    ("--wandb_run_name=a\nb", "wandb_run_name holds a control character"),
+    ("--wandb_group=a\x07", "wandb_group holds a control character"),
+    ("--wandb_tags=a,b\nc", "wandb_tags holds a control character"),
+    ("--resume=x\ny", "resume holds a control character"),
 ])
 def test_bad_keys_are_refused_before_step_1(data_dir, tmp_path, monkeypatch, arg, message):
+    monkeypatch.chdir(tmp_path)  # a relative out_dir, if it were taken, would show there
     monkeypatch.setattr(train, "train_step", None)  # never reached
     with pytest.raises(ConfigError, match=message):
         run(data_dir, tmp_path, arg)

@@ -1,10 +1,13 @@
 """The experiment tools: the sweep table's arithmetic and progress lines, the diagnostics' measures,
 a tiny sweep."""
 
+import contextlib
 import json
 import math
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import types
@@ -17,6 +20,8 @@ import train
 from depthres import config
 from model import GPT, GPTConfig
 from tools import diagnose, stats, sweep
+
+from runs import poll
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -173,7 +178,7 @@ def test_ctrl_c_waits_for_the_run_to_checkpoint_and_the_sweep_says_so(tmp_path, 
     class Child:  # a training run that gets the terminal's SIGINT too: it checkpoints and exits 130
         waits = 0
 
-        def __init__(self, cmd):
+        def __init__(self, cmd, **kwargs):  # (cwd, preexec_fn)
             pass
 
         def wait(self):
@@ -236,6 +241,25 @@ BAD_SWEEPS = {
                                           "did you mean n_layer"),
     "bad_value": ('base = "configs/test.py"\nvariants = {"a": "", "c": "residual=dar rd_mode=tied"}\nseeds = [0]\n'
                   'reference = "a"\n', "rd_mode='tied' only applies to residual='rd_attnres'"),
+    # keys the sweep sets for every run: its pairing (round three)
+    "owned_seed": ('base = "configs/test.py"\nvariants = {"standard": "residual=standard", '
+                   '"dar_seedfix": "residual=dar seed=7 data_seed=7"}\nseeds = [0, 1]\nreference = "standard"\n',
+                   "sweep variant 'dar_seedfix' ('residual=dar seed=7 data_seed=7') sets seed, which the sweep owns"),
+    "owned_data_seed": ('base = "configs/test.py"\nvariants = {"a": "", "b": "data_seed=3"}\nseeds = [0, 1]\n'
+                        'reference = "a"\n', "sweep variant 'b' ('data_seed=3') sets data_seed, which the sweep owns"),
+    "owned_run_name": ('base = "configs/test.py"\nvariants = {"a": "", "b": "run_name=fixed"}\nseeds = [0, 1]\n'
+                       'reference = "a"\n', "sweep variant 'b' ('run_name=fixed') sets run_name, which the sweep owns"),
+    "owned_out_dir": ('base = "configs/test.py"\nvariants = {"a": "", "b": "out_dir=/tmp/elsewhere"}\nseeds = [0]\n'
+                      'reference = "a"\n', "sets out_dir, which the sweep owns"),
+    "owned_in_overrides": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 1]\nreference = "a"\n'
+                           'overrides = "max_steps=2 seed=7"\n',
+                           "the sweep's overrides ('max_steps=2 seed=7') set seed, which the sweep owns"),
+    "seeds_twice": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 0]\nreference = "a"\n',
+                    "seeds [0, 0] name 0 more than once"),
+    "variant_path": ('base = "configs/test.py"\nvariants = {"a": "", "../escape": ""}\nseeds = [0]\nreference = "a"\n',
+                     "variant name '../escape' is not a plain directory name"),
+    "variant_newline": ('base = "configs/test.py"\nvariants = {"a": "", "b\\ndone: FAKE": ""}\nseeds = [0]\n'
+                        'reference = "a"\n', "variant name 'b\\ndone: FAKE' is not a plain directory name"),
 }
 
 
@@ -422,6 +446,23 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
     assert again.returncode == 0 and "===" not in again.stdout and "sweep:" not in again.stdout
 
 
+def test_a_sweep_with_a_diverging_variant_end_to_end(tmp_path, byte_data):
+    """train.py's log tells the sweep that a run diverged: the sweep tabulates it and exits 3, every time."""
+    spec = tmp_path / "sweep.py"
+    spec.write_text(f'base = "configs/test.py"\n'
+                    f'variants = {{"ok": "", "bad": "lr=3e3 min_lr=0 grad_clip=0 warmup_steps=0"}}\n'
+                    f'seeds = [0]\nreference = "ok"\n'
+                    f'overrides = "data_dir={byte_data} max_steps=8 eval_interval=4 ckpt_interval=4"\n'
+                    f'out_dir = "{tmp_path / "runs"}"\n')
+    cmd = [sys.executable, "-m", "tools.sweep", str(spec)]
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert first.returncode == 3, first.stderr[-2000:]
+    assert re.search(r"^sweep: bad seed 0 diverged at step \d: tabulated as diverged; the sweep goes on", first.stdout, re.M)
+    assert "| `bad` (diverged: seed 0) | diverged |" in first.stdout and "Traceback" not in first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 3 and "===" not in again.stdout and "| `bad` (diverged: seed 0) |" in again.stdout
+
+
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT))
                                         for p in (ROOT / "configs").glob("sweep_*.py")))
 def test_every_sweep_variant_is_a_valid_config(path):
@@ -430,3 +471,259 @@ def test_every_sweep_variant_is_a_valid_config(path):
         argv = [spec["base"]] + [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(overrides)]
         tc, model_settings = config.parse_config(argv)
         config.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
+
+
+# --- the sweep, round three: runs that die with it, odd claims, read-only, divergence, one seed -----------
+
+def finished_run(d, loss, params=1000):
+    """A run directory as a finished train.py run leaves it (what the sweep reads of it)."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "log.jsonl").write_text("".join(json.dumps({"kind": "eval", "split": "val", "step": s, "loss": loss + 1 / s})
+                                         + "\n" for s in (2, 4)))
+    (d / "summary.json").write_text(json.dumps({"val_loss": loss, "test_loss": loss, "params": params,
+                                                "tokens_per_s": 100.0, "peak_memory_bytes": 10}))
+
+
+def fake_train(diverging=(), ran=None):
+    """A run_child that does what train.py does to its run directory: it holds the directory's lock (a
+    second one is 'in use by another run', status 1), and finishes it or, for `diverging` variants,
+    leaves its log.jsonl ending on a diverged record (status 1)."""
+    from depthres.files import DirLock
+
+    def run(cmd):
+        arg = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in cmd if a.startswith("--")}
+        d = Path(arg["--out_dir"]) / arg["--run_name"]
+        variant, seed = d.parent.name, int(arg["--seed"])
+        d.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = DirLock(d, "run")
+        except RuntimeError:
+            return 1
+        try:
+            if ran is not None:
+                ran.append((variant, seed))
+            if variant in diverging:
+                (d / "log.jsonl").write_text(json.dumps({"kind": "diverged", "step": 3, "error": "loss nan"}) + "\n")
+                return 1
+            finished_run(d, 3.0 + 0.01 * len(variant) + 0.001 * seed)
+            return 0
+        finally:
+            lock.release()
+    return run
+
+
+def sweep_spec(tmp_path, variants=("a", "b"), seeds=(0, 1), **kw):
+    return dict(base="configs/test.py", variants={v: "" for v in variants}, seeds=list(seeds), overrides="",
+                reference=variants[0], out_dir=str(tmp_path / "runs"), **kw)
+
+
+def sweep_file(tmp_path, variants=("a", "b"), seeds=(0, 1), out_dir=None):
+    path = tmp_path / "sweep_x.py"
+    path.write_text(f'base = "configs/test.py"\nvariants = {json.dumps({v: "" for v in variants})}\n'
+                    f'seeds = {list(seeds)}\nreference = "{variants[0]}"\nout_dir = {str(out_dir or tmp_path / "runs")!r}\n')
+    return path
+
+
+def test_a_sweep_run_dies_with_the_sweep(tmp_path):
+    """kill -9 of the sweep: its training run gets SIGTERM (train.py then checkpoints and stops), never
+    an orphan that holds the run and makes the next sweep stop on 'in use by another run'."""
+    child = ("import os, sys, time; print(os.getpid(), flush=True); time.sleep(120)")
+    sweeper = subprocess.Popen([sys.executable, "-c", "import sys; from tools import sweep; "
+                                f"sweep.run_child([sys.executable, '-c', {child!r}])"],
+                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(sweeper.stdout.readline())
+        sweeper.kill()  # kill -9
+        sweeper.wait()
+
+        def gone():
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                return True
+            return state in ("Z", "X")  # a zombie waits for init to reap it: it runs no more
+        poll(gone, timeout=20)
+    finally:
+        with contextlib.suppress(ProcessLookupError, NameError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_run_held_by_another_process_is_skipped_not_fatal(tmp_path, monkeypatch, capsys):
+    from depthres.files import DirLock
+    spec = sweep_spec(tmp_path)
+    busy = tmp_path / "runs" / "a" / "seed0"
+    busy.mkdir(parents=True)
+    orphan = DirLock(busy, "run")  # a train.py still running it (an orphan of a killed sweep, or by hand)
+    ran = []
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
+    try:
+        sweep.run_all(spec, launcher="")
+    finally:
+        orphan.release()
+    assert ran == [("b", 0), ("a", 1), ("b", 1)]
+    out = capsys.readouterr().out
+    assert f"sweep: a seed 0 is in use by another process (pid {os.getpid()}): skipped" in out
+    sweep.run_all(spec, launcher="")  # once it is free, the next invocation runs it
+    assert ran[-1] == ("a", 0) and sweep.status(spec, "a", 0) == "finished"
+
+
+def test_a_claim_entry_that_is_a_directory_is_not_a_claim(tmp_path, monkeypatch):
+    spec = sweep_spec(tmp_path, variants=("a",), seeds=(0,))
+    (tmp_path / "runs" / "a" / ".seed0.sweep-lock" / "junk").mkdir(parents=True)  # no process holds it
+    ran = []
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
+    sweep.run_all(spec, launcher="")
+    assert ran == [("a", 0)]
+    held = sweep.claim(spec, "a", 0)  # a live claim on it still keeps other sweep processes off
+    assert held is not None and sweep.claim(spec, "a", 0) is None
+    held.release()
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """Make writes under the returned function's directories fail as on a read-only mount (EROFS):
+    os.open for writing, os.mkdir, open() and Path.open in a writing mode. (As root, chmod stops nothing.)"""
+    import builtins
+    import errno
+    import io
+    roots = []
+
+    def blocked(path, writing):
+        return writing and any(str(Path(path)).startswith(str(r)) for r in roots)
+
+    def refuse(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    real_os_open, real_mkdir, real_open = os.open, os.mkdir, builtins.open
+
+    def os_open(path, flags, *args, **kwargs):
+        if blocked(path, flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def mkdir(path, *args, **kwargs):
+        if blocked(path, True) and Path(path).parent.is_dir() and not Path(path).exists():
+            refuse(path)  # (with no parent: FileNotFoundError, as the kernel says first)
+        return real_mkdir(path, *args, **kwargs)
+
+    def open_(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, Path)) and blocked(file, any(c in mode for c in "wax+")):
+            refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+    return roots.append
+
+
+def test_a_read_only_out_dir_is_one_line_and_the_table_still_prints(tmp_path, monkeypatch, capsys, read_only):
+    spec = sweep_spec(tmp_path)
+    for v, s in (("a", 0), ("b", 0)):
+        finished_run(tmp_path / "runs" / v / f"seed{s}", 3.0 + 0.1 * s + (v == "b") * 0.01)
+    monkeypatch.setattr(sweep, "run_child", None)  # never reached
+    read_only(tmp_path / "runs")
+    with pytest.raises(SystemExit) as e:  # the unfinished seed 1 cannot be run there
+        sweep.run_all(spec, launcher="")
+    assert str(e.value) == (f"error: cannot write {tmp_path / 'runs'}: read-only file system: "
+                            f"the sweep writes its runs under {tmp_path / 'runs'}; make it writable, or choose another "
+                            "out_dir (--table_only only reads the runs)")
+    spec["out_dir"] = str(tmp_path / "runs" / "new" / "sweep")  # a new out_dir under the read-only mount
+    with pytest.raises(SystemExit, match=r"^error: cannot write .*/runs/new: read-only file system: the sweep writes"):
+        sweep.run_all(spec, launcher="")
+
+    path = sweep_file(tmp_path, seeds=(0,))  # the finished part of the sweep: its table
+    assert sweep.main([str(path), "--table_only"]) == 0
+    out, err = capsys.readouterr()
+    assert "| `b` | +0.0% | +0.0100 [needs 2 seeds] | 0/1 | n/a |" in out
+    plots = ", curves.png, forest.png, gap_over_training.png" if "matplotlib is not installed" not in out else ""
+    assert err.splitlines()[-1] == (f"warning: could not write results.md, results.json, results.csv{plots} in "
+                                    f"{tmp_path / 'runs'} (read-only file system); the tables above are complete")
+    assert not list((tmp_path / "runs").glob("*.tmp*")) and not (tmp_path / "runs" / "results.json").exists()
+
+
+def test_a_diverged_run_is_tabulated_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    path = sweep_file(tmp_path, variants=("a", "bad", "c"))
+    ran = []
+    monkeypatch.setattr(sweep, "run_child", fake_train(diverging={"bad"}, ran=ran))
+    assert sweep.main([str(path)]) == sweep.EXIT_DIVERGED == 3
+    assert ran == [("a", 0), ("bad", 0), ("c", 0), ("a", 1), ("bad", 1), ("c", 1)]
+    out = capsys.readouterr().out
+    assert "sweep: bad seed 0 diverged at step 3: tabulated as diverged; the sweep goes on" in out
+    assert "sweep: 6/6 runs done (2 diverged)" in out
+    assert "| `bad` (diverged: seed 0, 1) | diverged | diverged |" in out
+    assert "| `bad` | diverged | diverged |" in out  # each seed's difference
+    results = json.loads((tmp_path / "runs" / "results.json").read_text())
+    assert [(d["variant"], d["seed"], d["step"]) for d in results["diverged"]] == [("bad", 0, 3), ("bad", 1, 3)]
+    assert (tmp_path / "runs" / "results.csv").read_text().count(",diverged\n") == 2
+    assert sweep.main([str(path)]) == 3  # a rerun does not stop on it again, nor runs it again
+    assert len(ran) == 6 and "===" not in capsys.readouterr().out
+
+
+def strict_json(path):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
+
+
+def test_one_seed_gives_strict_json_and_tables_that_say_so(tmp_path, capsys):
+    spec = sweep_spec(tmp_path, seeds=(0,))
+    finished_run(tmp_path / "runs" / "a" / "seed0", 3.0)
+    finished_run(tmp_path / "runs" / "b" / "seed0", 3.01)
+    sweep.report(spec)
+    out = capsys.readouterr().out
+    assert "± 0.0000" not in out and "3.0000 (1 seed)" in out
+    assert "| `b` | +0.0% | 3.0100 (1 seed) | +0.0100 [needs 2 seeds] | 0/1 | n/a | n/a | 1.000 | 1.000 |" in out
+    rows = {r["variant"]: r for r in strict_json(tmp_path / "runs" / "results.json")["rows"]}
+    assert rows["b"]["ci95"] == [None, None] and rows["b"]["p"] is None and rows["b"]["val_loss_std"] is None
+
+
+def test_the_tables_of_a_sweep_where_only_the_reference_finished(tmp_path, capsys):
+    spec = sweep_spec(tmp_path)
+    finished_run(tmp_path / "runs" / "a" / "seed0", 3.0)
+    finished_run(tmp_path / "runs" / "a" / "seed1", 3.1)
+    sweep.report(spec)
+    out = capsys.readouterr().out
+    for block in out.strip().split("\n\n"):  # every table well formed: as many cells in each line as columns
+        lines = block.splitlines()
+        if lines[0].startswith("|"):
+            assert len({line.count("|") for line in lines}) == 1 and len(lines) > 2, block
+        else:
+            assert len(lines) == 1 and "none yet" in lines[0], block
+    assert "Each seed's difference to `a`: none yet (no other variant has finished a run)." in out
+    strict_json(tmp_path / "runs" / "results.json")
+
+
+def test_a_truncated_summary_is_an_unfinished_run(tmp_path, monkeypatch, capsys):
+    path = sweep_file(tmp_path, seeds=(0,))
+    finished_run(tmp_path / "runs" / "a" / "seed0", 3.0)
+    finished_run(tmp_path / "runs" / "b" / "seed0", 3.01)
+    summary = tmp_path / "runs" / "b" / "seed0" / "summary.json"
+    summary.write_text(summary.read_text()[:20])  # a torn write (a copy cut short, a disk that filled)
+    assert sweep.main([str(path), "--table_only"]) == 0
+    out, err = capsys.readouterr()
+    assert f"note: {summary} is not a readable summary (torn or damaged): b seed 0 counts as unfinished" in err
+    assert "| `a` | +0.0% |  |  |  |" in out and "`b`" not in out
+    ran = []
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
+    assert sweep.main([str(path)]) == 0 and ran == [("b", 0)]  # the sweep runs it again (a resume, for train.py)
+    assert "| `b` | +0.0% | +0.0100 [needs 2 seeds] | 0/1 | n/a |" in capsys.readouterr().out
+
+
+def test_sweep_paths_and_where_table_only_looked(tmp_path, monkeypatch, capsys):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    path = sweep_file(tmp_path, out_dir="runs/sweep_nowhere_28")  # relative: to the project root
+    spec = sweep.load_sweep(str(path))
+    assert spec["out_dir"] == str(ROOT / "runs" / "sweep_nowhere_28") and spec["base"] == str(ROOT / "configs" / "test.py")
+    with pytest.raises(SystemExit) as e:
+        sweep.main([str(path), "--table_only"])
+    assert str(e.value) == (f"error: no finished run of the reference 'a' in {ROOT / 'runs' / 'sweep_nowhere_28'} "
+                            "(looked for a/seed<s>/summary.json there): run the sweep first, or pass the --out_dir "
+                            f"that holds its runs (a relative out_dir in a sweep file is relative to {ROOT})")
+    ran = []
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
+    assert sweep.main([str(path), "--out_dir", "mine"]) == 0  # from another directory: base found, --out_dir here
+    assert len(ran) == 4 and (elsewhere / "mine" / "results.json").exists()
+    assert not (ROOT / "runs" / "sweep_nowhere_28").exists()

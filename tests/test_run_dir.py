@@ -202,7 +202,8 @@ def test_a_damaged_checkpoint_is_refused_by_its_checksum(data_dir, tmp_path, cap
     run(data_dir, tmp_path, "--max_steps=1")
     ckpt = tmp_path / "test" / "ckpt.pt"
     flip_a_weight_byte(ckpt)
-    assert set(torch.load(ckpt, weights_only=True)) == set(checkpoint.CKPT_KEYS)  # torch alone does not notice
+    keys = {*checkpoint.CKPT_KEYS, *checkpoint.CKPT_OPTIONAL}
+    assert set(torch.load(ckpt, weights_only=True)) == keys  # torch alone does not notice
     message = "ckpt.pt is corrupt: its contents do not match the checksum written with it"
     with pytest.raises(CheckpointError, match=message):
         run(data_dir, tmp_path, "--resume=true", "--max_steps=2")
@@ -228,12 +229,14 @@ def test_a_resumed_finished_run_logs_each_record_once(data_dir, tmp_path, straig
     once = record_keys(run_dir)
     assert len(once) == len(set(once)) and ("eval", "test", 6) in once
     run(data_dir, tmp_path, "--run_name=done", "--resume=true")  # a finished run: its final evaluations redone
-    assert record_keys(run_dir) == once
+    resumed = [k for k in record_keys(run_dir) if k[0] != "resume"]
+    assert resumed == once and record_keys(run_dir).count(("resume", None, 6)) == 1  # and the resume, recorded
     assert untimed(run_dir) == untimed(straight)
-    # killed after the last checkpoint, before summary.json: the same
+    # killed after the last checkpoint, before summary.json: the same (the resume record of step 6 replaced)
     (run_dir / "summary.json").unlink()
     run(data_dir, tmp_path, "--run_name=done", "--resume=true")
-    assert record_keys(run_dir) == once and (run_dir / "summary.json").exists()
+    assert [k for k in record_keys(run_dir) if k[0] != "resume"] == once and (run_dir / "summary.json").exists()
+    assert record_keys(run_dir).count(("resume", None, 6)) == 1
     speed = statistics.median(r["tokens_per_s"] for r in records(run_dir))  # the run's, kept from its log
     assert json.loads((run_dir / "summary.json").read_text())["tokens_per_s"] == pytest.approx(speed)
 
@@ -248,6 +251,10 @@ def test_a_finite_but_huge_loss_is_a_divergence_and_its_resume_says_so_again(dat
                          r"guess\): training diverged and stopped before this update; (no checkpoint was written|the "
                          r"last good checkpoint \(step \d\) is kept at .*ckpt.pt)\. Try a lower lr", err), err
         assert "Traceback" not in err
+        # the run directory tells too (tools/sweep.py tabulates the run as diverged): one record, the last
+        last = json.loads((tmp_path / "test" / "log.jsonl").read_text().splitlines()[-1])
+        assert last["kind"] == "diverged" and err.endswith(f"error: {last['error']}\n") and len(records(tmp_path / "test",
+                                                                                                 "diverged")) == 1
     assert runlog.perplexity(800.0) == math.inf and runlog.perplexity(2.0) == pytest.approx(math.exp(2.0))
 
 
@@ -319,3 +326,100 @@ def test_a_checkpoint_from_before_newer_keys_still_resumes_and_samples(data_dir,
     assert losses(tmp_path / "old") == losses(straight)
     import sample
     assert sample.main(["--ckpt", str(path), "--max_new_tokens", "2"]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Reliability, round three: a resume keeps the run's identity and records what it changed; a failed
+# compilation and a stray WORLD_SIZE are one line
+
+
+def test_a_resume_keeps_the_runs_identity_and_names_the_key_that_was_set(data_dir, tmp_path, straight):
+    before = contents(straight)
+    with pytest.raises(CheckpointError, match=re.escape(
+            "holds another model (seq_len: 32 there, 64 here (the model's block_size follows it)); resume with its "
+            "config")):
+        run(data_dir, straight.parent, "--run_name=straight", "--resume=true", "--seq_len=64")
+    for args, message in (
+            (["--seed=5"], "was trained with seed=0; a resume cannot change seed (5 here: the initial weights): "
+                           "resume with seed=0, or start a fresh run under another run_name"),
+            (["--data_seed=5"], "a resume cannot change data_seed (5 here: the order of the batches)"),
+            (["--seed=5", "--data_seed=6"], "was trained with seed=0, data_seed=0; a resume cannot change seed (5 here: "
+                                            "the initial weights) or data_seed (6 here: the order of the batches)")):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            run(data_dir, straight.parent, "--run_name=straight", "--resume=true", *args)
+    with pytest.raises(CheckpointError, match="a resume cannot change seed"):  # from another run's checkpoint too
+        run(data_dir, tmp_path, "--run_name=copy", f"--resume={straight}", "--seed=5")
+    assert contents(straight) == before
+
+
+def test_a_resume_records_what_changed_and_at_which_step(data_dir, tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "test"
+    monkeypatch.setattr(train, "train_step", kill_in_step(5))
+    with pytest.raises(KeyboardInterrupt):
+        run(data_dir, tmp_path)
+    monkeypatch.undo()
+    path = run_dir / "ckpt.pt"
+    ckpt = load_checkpoint(path)
+    assert ckpt["world_size"] == 1
+    ckpt["world_size"] = 2  # as if two ranks wrote it (torchrun): this resume runs in one process
+    checkpoint.save_checkpoint(path, ckpt)
+    capsys.readouterr()
+    run(data_dir, tmp_path, "--resume=true", "--depth_impl=reference", "--eval_tokens=512")
+    assert (f"resumed at step 3 from {run_dir}; changed: eval_tokens 1024 -> 512, depth_impl 'two_phase' -> 'reference' "
+            "(execution only: equal to float rounding), world_size 2 -> 1\n") in capsys.readouterr().out
+    changed = {"eval_tokens": [1024, 512], "depth_impl": ["two_phase", "reference"], "world_size": [2, 1]}
+    assert records(run_dir, "resume") == [{"kind": "resume", "step": 3, "from": str(run_dir), "changed": changed}]
+    run(data_dir, tmp_path, "--resume=true")  # the finished run, back to its keys: a record at step 6
+    assert records(run_dir, "resume") == [
+        {"kind": "resume", "step": 3, "from": str(run_dir), "changed": changed},
+        {"kind": "resume", "step": 6, "from": str(run_dir),
+         "changed": {"eval_tokens": [512, 1024], "depth_impl": ["reference", "two_phase"]}}]
+    second = records(run_dir, "resume")
+    run(data_dir, tmp_path, "--resume=true")  # resumed at the same step again: its record replaced, not doubled
+    assert records(run_dir, "resume") == second
+    assert len(record_keys(run_dir)) == len(set(record_keys(run_dir)))
+
+
+def test_a_failed_compilation_is_one_line_and_a_plain_rerun_starts_the_run(data_dir, tmp_path, monkeypatch, capsys):
+    from torch._inductor.exc import InductorError, InvalidCxxCompiler
+
+    class Uncompilable(torch.nn.Module):  # what torch.compile gives without a working C++ compiler
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args, **kwargs):
+            raise InductorError(InvalidCxxCompiler(), None)  # at the first call; torch's message runs to 108 lines
+    monkeypatch.setattr(train, "compile_model", Uncompilable)
+    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]
+    assert train.cli(args + ["--compile=true"]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: compile=true, but torch\.compile failed at step 1 \(InductorError: InvalidCxxCompiler: "
+                        r"No working C\+\+ compiler found in torch\._inductor\.config\.cpp\.cxx: [^\n]*\); no checkpoint was "
+                        r"written: run without compile=true, or fix the compiler \(on CPU torch\.compile needs a working "
+                        r"C\+\+ compiler: g\+\+ or clang, or the one \$CXX names\), then run the same command again\n", err)
+    assert sorted(p.name for p in (tmp_path / "test").iterdir()) == [".lock", "config.json", "log.jsonl"]
+    assert train.cli(args) == 0  # not "already holds a run": it never logged a step
+    assert (f"note: {tmp_path / 'test'} holds a run that never logged a step (config.json, log.jsonl): starting it "
+            "afresh\n") in capsys.readouterr().err
+    assert steps(tmp_path / "test") == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set in the environment, but RANK, MASTER_ADDR, MASTER_PORT are not: start "
+                          "the ranks with torchrun (torchrun --nproc_per_node=2 train.py ...), or unset WORLD_SIZE to "
+                          "train in one process"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' in the environment is not a whole number >= 1: torchrun sets it for each "
+                            "rank; unset it to train in one process"),
+    ({"RANK": "1"}, "RANK=1 in the environment is not below WORLD_SIZE=1"),
+], ids=["world_size", "not_a_number", "rank"])
+def test_a_stray_launcher_variable_is_one_line(data_dir, tmp_path, monkeypatch, capsys, env, message):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(train, "build", None)  # never reached
+    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())

@@ -74,8 +74,9 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_losses(data_dir, tmp_path
 def test_bad_checkpoints_are_refused(data_dir, tmp_path):
     run(data_dir, tmp_path, "--run_name=good", "--max_steps=1")
     good = tmp_path / "good" / "ckpt.pt"
-    assert set(load_checkpoint(tmp_path / "good")) == set(checkpoint.CKPT_KEYS)
-    assert set(torch.load(good, weights_only=True)) == set(checkpoint.CKPT_KEYS)  # plain torch.load reads it too
+    keys = {*checkpoint.CKPT_KEYS, *checkpoint.CKPT_OPTIONAL}
+    assert set(load_checkpoint(tmp_path / "good")) == keys
+    assert set(torch.load(good, weights_only=True)) == keys  # plain torch.load reads it too
     raw = good.read_bytes()
     bad = tmp_path / "bad.pt"
     for content in (raw[:len(raw) // 2], random.Random(0).randbytes(4096), b"step 6, loss 2.3\n"):
