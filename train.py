@@ -27,7 +27,6 @@ import json
 import math
 import os
 import random
-import resource
 import signal
 import statistics
 import sys
@@ -65,6 +64,7 @@ from depthres.distributed import (
     gradient_sync,
     load_optimizer_state,
     local,
+    peak_memory,
     setup_distributed,
     shard,
     state_bytes,
@@ -467,16 +467,15 @@ def stop_if_signalled(run, signals):
 
 def summarize(run, val_loss, test_loss, progress):
     """A finished run's summary, written to summary.json by rank 0: its last step is checkpointed."""
-    cuda = run.dist.device.type == "cuda"
+    peak, peaks = peak_memory(run.dist)
     summary = {"run_dir": str(run.run_dir), "step": run.step, "val_loss": val_loss, "test_loss": test_loss,
                "params": run.raw_model.num_params(),
                # rank 0's weights and AdamW state (gradients, as large as the weights, live during a step)
                "state_bytes_per_rank": state_bytes(run.raw_model, run.optimizer),
                "unigram_baseline": run.meta.get("unigram_baseline_nats"), "seconds": progress.elapsed(),
                "tokens_per_s": statistics.median(progress.speeds) if progress.speeds else None,  # over log intervals
-               # CUDA: peak allocated; CPU: the process' peak resident set (the whole run's, one process)
-               "peak_memory_bytes": torch.cuda.max_memory_allocated(run.dist.device) if cuda else
-               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+               # CUDA: peak allocated; CPU: peak resident set; the largest of any rank's, then each rank's
+               "peak_memory_bytes": peak, "peak_memory_bytes_per_rank": peaks}
     if run.dist.master:
         write_file(run.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), RunDirError)
     return summary

@@ -34,8 +34,11 @@ def test_fsdp_equals_one_process_for_dar(data_dir, tmp_path):
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args + ["--run_name=fsdp", "--fsdp=true"])
     assert (rc0, rc1) == (0, 0), err0 + err1
     assert_close_runs(tmp_path / "one", tmp_path / "fsdp")
-    one, sharded = (json.loads((tmp_path / n / "summary.json").read_text())["state_bytes_per_rank"] for n in ("one", "fsdp"))
-    assert 0.45 < sharded / one < 0.55  # each of the 2 ranks holds half the weights and AdamW state
+    one, sharded = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "fsdp"))
+    assert 0.45 < sharded["state_bytes_per_rank"] / one["state_bytes_per_rank"] < 0.55  # half the weights and AdamW
+    # the peak is the largest of every rank's, not rank 0's alone
+    assert len(sharded["peak_memory_bytes_per_rank"]) == 2 and len(one["peak_memory_bytes_per_rank"]) == 1
+    assert sharded["peak_memory_bytes"] == max(sharded["peak_memory_bytes_per_rank"]) > 0
 
 
 def test_fsdp_runs_stop_and_resume_bit_exact_and_their_checkpoints_load_anywhere(data_dir, tmp_path, capsys):
