@@ -66,12 +66,12 @@ from depthres.distributed import (
     local,
     peak_memory,
     setup_distributed,
-    shard,
     state_bytes,
     whole,
 )
 from depthres.files import write_file, writing
 from depthres.runlog import Progress, RunLog, log_eval, log_train, peak_flops, require_wandb, start_wandb
+from depthres.sharded import sharded_model
 from depthres.shards import DataError, TokenLoader, check_split, eval_batches, load_meta
 from model import GPT, GPTConfig, compile_model
 
@@ -307,13 +307,15 @@ def weights_finite(model, dist):
 
 def build(tc, mc, dist, ckpt):
     """Model (sharded with fsdp=true), optimizer and training loader, restored from `ckpt` when
-    resuming; and the step. A checkpoint holds the whole state: each rank loads it, then keeps its shard."""
+    resuming; and the step. FSDP builds the model on the meta device and gives each rank its shards
+    (depthres/sharded.py): no rank holds the whole model. A whole checkpoint: each rank keeps its shard."""
     seed_everything(tc.seed)
-    raw_model = GPT(mc, seed=tc.seed).to(dist.device)
-    if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
     if tc.fsdp and dist.world_size > 1:
-        shard(raw_model, dist)
+        raw_model = sharded_model(mc, tc.seed, dist, ckpt["model"] if ckpt is not None else None)
+    else:
+        raw_model = GPT(mc, seed=tc.seed).to(dist.device)
+        if ckpt is not None:
+            raw_model.load_state_dict(ckpt["model"])
     optimizer = build_optimizer(raw_model, tc, dist.device)  # over the (sharded) parameters
     loader = TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, dist.rank, dist.world_size, seed=tc.data_seed)
     if ckpt is None:
