@@ -876,30 +876,25 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        hd = cfg.n_embd // cfg.n_head
-        freqs = cfg.rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), freqs)
-        self.register_buffer("cos", angles.cos()[:, None, :], persistent=False)  # [T, 1, hd/2]
-        self.register_buffer("sin", angles.sin()[:, None, :], persistent=False)
-        self.init_weights(seed)
+        cos, sin = rotary_tables(cfg)  # [T, 1, hd/2], on the CPU; on the meta device too for a meta model
+        self.register_buffer("cos", cos.to(self.wte.weight.device), persistent=False)
+        self.register_buffer("sin", sin.to(self.wte.weight.device), persistent=False)
+        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: depthres/sharded.py), values come later
+            self.init_weights(seed)
 
     @torch.no_grad()
     def init_weights(self, seed):
-        """Every tensor's init. Each weight draws from its own generator seeded by (seed, name), so
-        two variants built with one seed share every common weight bit for bit (section 8).
-            wte, c_q, c_k, c_v, c_fc, lm_head   normal(0, 0.02)                    (GPT-2)
-            attn.c_proj, mlp.c_proj             normal(0, 0.02 / sqrt(2 n_layer))  (GPT-2's scaled residual init)
-            router.*                            the variant's own: see its reset_parameters (pseudo-queries zero)
-        """
-        std_out = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        def rng(name):
-            return torch.Generator().manual_seed(param_seed(seed, name))
-
+        """Every parameter set to its initial value for this seed: InitialWeights states each one's."""
+        init = InitialWeights(self.cfg, seed)
         for name, p in self.named_parameters():
-            if not name.startswith("router."):
-                std = std_out if name.endswith("c_proj.weight") else 0.02
-                p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=rng(name)))
-        self.router.reset_parameters(lambda name: rng("router." + name))
+            p.copy_(init(name, p.shape))
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """The rotary tables again (a model built on the meta device, then given storage, has none yet)."""
+        cos, sin = rotary_tables(self.cfg)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def param_groups(self, weight_decay):
         """AdamW groups: matrices decay; depth-routing parameters (pseudo-queries, gates) never do."""
@@ -967,6 +962,53 @@ def compile_model(model, **kwargs):
     short batch is one more static graph (why: docs/performance.md)."""
     torch._functorch.config.backward_pass_autocast = "off"
     return torch.compile(model, **{"dynamic": False, **kwargs})
+
+
+def rotary_tables(cfg):
+    """RoPE's (cos, sin) [block_size, 1, head_dim / 2], float32, computed on the CPU (the same bits for every device)."""
+    hd = cfg.n_embd // cfg.n_head
+    freqs = cfg.rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float32, device="cpu") / hd)
+    angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32, device="cpu"), freqs)
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+class InitialWeights:
+    """Every parameter's initial value, by name, without a model: init(name, shape) is a float32 CPU
+    tensor. GPT.init_weights sets a model's parameters to these; a model built on the meta device
+    (FSDP, depthres/sharded.py) gives each rank its shards of them, bit for bit the same. Each weight
+    draws from its own generator seeded by (seed, name), so two variants built with one seed share every
+    common weight bit for bit (section 8):
+        wte, c_q, c_k, c_v, c_fc, lm_head   normal(0, 0.02)                    (GPT-2)
+        attn.c_proj, mlp.c_proj             normal(0, 0.02 / sqrt(2 n_layer))  (GPT-2's scaled residual init)
+        router.*                            the variant's own: its reset_parameters (pseudo-queries zero),
+                                            run on a CPU copy of the residual module alone (its routing
+                                            parameters: small), made once
+    """
+
+    def __init__(self, cfg, seed):
+        self.cfg, self.seed, self._router = cfg, seed, None
+
+    def rng(self, name):
+        return torch.Generator().manual_seed(param_seed(self.seed, name))
+
+    @torch.no_grad()
+    def __call__(self, name, shape):
+        if name.startswith("router."):
+            value = self.router()[name.removeprefix("router.")]
+            if value.shape != torch.Size(shape):
+                raise ValueError(f"{name} has shape {tuple(value.shape)} in its module, not {tuple(shape)}")
+            return value
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+        return torch.empty(shape, device="cpu").normal_(0.0, std, generator=self.rng(name))
+
+    def router(self):
+        """{name: value} of the residual module's parameters after its reset_parameters."""
+        if self._router is None:
+            with torch.device("cpu"):
+                module = make_residual(self.cfg)
+            module.reset_parameters(lambda name: self.rng("router." + name))
+            self._router = {name: p.detach() for name, p in module.named_parameters()}
+        return self._router
 
 
 def param_seed(seed, name):

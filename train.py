@@ -27,7 +27,6 @@ import json
 import math
 import os
 import random
-import resource
 import signal
 import statistics
 import sys
@@ -67,13 +66,14 @@ from depthres.distributed import (
     launch_env,
     load_optimizer_state,
     local,
+    peak_memory,
     setup_distributed,
-    shard,
     state_bytes,
     whole,
 )
 from depthres.files import write_file, writing
 from depthres.runlog import Progress, RunLog, log_eval, log_train, peak_flops, require_wandb, start_wandb
+from depthres.sharded import load_sharded, remove_sharded, save_sharded, sharded_model
 from depthres.shards import DataError, TokenLoader, check_split, eval_batches, load_meta
 from model import GPT, GPTConfig, compile_model
 
@@ -133,8 +133,13 @@ class Run:
         return loss_limit(self.mc.vocab_size)
 
     @property
+    def sharded(self):
+        """FSDP: the model and optimizer are sharded, and so are the checkpoints (depthres/sharded.py)."""
+        return self.tc.fsdp and self.dist.world_size > 1
+
+    @property
     def ckpt_path(self):
-        return self.run_dir / "ckpt.pt"
+        return self.run_dir / ("ckpt" if self.sharded else "ckpt.pt")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,18 +318,25 @@ def weights_finite(model, dist):
 
 def build(tc, mc, dist, ckpt):
     """Model (sharded with fsdp=true), optimizer and training loader, restored from `ckpt` when
-    resuming; and the step. A checkpoint holds the whole state: each rank loads it, then keeps its shard."""
+    resuming; and the step. FSDP builds the model on the meta device and gives each rank its shards
+    (depthres/sharded.py): no rank holds the whole model. A whole checkpoint: each rank keeps its shard.
+    A sharded checkpoint (ckpt["sharded"]): each rank reads its part, whatever the number of ranks."""
     seed_everything(tc.seed)
-    raw_model = GPT(mc, seed=tc.seed).to(dist.device)
-    if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
+    whole = ckpt is not None and "sharded" not in ckpt
     if tc.fsdp and dist.world_size > 1:
-        shard(raw_model, dist)
+        raw_model = sharded_model(mc, tc.seed, dist, ckpt["model"] if whole else None, init=ckpt is None)
+    else:
+        raw_model = GPT(mc, seed=tc.seed).to(dist.device)
+        if whole:
+            raw_model.load_state_dict(ckpt["model"])
     optimizer = build_optimizer(raw_model, tc, dist.device)  # over the (sharded) parameters
     loader = TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, dist.rank, dist.world_size, seed=tc.data_seed)
     if ckpt is None:
         return raw_model, optimizer, loader, 0
-    load_optimizer_state(optimizer, ckpt["optimizer"])
+    if whole:
+        load_optimizer_state(optimizer, ckpt["optimizer"])
+    else:
+        load_sharded(ckpt["sharded"], raw_model, optimizer, dist)
     loader.load_state_dict(ckpt["loader"])
     set_rng_state(ckpt["rng"], dist.device)
     return raw_model, optimizer, loader, ckpt["step"]
@@ -349,6 +361,8 @@ def start_log(run):
         for name in ("summary.json",) if claim.continuing else ("summary.json", "ckpt.pt", "wandb_id.txt"):
             with writing(run_dir / name, RunDirError):
                 (run_dir / name).unlink(missing_ok=True)
+        if not claim.continuing:
+            remove_sharded(run_dir)
         write_file(run_dir / "config.json", (json.dumps(resolved, indent=2) + "\n").encode(), RunDirError)
         write_file(run_dir / "log.jsonl", "".join(line + "\n" for line in claim.kept_log).encode(), RunDirError)
     if tc.wandb_log:  # a failure to start W&B stops every rank, before step 1
@@ -389,13 +403,18 @@ def save(run):
     """A checkpoint of the run at its step (every rank takes part: FSDP gathers the shards)."""
     if not weights_finite(run.raw_model, run.dist):
         raise DivergedError(f"non-finite weights after step {run.step}; {last_good(run.saved)}")
+    state = {"format": CKPT_FORMAT, "model_config": asdict(run.mc), "tokenizer": run.meta["tokenizer"],
+             "step": run.step, "train_config": asdict(run.tc), "loader": run.batches.state_dict(),
+             "rng": rng_state(run.dist.device), "world_size": run.dist.world_size}
+    if run.sharded:  # every rank writes its own shards
+        save_sharded(run.run_dir, run.raw_model, run.optimizer, state, run.dist)
+        run.saved = (run.step, run.ckpt_path)
+        return
     weights, optimizer_state = full_state(run.raw_model, run.optimizer, run.dist)
 
     def write():  # rank 0 writes; a failed write stops every rank
-        save_checkpoint(run.ckpt_path, {
-            "format": CKPT_FORMAT, "model_config": asdict(run.mc), "model": weights, "tokenizer": run.meta["tokenizer"],
-            "step": run.step, "train_config": asdict(run.tc), "optimizer": optimizer_state,
-            "loader": run.batches.state_dict(), "rng": rng_state(run.dist.device), "world_size": run.dist.world_size})
+        save_checkpoint(run.ckpt_path, {**state, "model": weights, "optimizer": optimizer_state})
+        remove_sharded(run.run_dir)  # an older sharded checkpoint (an FSDP run resumed without FSDP)
     agreed(run.dist, lambda: write() if run.dist.master else None)
     run.saved = (run.step, run.ckpt_path)
 
@@ -428,7 +447,7 @@ def train_loop(run):
     start_log(run)
     if run.ckpt is not None:  # the checkpoint this run continues is its last good one until it writes its own
         source = resume_path(tc, run.run_dir)
-        run.saved = (run.step, source / "ckpt.pt" if source.is_dir() else source)
+        run.saved = (run.step, run.ckpt.get("sharded") or (source / "ckpt.pt" if source.is_dir() else source))
     peak = peak_flops(dist.device)
     # tokens/s of each log interval, those a resumed run kept too: the summary gives their median
     speeds = [r["tokens_per_s"] for r in map(json.loads, run.claim.kept_log if run.claim else []) if "tokens_per_s" in r]
@@ -514,16 +533,15 @@ def stop_if_signalled(run, signals):
 
 def summarize(run, val_loss, test_loss, progress):
     """A finished run's summary, written to summary.json by rank 0: its last step is checkpointed."""
-    cuda = run.dist.device.type == "cuda"
+    peak, peaks = peak_memory(run.dist)
     summary = {"run_dir": str(run.run_dir), "step": run.step, "val_loss": val_loss, "test_loss": test_loss,
                "params": run.raw_model.num_params(),
                # rank 0's weights and AdamW state (gradients, as large as the weights, live during a step)
                "state_bytes_per_rank": state_bytes(run.raw_model, run.optimizer),
                "unigram_baseline": run.meta.get("unigram_baseline_nats"), "seconds": progress.elapsed(),
                "tokens_per_s": statistics.median(progress.speeds) if progress.speeds else None,  # over log intervals
-               # CUDA: peak allocated; CPU: the process' peak resident set (the whole run's, one process)
-               "peak_memory_bytes": torch.cuda.max_memory_allocated(run.dist.device) if cuda else
-               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+               # CUDA: peak allocated; CPU: peak resident set; the largest of any rank's, then each rank's
+               "peak_memory_bytes": peak, "peak_memory_bytes_per_rank": peaks}
     if run.dist.master:
         write_file(run.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), RunDirError)
     return summary

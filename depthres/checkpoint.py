@@ -1,9 +1,10 @@
 """
 The run directory and its checkpoints.
 
-    out_dir/run_name/   config.json, log.jsonl, ckpt.pt, summary.json, wandb_id.txt (RUN_FILES), .lock
+    out_dir/run_name/   config.json, log.jsonl, ckpt.pt or ckpt/, summary.json, wandb_id.txt (RUN_FILES), .lock
     ckpt.pt             one dict (CKPT_KEYS): weights, optimizer, loader and RNG states, configs, and a
                         sha256 of it all; written atomically, verified on every load
+    ckpt/               an FSDP run's sharded checkpoint instead (depthres/sharded.py)
     claim_run_dir       a run's claim on its directory: the lock for its life, the checkpoint it
                         continues, what it keeps of the log; a fresh run never replaces a run unasked
 """
@@ -26,7 +27,7 @@ CKPT_FORMAT = "depthres-ckpt-2"
 CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng",
              "checksum")
 CKPT_OPTIONAL = ("world_size",)  # keys added since: a checkpoint without them is read as before
-RUN_FILES = ("config.json", "log.jsonl", "ckpt.pt", "summary.json", "wandb_id.txt")  # what a run directory holds
+RUN_FILES = ("config.json", "log.jsonl", "ckpt.pt", "ckpt", "summary.json", "wandb_id.txt")  # what a run directory holds
 # model keys that change how the model computes, not what: a run may resume with other values. What
 # a change does to the numbers (tests/test_runlog.py): checkpointing recomputes the same operations,
 # the other two order the same sums differently
@@ -145,11 +146,18 @@ def _save(state, f):
         raise
 
 
-def load_checkpoint(path_or_run_dir, map_location="cpu"):
-    """The checkpoint dict of a run directory (its ckpt.pt) or a checkpoint file, format and checksum checked."""
-    path = Path(path_or_run_dir)
-    if path.is_dir():
-        path = path / "ckpt.pt"
+def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):
+    """The checkpoint dict of a run directory (its ckpt.pt) or a checkpoint file, format and checksum checked.
+    A sharded checkpoint (an FSDP run's ckpt/, or a run directory whose newest checkpoint it is): with
+    sharded=True its run state, without weights and optimizer, and "sharded": its directory, from which
+    each rank loads its part (depthres/sharded.py); otherwise refused, naming the export command."""
+    from depthres import sharded as sharded_ckpt  # (which imports this module)
+
+    kind, path = sharded_ckpt.locate(path_or_run_dir, prefer_sharded=sharded)
+    if kind == "sharded":
+        if not sharded:
+            raise CheckpointError(sharded_ckpt.export_advice(Path(path_or_run_dir)))
+        return sharded_ckpt.read_sharded(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
@@ -272,22 +280,25 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
     """Lock the run directory for this run's life and check what it holds against what this run
     would do with it; a Claim. Writes nothing in run_dir but its .lock."""
     source, last_step = resume_path(tc, run_dir), total_steps(tc)
-    continuing = source is not None and source.resolve() in (run_dir.resolve(), (run_dir / "ckpt.pt").resolve())
+    from depthres.sharded import holds_checkpoint
+
+    continuing = source is not None and source.resolve() in (run_dir.resolve(), (run_dir / "ckpt.pt").resolve(),
+                                                             (run_dir / "ckpt").resolve())
     ckpt = None
     if source is not None and not continuing:  # a new run here, from another run's checkpoint
-        ckpt = load_checkpoint(source)
+        ckpt = load_checkpoint(source, sharded=True)
         check_resumable(ckpt, source, mc, tokenizer, last_step, tc)
     with writing(run_dir, RunDirError):
         run_dir.mkdir(parents=True, exist_ok=True)
     lock = DirLock(run_dir, "run", RunDirError)
     try:
-        if source == run_dir and not (run_dir / "ckpt.pt").exists() and not (run_dir / "summary.json").exists():
+        if source == run_dir and not holds_checkpoint(run_dir) and not (run_dir / "summary.json").exists():
             # resume=true, stopped (or never started) before its first checkpoint: nothing to continue, so
             # it starts afresh, and a requeue script may always pass --resume=true (a named file must exist)
             print(f"note: {run_dir} holds no checkpoint yet: starting the run from step 0", file=sys.stderr)
             return Claim(lock, None, False, [])
         if continuing:
-            ckpt = load_checkpoint(source)
+            ckpt = load_checkpoint(source, sharded=True)
             check_resumable(ckpt, source, mc, tokenizer, last_step, tc)
             kept = read_log(run_dir / "log.jsonl", ckpt["step"], finished=ckpt["step"] == last_step)
             return Claim(lock, ckpt, True, kept)
@@ -300,7 +311,7 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
             return Claim(lock, ckpt, False, [])
         if held and not tc.overwrite:
             ways = ("continue it with --resume=true, or start over with --overwrite=true"
-                    if "ckpt.pt" in held and source is None else
+                    if {"ckpt.pt", "ckpt"} & set(held) and source is None else
                     "replace it with --overwrite=true, or choose another run_name")
             raise RunDirError(f"{run_dir} already holds a run ({', '.join(held)}): {ways}")
         return Claim(lock, ckpt, False, [])

@@ -16,6 +16,7 @@ to float32 rounding, not bit for bit. A checkpoint holds the whole, unsharded st
 
 import inspect
 import os
+import resource
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -123,6 +124,26 @@ def any_rank(dist, value):
     if dist.world_size > 1:
         torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
     return t.item()
+
+
+def per_rank(dist, value):
+    """Every rank's integer `value`, in rank order, on every rank (a collective)."""
+    if dist.world_size == 1:
+        return [int(value)]
+    values = [torch.zeros((), dtype=torch.int64, device=dist.device) for _ in range(dist.world_size)]
+    torch_dist.all_gather(values, torch.tensor(int(value), dtype=torch.int64, device=dist.device))
+    return [int(v) for v in values]
+
+
+def peak_memory(dist):
+    """(the largest peak memory of any rank, each rank's peak), in bytes, a collective: on CUDA the peak of
+    allocated tensors, on the CPU the process' peak resident set (its whole life: imports included)."""
+    if dist.device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(dist.device)
+    else:
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peaks = per_rank(dist, mine)
+    return max(peaks), peaks
 
 
 # ----------------------------------------------------------------------------------------------

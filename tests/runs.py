@@ -12,6 +12,7 @@ import torch
 
 import train
 from depthres.checkpoint import load_checkpoint
+from depthres.sharded import whole_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "test.py")  # 2 layers of width 32, 6 steps of 256 byte tokens
@@ -62,11 +63,19 @@ def kill_in_step(n, *signals):
     return step
 
 
+def whole(run_dir):
+    """A run's checkpoint as one dict (weights, optimizer), a sharded one gathered (an FSDP run's)."""
+    ckpt = load_checkpoint(run_dir, sharded=True)
+    return whole_checkpoint(ckpt["sharded"]) if "sharded" in ckpt else ckpt
+
+
 def assert_same_run(run_dir, reference):
     assert losses(run_dir) == losses(reference)  # bit for bit
     assert untimed(run_dir) == untimed(reference)
-    a, b = load_checkpoint(reference), load_checkpoint(run_dir)
+    a, b = whole(reference), whole(run_dir)
     assert a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for i in a["optimizer"]["state"] for x, y in
+               zip(a["optimizer"]["state"][i].values(), b["optimizer"]["state"][i].values(), strict=True))
     assert json.loads((run_dir / "summary.json").read_text())["val_loss"] == \
         json.loads((reference / "summary.json").read_text())["val_loss"]
 

@@ -1,24 +1,80 @@
-"""FSDP2: the same run sharded, equal to one process; its checkpoints load anywhere."""
+"""FSDP2: the same run sharded, equal to one process, started without a whole model on any rank; its
+sharded checkpoints survive kills, resume on any number of ranks, and export to one file that samples."""
 
 import json
+import shutil
 import signal
 
 import pytest
 import torch
 
+import sample
+import train
 from depthres.checkpoint import load_checkpoint
+from tools import export_ckpt
 
-from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, losses, run, signal_in_step_2, two_ranks
+from runs import (
+    CONFIG,
+    RANK1_SIGTERM_IN_STEP_2,
+    assert_same_run,
+    kill_in_step,
+    losses,
+    run,
+    signal_in_step_2,
+    steps,
+    two_ranks,
+    whole,
+)
 
 # ----------------------------------------------------------------------------------------------
 # FSDP2: the same run sharded; its checkpoints load anywhere
 
 KILL_9_IN_STEP_2 = signal_in_step_2("SIGKILL")
 
+# Two ranks build every residual family's model sharded from the meta device and compare each
+# parameter (gathered) and buffer with the one process model of the same seed; sys.exit(1) with the
+# names that differ. Odd sizes (vocab 67, 3 layers: 7 sites) leave uneven and empty shards.
+INITIAL_WEIGHTS = """
+import sys, torch
+import torch.distributed as torch_dist
+from depthres.distributed import setup_distributed
+from depthres.sharded import sharded_model
+from model import GPT, GPTConfig, RESIDUALS
+dist = setup_distributed("cpu")
+configs = [dict(residual=r) for r in RESIDUALS] + [dict(residual="dar", dar_routing="sep_v"),
+           dict(residual="rd_attnres", rd_mode="frozen_v"), dict(residual="standard", tie_embeddings=True)]
+differ, families = [], set()
+for extra in configs:
+    cfg = GPTConfig(vocab_size=67, block_size=16, n_layer=3, n_head=2, n_embd=16, **extra)
+    sharded, one = sharded_model(cfg, 5, dist), GPT(cfg, seed=5)
+    local = 0
+    for name, p in sharded.named_parameters():
+        local += p.to_local().numel()
+        if not torch.equal(p.full_tensor(), one.get_parameter(name)):
+            differ.append(f"{extra}: {name}")
+    for name, b in sharded.named_buffers():
+        if not torch.equal(b, one.get_buffer(name)):
+            differ.append(f"{extra}: buffer {name}")
+    if not local < 0.6 * one.num_params():  # this rank holds about half of the weights
+        differ.append(f"{extra}: {local} of {one.num_params()} parameters on rank {dist.rank}")
+    families.add(extra["residual"])
+assert families == set(RESIDUALS)
+torch_dist.destroy_process_group()
+print("\\n".join(differ), file=sys.stderr)
+sys.exit(1 if differ else 0)
+"""
+
+
+def test_fsdp_initial_weights_equal_one_process_for_every_family():
+    """The paired-init promise under FSDP's meta-device start: no rank builds the whole model, and
+    the shards gathered are bit for bit the weights one process initialises, for every variant."""
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: [], (INITIAL_WEIGHTS, INITIAL_WEIGHTS))
+    assert (rc0, rc1) == (0, 0), err0 + err1
+
 
 def assert_close_runs(a, b, atol=1e-5):
     """Two runs that differ only in how ranks sum their gradients: float32 rounding apart."""
-    ca, cb = load_checkpoint(a), load_checkpoint(b)
+    ca, cb = whole(a), whole(b)
     assert ca["step"] == cb["step"]
     for name, p in ca["model"].items():
         torch.testing.assert_close(cb["model"][name], p, atol=atol, rtol=0, msg=name)
@@ -34,42 +90,56 @@ def test_fsdp_equals_one_process_for_dar(data_dir, tmp_path):
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args + ["--run_name=fsdp", "--fsdp=true"])
     assert (rc0, rc1) == (0, 0), err0 + err1
     assert_close_runs(tmp_path / "one", tmp_path / "fsdp")
-    one, sharded = (json.loads((tmp_path / n / "summary.json").read_text())["state_bytes_per_rank"] for n in ("one", "fsdp"))
-    assert 0.45 < sharded / one < 0.55  # each of the 2 ranks holds half the weights and AdamW state
+    one, sharded = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "fsdp"))
+    assert 0.45 < sharded["state_bytes_per_rank"] / one["state_bytes_per_rank"] < 0.55  # half the weights and AdamW
+    # the peak is the largest of every rank's, not rank 0's alone
+    assert len(sharded["peak_memory_bytes_per_rank"]) == 2 and len(one["peak_memory_bytes_per_rank"]) == 1
+    assert sharded["peak_memory_bytes"] == max(sharded["peak_memory_bytes_per_rank"]) > 0
 
 
-def test_fsdp_runs_stop_and_resume_bit_exact_and_their_checkpoints_load_anywhere(data_dir, tmp_path, capsys):
-    """RD-AttnRes with activation checkpointing and 2 micro-steps per rank (no reduce-scatter on the
-    first). FSDP equals one process to float32 rounding (it sums gradients in another order); an FSDP
-    run stopped by SIGTERM, resumed, killed by kill -9 and resumed again repeats the uninterrupted FSDP
-    run bit for bit; an FSDP checkpoint samples, and resumes in one process and under DDP; a DDP
-    checkpoint resumes under FSDP."""
-    model = ["--residual=rd_attnres", "--activation_checkpointing=true", "--batch_tokens=512"]
-    base = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *model]
-    fsdp = base + ["--fsdp=true"]
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=straight"])
+
+# RD-AttnRes with activation checkpointing and 2 micro-steps per rank (no reduce-scatter on the first)
+MODEL = ["--residual=rd_attnres", "--activation_checkpointing=true", "--batch_tokens=512"]
+
+
+def fsdp_args(data_dir, out_dir, *more):
+    return [CONFIG, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *MODEL, "--fsdp=true", *more]
+
+
+@pytest.fixture(scope="module")
+def fsdp_straight(data_dir, tmp_path_factory):
+    """An uninterrupted 2-rank FSDP run: 6 steps, sharded checkpoints at 3 and 6."""
+    out = tmp_path_factory.mktemp("fsdp")
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp_args(data_dir, out, "--run_name=straight"))
     assert (rc0, rc1) == (0, 0), err0 + err1
-    run(data_dir, tmp_path, "--run_name=one", *model)
-    assert_close_runs(tmp_path / "one", tmp_path / "straight")
+    return out / "straight"
+
+
+def test_fsdp_runs_stop_and_resume_bit_exact_and_their_checkpoints_load_anywhere(data_dir, tmp_path, fsdp_straight):
+    """FSDP equals one process to float32 rounding (it sums gradients in another order); an FSDP run
+    stopped by SIGTERM, resumed, killed by kill -9 and resumed again repeats the uninterrupted FSDP
+    run bit for bit; its sharded checkpoint resumes in one process and under DDP (DCP reshards it); a
+    DDP checkpoint (one file) resumes under FSDP."""
+    base = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *MODEL]
+    fsdp = base + ["--fsdp=true"]
+    run(data_dir, tmp_path, "--run_name=one", *MODEL)
+    assert_close_runs(tmp_path / "one", fsdp_straight)
+    assert sorted(p.name for p in fsdp_straight.iterdir()) == [".lock", "ckpt", "config.json", "log.jsonl",
+                                                               "summary.json"]  # no ckpt.pt, nothing left over
 
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=broken"], (None, RANK1_SIGTERM_IN_STEP_2))
-    assert (rc0, rc1) == (143, 143) and load_checkpoint(tmp_path / "broken")["step"] == 2, err0 + err1
+    assert (rc0, rc1) == (143, 143) and load_checkpoint(tmp_path / "broken", sharded=True)["step"] == 2, err0 + err1
+    assert "checkpoint written to " + str(tmp_path / "broken" / "ckpt") in err0
     (rc0, _), (rc1, _) = two_ranks(lambda rank: fsdp + ["--run_name=broken", "--resume=true"],
                                    (KILL_9_IN_STEP_2, KILL_9_IN_STEP_2))  # step 4 dies; the checkpoint of 3 stays
-    assert (rc0, rc1) == (-signal.SIGKILL, -signal.SIGKILL) and load_checkpoint(tmp_path / "broken")["step"] == 3
+    assert (rc0, rc1) == (-signal.SIGKILL, -signal.SIGKILL)
+    assert load_checkpoint(tmp_path / "broken", sharded=True)["step"] == 3
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=broken", "--resume=true"])
     assert (rc0, rc1) == (0, 0), err0 + err1
-    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "broken")
-    assert losses(tmp_path / "broken") == losses(tmp_path / "straight")
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert all(torch.equal(x, y) for i in a["optimizer"]["state"] for x, y in
-               zip(a["optimizer"]["state"][i].values(), b["optimizer"]["state"][i].values()))
+    assert_same_run(tmp_path / "broken", fsdp_straight)
 
-    straight = tmp_path / "straight" / "ckpt.pt"
-    import sample
-    assert sample.main(["--ckpt", str(straight), "--max_new_tokens", "4"]) == 0
-    run(data_dir, tmp_path, "--run_name=one_more", f"--resume={straight}", "--max_steps=8", *model)
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + ["--run_name=ddp_more", f"--resume={straight}",
+    run(data_dir, tmp_path, "--run_name=one_more", f"--resume={fsdp_straight}", "--max_steps=8", *MODEL)
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + ["--run_name=ddp_more", f"--resume={fsdp_straight}",
                                                               "--max_steps=8"])
     assert (rc0, rc1) == (0, 0), err0 + err1
     assert_close_runs(tmp_path / "one_more", tmp_path / "ddp_more")
@@ -77,5 +147,84 @@ def test_fsdp_runs_stop_and_resume_bit_exact_and_their_checkpoints_load_anywhere
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=fsdp_more", f"--resume={ddp_ckpt}",
                                                               "--max_steps=10"])
     assert (rc0, rc1) == (0, 0), err0 + err1
-    run(data_dir, tmp_path, "--run_name=one_10", f"--resume={ddp_ckpt}", "--max_steps=10", *model)
+    run(data_dir, tmp_path, "--run_name=one_10", f"--resume={ddp_ckpt}", "--max_steps=10", *MODEL)
     assert_close_runs(tmp_path / "one_10", tmp_path / "fsdp_more")
+
+
+# Each rank, in its second checkpoint (step 6): its shards written, then cut to half, then kill -9.
+KILLED_IN_THE_SECOND_SHARDED_SAVE = """
+import os, signal, sys
+from pathlib import Path
+import torch.distributed.checkpoint as dcp
+import train
+real, calls = dcp.FileSystemWriter.write_data, []
+def write_data(self, plan, planner):
+    calls.append(1)
+    written = real(self, plan, planner)
+    if len(calls) == 2:
+        written.wait()
+        for f in Path(self.path).glob(f"__{os.environ['RANK']}_*"):
+            os.truncate(f, f.stat().st_size // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written
+dcp.FileSystemWriter.write_data = write_data
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def test_kill_9_in_a_sharded_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path, fsdp_straight):
+    args = fsdp_args(data_dir, tmp_path, "--run_name=killed")
+    (rc0, _), (rc1, _) = two_ranks(lambda rank: args, (KILLED_IN_THE_SECOND_SHARDED_SAVE,) * 2)
+    assert (rc0, rc1) == (-signal.SIGKILL, -signal.SIGKILL)
+    run_dir = tmp_path / "killed"
+    assert (run_dir / ".ckpt.tmp").is_dir() and load_checkpoint(run_dir, sharded=True)["step"] == 3
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args + ["--resume=true"])
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert_same_run(run_dir, fsdp_straight)  # bit for bit: losses, evaluations, weights, AdamW state
+    assert steps(run_dir) == [1, 2, 3, 4, 5, 6] and not (run_dir / ".ckpt.tmp").exists()
+
+    # a kill between a save's two renames leaves the previous checkpoint as .ckpt.old/: it is the checkpoint
+    (run_dir / "ckpt").rename(run_dir / ".ckpt.old")
+    assert load_checkpoint(run_dir, sharded=True)["sharded"] == run_dir / ".ckpt.old"
+
+
+def test_a_2_rank_checkpoint_resumes_on_1_and_on_2_ranks_and_exports_to_a_file_that_samples(
+        data_dir, tmp_path, monkeypatch, capsys, fsdp_straight):
+    """2 ranks -> 1 -> 2: the state is resumed exactly; the steps on 1 process sum the gradients in another
+    order (float32 rounding apart: the data is the same). A sharded checkpoint is read by sample.py once
+    exported to one file, bit for bit the state the shards hold; a damaged shard is refused."""
+    args = fsdp_args(data_dir, tmp_path, "--run_name=moved")
+    run_dir = tmp_path / "moved"
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args, (None, RANK1_SIGTERM_IN_STEP_2))
+    assert (rc0, rc1) == (143, 143), err0 + err1  # stopped after step 2, sharded
+    monkeypatch.setattr(train, "train_step", kill_in_step(2, signal.SIGTERM))
+    with pytest.raises(train.Stopped):  # on one process: resumed at 2, stopped after step 4, one file
+        train.main(args + ["--resume=true"])
+    monkeypatch.undo()
+    assert "resumed at step 2 from" in capsys.readouterr().out
+    one = load_checkpoint(run_dir)
+    assert one["step"] == 4 and not (run_dir / "ckpt").exists()
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args + ["--resume=true"])  # on 2 ranks again, sharded
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert steps(run_dir) == [1, 2, 3, 4, 5, 6] and not (run_dir / "ckpt.pt").exists()
+    assert_close_runs(run_dir, fsdp_straight)
+
+    # export: one file, the shards' state bit for bit, that samples; sample.py names the command before it
+    assert sample.main(["--ckpt", str(fsdp_straight), "--max_new_tokens", "4"]) == 2
+    assert "python -m tools.export_ckpt" in capsys.readouterr().err
+    exported = tmp_path / "exported"
+    shutil.copytree(fsdp_straight, exported)
+    assert export_ckpt.main([str(exported)]) == 0
+    file, shards = load_checkpoint(exported), whole(exported)
+    assert file["step"] == shards["step"] == 6
+    assert all(torch.equal(file["model"][k], v) for k, v in shards["model"].items())
+    assert sample.main(["--ckpt", str(exported), "--max_new_tokens", "4"]) == 0
+    assert load_checkpoint(exported, sharded=True)["sharded"] == exported / "ckpt"  # a resume keeps the shards
+
+    shard = exported / "ckpt" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert export_ckpt.main([str(exported), "--out", str(tmp_path / "x.pt")]) == 2
+    assert "__1_0.distcp is missing or corrupt" in capsys.readouterr().err

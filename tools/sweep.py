@@ -73,6 +73,7 @@ from pathlib import Path
 
 from depthres.config import build_model_config, control_character, parse_config
 from depthres.files import os_error_message
+from depthres.sharded import holds_checkpoint
 from tools.diagnose import plot_curves, pyplot
 from tools.stats import holm, paired_t
 
@@ -212,7 +213,7 @@ def train_command(spec, variant, seed, launcher):
         args += ["--wandb_log=true", f"--wandb_group={Path(spec['out_dir']).name}",
                  f"--wandb_tags={variant},seed{seed}", f"--wandb_run_name={variant}-seed{seed}"]
     args += [f"--{kv}" for kv in overrides(spec, variant)]
-    if (d / "ckpt.pt").exists():
+    if holds_checkpoint(d):  # ckpt.pt, or an FSDP run's sharded ckpt/
         args.append("--resume=true")
     elif d.exists():  # a run that died before its first checkpoint: nothing to resume, start it over
         args.append("--overwrite=true")
