@@ -28,13 +28,16 @@ The fractions count documents, not tokens.
 THE CUTTING RULE (a lone text, such as nanoGPT's input.txt, and very long documents):
   - which: a document longer than CUT_CHARS = 1,048,576 characters, and a source's only document
     (one .txt file, or a single record), is cut into pieces; every other document stays whole;
-  - where: a piece ends at the first line end ("\\n") at or after PIECE_CHARS = 16,384 characters;
-    where no line ends before LONG_LINE_CHARS = 65,536 characters, after the last space or tab
+  - where: a piece ends at the first line end ("\\n") at or after PIECE_CHARS = 4,096 characters;
+    where no line ends before LONG_LINE_CHARS = 16,384 characters, after the last space or tab
     before that length, or else at it; the last piece is what is left;
-  - what: each piece is a document of its own (EOT before it), and piece j of document i goes to
-    the split document i + j would go to. A lone text's pieces split as documents 0, 1, 2, ... do
-    (a 1.1 MB input.txt: about 68 pieces, 3 or 4 in val and test at 5% each), and a document that
-    is not cut keeps its split.
+  - splits: piece j of document i goes to the split document i + j would go to, so a lone text's
+    pieces split as documents 0, 1, 2, ... do (a 1.1 MB input.txt: about 270 pieces, about 13 in
+    val and 13 in test at 5% each), and every document that is not cut keeps its split;
+  - EOT: a piece starts with EOT where its split's text jumps: at the document's first piece, and
+    where the piece before it went to another split. A run of consecutive pieces in one split is
+    the document's text unchanged; a split of a cut text is its runs, EOT before each.
+  The fractions then count pieces; meta.json's docs count pieces too.
   A preparation written before this rule (its meta.json has no cut_documents) counts as up to date
   unless it holds a lone document; rebuild one that had documents above CUT_CHARS with --overwrite
   to cut them.
@@ -84,9 +87,10 @@ MAX_SHARD_TOKENS = 2**30  # a shard is assembled in memory: 2 GiB of uint16 ids
 
 # the cutting rule of the module docstring
 CUT_CHARS = 1 << 20  # a document longer than this is cut (and a source's only document, whatever its length)
-PIECE_CHARS = 1 << 14  # a piece ends at the first line end at or after this many characters
-LONG_LINE_CHARS = 1 << 16  # ... or, with no line end before this length, after its last space or tab before it
-CUT_RULE = {"above_chars": CUT_CHARS, "or_lone": True, "piece_chars": PIECE_CHARS, "long_line_chars": LONG_LINE_CHARS}
+PIECE_CHARS = 1 << 12  # a piece ends at the first line end at or after this many characters
+LONG_LINE_CHARS = 1 << 14  # ... or, with no line end before this length, after its last space or tab before it
+CUT_RULE = {"above_chars": CUT_CHARS, "or_lone": True, "piece_chars": PIECE_CHARS, "long_line_chars": LONG_LINE_CHARS,
+            "eot": "before a document, and before a piece whose predecessor went to another split"}
 READ_CHARS = 1 << 16  # a .txt file is read in blocks of this many characters
 
 
@@ -138,16 +142,17 @@ def _blocks(text):
     return (text[i:i + READ_CHARS] for i in range(0, len(text), READ_CHARS))
 
 
-def _units(documents, cut):
-    """(split index, text) of every document that stays whole and of every piece of the ones that
-    are cut, in order. documents: (text, lone) where text is a string or an iterable of its blocks
-    (a .txt file, never held whole) and lone says it is the source's only document. cut: a dict that
-    counts the documents cut and their pieces."""
+def _units(documents, split_of_index, cut):
+    """(split, text, eot) of every document that stays whole and of every piece of the ones that are
+    cut, in order; eot: the unit starts with EOT (the cutting rule of the module docstring).
+    documents: (text, lone) where text is a string or an iterable of its blocks (a .txt file, never
+    held whole) and lone says it is the source's only document. split_of_index: document index ->
+    split. cut: a dict that counts the documents cut and their pieces."""
     for i, (text, lone) in enumerate(documents):
         if text is None or isinstance(text, str):
             text = text or ""
             if len(text) <= CUT_CHARS and not lone:
-                yield i, text
+                yield split_of_index(i), text, True
                 continue
             blocks = _blocks(text)
         else:  # blocks: hold up to CUT_CHARS of them to see whether the document is longer
@@ -159,14 +164,17 @@ def _units(documents, cut):
                     if size > CUT_CHARS:
                         break
                 else:
-                    yield i, "".join(head)
+                    yield split_of_index(i), "".join(head), True
                     continue
             blocks = _chain(head, blocks)
-        n = 0
+        n, before = 0, None
         for n, piece in enumerate(_pieces(blocks), 1):
-            yield i + n - 1, piece
+            split = split_of_index(i + n - 1)
+            yield split, piece, split != before
+            before = split
         cut["documents"] += n > 0
         cut["pieces"] += n
+        cut["lone"] = lone
 
 
 def _chain(head, rest):
@@ -322,7 +330,7 @@ def _record_text(record, where, text_column, first):
 def _json_texts(path, text_column):
     """The texts of a JSON lines file (one object per line), or of a JSON array of objects."""
     n, first = 0, True
-    with _read_errors(path, lambda: f" after line {n}"), _open_text(path) as f:
+    with _read_errors(path, lambda: f" after line {n}" if n else ""), _open_text(path) as f:
         for line in f:
             n += 1
             stripped = line.strip()
@@ -410,26 +418,28 @@ def _documents(dataset, name, data_files, local, source_split, text_column, stre
 CHUNK_CHARS = 1 << 18  # characters of text per tokenizer task
 
 
-def _chunks(units, val_fraction, test_fraction):
-    """(texts, split ids) of consecutive units of about CHUNK_CHARS characters, in source order."""
-    texts, splits, size = [], [], 0
-    for index, text in units:
-        texts.append(text or "")  # null: an empty document
-        splits.append(SPLITS.index(split_of(index, val_fraction, test_fraction)))
-        size += len(texts[-1])
+def _chunks(units):
+    """(texts, EOT flags, split ids) of consecutive units of about CHUNK_CHARS characters, in source order."""
+    texts, eots, splits, size = [], [], [], 0
+    for split, text, eot in units:
+        texts.append(text)
+        eots.append(eot)
+        splits.append(SPLITS.index(split))
+        size += len(text)
         if size >= CHUNK_CHARS:
-            yield texts, splits
-            texts, splits, size = [], [], 0
+            yield texts, eots, splits
+            texts, eots, splits, size = [], [], [], 0
     if texts:
-        yield texts, splits
+        yield texts, eots, splits
 
 
-def _encode_docs(tokenizer_name, texts):
-    """Tokens of documents as [EOT] + encode(text) each (none for an empty text), and their lengths."""
+def _encode_docs(tokenizer_name, texts, eots=None):
+    """Tokens of documents as [EOT] + encode(text) each ([EOT] only where eots says so; nothing for an
+    empty text), and their lengths."""
     tok = get_tokenizer(tokenizer_name)
     ids, lengths = [], []
-    for text in texts:
-        doc = [tok.eot] + tok.encode(text) if text else []
+    for text, eot in zip(texts, eots or [True] * len(texts)):
+        doc = [tok.eot] * eot + tok.encode(text) if text else []
         ids += doc
         lengths.append(len(doc))
     return np.array(ids, dtype=np.uint16), np.array(lengths, dtype=np.int64)
@@ -442,13 +452,13 @@ def _ignore_sigint():
 def _encoded(chunks, tokenizer_name, num_proc):
     """(tokens, lengths, split ids) of the chunks, in order, on `num_proc` processes with a bounded backlog."""
     if num_proc == 1:
-        for texts, splits in chunks:
-            yield *_encode_docs(tokenizer_name, texts), splits
+        for texts, eots, splits in chunks:
+            yield *_encode_docs(tokenizer_name, texts, eots), splits
         return
     with multiprocessing.Pool(num_proc, initializer=_ignore_sigint) as pool:
         pending = deque()
-        for texts, splits in chunks:
-            pending.append((pool.apply_async(_encode_docs, (tokenizer_name, texts)), splits))
+        for texts, eots, splits in chunks:
+            pending.append((pool.apply_async(_encode_docs, (tokenizer_name, texts, eots)), splits))
             if len(pending) >= 2 * num_proc:
                 result, splits = pending.popleft()
                 yield *result.get(), splits
@@ -518,7 +528,8 @@ class ShardWriter:
         if self.fill == 0:
             return
         shard = self.buf[:self.fill]
-        self.counts += np.bincount(shard, minlength=len(self.counts))
+        for i in range(0, len(shard), 1 << 22):  # bincount works on int64 copies: a slice at a time, not the shard
+            self.counts += np.bincount(shard[i:i + (1 << 22)], minlength=len(self.counts))
         name = f"{self.split}_{len(self.files):06d}.bin"
         write_shard(self.out_dir / name, shard, self.tokenizer)
         self.files.append(name)
@@ -529,7 +540,7 @@ def _tokenize(documents, tok, out_dir, shard_tokens, num_proc, val_fraction, tes
     """Tokenize the documents into the shards of each split; returns the ShardWriter of each split."""
     from tqdm import tqdm
     writers = {s: ShardWriter(out_dir, s, tok, shard_tokens) for s in SPLITS}
-    chunks = _chunks(_units(documents, cut), val_fraction, test_fraction)
+    chunks = _chunks(_units(documents, lambda i: split_of(i, val_fraction, test_fraction), cut))
     with tqdm(unit="docs", desc="tokenizing", disable=None) as bar:  # no bar when stderr is not a terminal
         for tokens, lengths, split in _encoded(chunks, tok.name, num_proc):
             split = np.array(split)
@@ -610,7 +621,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             staging.mkdir()
         except OSError as e:
             raise DataError(os_error_message(e, staging) + kept) from None
-        cut = {"documents": 0, "pieces": 0}
+        cut = {"documents": 0, "pieces": 0, "lone": False}
         try:
             documents = _documents(dataset, name, data_files, local, source_split, text_column, streaming)
             t0 = time.time()
@@ -630,7 +641,8 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         baseline = None
         if writers["val"].tokens:
             baseline = unigram_baseline(writers["train"].counts, writers["val"].counts)
-        meta = {**settings, "vocab_size": tok.vocab_size, "eot": tok.eot, "eot_placement": "before each document",
+        meta = {**settings, "vocab_size": tok.vocab_size, "eot": tok.eot,
+                "eot_placement": "before each document (in a cut one, where its split's text jumps)",
                 "splits": splits, "unigram_baseline_nats": baseline}
         write_meta(staging, meta)
         swapping = True
@@ -663,10 +675,13 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     for s, info in splits.items():
         print(f"{s:>5}: {info['docs']:,} docs, {info['tokens']:,} tokens, {info['shards']} shards")
         if info["tokens"] == 0 and s != "train" and meta[f"{s}_fraction"] > 0:
-            print(f"warning: split {s} is empty: the source has too few documents for --{s}_fraction", file=sys.stderr)
+            few = (f"the lone text gave only {cut['pieces']} pieces of about {PIECE_CHARS:,} characters: raise "
+                   f"--{s}_fraction, or pass more text" if cut["lone"] else
+                   f"the source has too few documents for --{s}_fraction")
+            print(f"warning: split {s} is empty: {few}", file=sys.stderr)
     if cut["documents"]:
         print(f"cut {cut['documents']:,} document(s) (a lone one, or longer than {CUT_CHARS:,} characters) into "
-              f"{cut['pieces']:,} pieces at line ends, each a document of its own (prepare_data.py --help)")
+              f"{cut['pieces']:,} pieces at line ends for the splits (the cutting rule: prepare_data.py --help)")
     if baseline is not None:
         print(f"unigram baseline (val, train frequencies): {baseline:.4f} nats/token")
     print(f"wrote {out_dir} in {dt:.1f}s ({total / max(dt, 1e-9):,.0f} tokens/s)")

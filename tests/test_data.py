@@ -589,12 +589,25 @@ def test_a_lone_text_file_is_cut_at_line_ends_into_every_split(tmp_path, capsys)
     assert all(p.endswith("\n") and len(p) >= prepare_data.PIECE_CHARS for p in pieces[:-1])
     tok = get_tokenizer("byte")
     for split in SPLITS:  # piece j of the lone document goes where document j would go
-        assert split_stream(out, split) == expected_stream(tok, pieces, split, 0.1, 0.1)
+        assert split_stream(out, split) == cut_stream(tok, pieces, 0, split, 0.1, 0.1)
+        runs = "".join(p if split_of(j, 0.1, 0.1) == split else "\0" for j, p in enumerate(pieces)).split("\0")
+        assert tok.decode(split_stream(out, split)) == "<|endoftext|>".join([""] + [r for r in runs if r])
     assert sum(meta["splits"][s]["docs"] for s in SPLITS) == len(pieces)
 
 
+def cut_stream(tok, pieces, i, split, val_fraction, test_fraction):
+    """The tokens that the pieces of document i give `split`: EOT where the split's text jumps."""
+    ids, before = [], None
+    for j, piece in enumerate(pieces):
+        s = split_of(i + j, val_fraction, test_fraction)
+        if s == split:
+            ids += [tok.eot] * (s != before) + tok.encode(piece)
+        before = s
+    return ids
+
+
 def test_a_long_document_among_others_is_cut_and_the_others_keep_their_splits(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_data, "CUT_CHARS", 3000)
+    monkeypatch.setattr(prepare_data, "CUT_CHARS", 3000)  # what a 1 MiB document does, at a small size
     monkeypatch.setattr(prepare_data, "PIECE_CHARS", 200)
     monkeypatch.setattr(prepare_data, "LONG_LINE_CHARS", 800)
     long = lines_of_text(5000, seed=1)[:4000] + "x" * 1700 + " tail"  # ends in a line longer than 800
@@ -605,9 +618,7 @@ def test_a_long_document_among_others_is_cut_and_the_others_keep_their_splits(tm
     assert len(pieces) > 10 and pieces[-2] == "x" * 800 and pieces[-1].endswith(" tail")
     tok = get_tokenizer("byte")
     for split in SPLITS:  # document i as before; piece j of the long document 10 as document 10 + j
-        expected = expected_stream(tok, docs[:10], split, 0.2, 0.1)
-        expected += [i for j, p in enumerate(pieces) if split_of(10 + j, 0.2, 0.1) == split
-                     for i in [tok.eot] + tok.encode(p)]
+        expected = expected_stream(tok, docs[:10], split, 0.2, 0.1) + cut_stream(tok, pieces, 10, split, 0.2, 0.1)
         expected += [i for j, t in enumerate(docs[11:], 11) if t and split_of(j, 0.2, 0.1) == split
                      for i in [tok.eot] + tok.encode(t)]
         assert split_stream(tmp_path / "out", split) == expected
