@@ -112,6 +112,8 @@ def check_args(args):
             raise BenchError(f"--device {args.device} is not a device: use auto, cpu, cuda or cuda:N") from None
         need(device.type in ("cpu", "cuda"), f"--device {args.device}: use auto, cpu, cuda or cuda:N")
         need(device.type != "cuda" or torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available")
+        need(device.type != "cuda" or device.index is None or device.index < torch.cuda.device_count(),
+             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
     try:
         GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                   n_embd=args.n_embd)
