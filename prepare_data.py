@@ -3,32 +3,61 @@ Tokenize a text corpus into binary shards (their format: shards.py).
 
     python prepare_data.py                              # embedded Shakespeare -> data/shakespeare/
     python prepare_data.py --tokenizer byte             # same corpus as bytes -> data/shakespeare_byte/
+    python prepare_data.py --data_files input.txt       # one text, cut into pieces for the splits (below)
     python prepare_data.py --data_files 'corpus/*.parquet' --out_dir data/corpus --num_proc 8
-    python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --name sample-10BT --streaming \
+    python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --name sample-10BT \
         --val_fraction 0.001 --test_fraction 0.001 --num_proc 16
 
 An output directory holds {train,val,test}_NNNNNN.bin shards and meta.json (written last), and a
 .lock file: one preparation at a time writes into it (a second one is refused). A run that fails
 removes what it wrote; a directory it created is removed too.
-Documents: each one is tokenized as <|endoftext|> followed by its text, so EOT marks the start
-of every document (nanoGPT's convention), and a split is the concatenation of its documents.
+Reading: every source is read as a stream, one document (or one piece of one) at a time, so memory
+does not grow with the corpus: it holds the shard being filled of each split (--shard_tokens ids of
+2 bytes at most) and the record a JSON or parquet reader is on; a .txt file is never held whole (a
+JSON array file, `[{...}, ...]`, is: use JSON lines for large corpora). Local files are read here;
+a hub --dataset streams through `datasets` (--no-streaming downloads and caches it first). A UTF-8
+byte order mark at the start of a file is dropped, and the line ends of a .txt file become "\\n".
+Documents: a .txt file is one document, and so is a JSON or parquet record. Each one is tokenized as
+<|endoftext|> followed by its text, so EOT marks the start of every document (nanoGPT's convention),
+and a split is the concatenation of its documents.
 Splits: document i (its position in the source) goes to val, test or train by the fractional
 part of (i + 1) / golden ratio (Fibonacci hashing): the same on every machine and for every
 --num_proc, it needs no document count (streaming works), and it spreads each split evenly over
 the corpus, so even the 42 Shakespeare documents give 2 val and 2 test documents at 5% each.
 The fractions count documents, not tokens.
+THE CUTTING RULE (a lone text, such as nanoGPT's input.txt, and very long documents):
+  - which: a document longer than CUT_CHARS = 1,048,576 characters, and a source's only document
+    (one .txt file, or a single record), is cut into pieces; every other document stays whole;
+  - where: a piece ends at the first line end ("\\n") at or after PIECE_CHARS = 4,096 characters;
+    where no line ends before LONG_LINE_CHARS = 16,384 characters, after the last space or tab
+    before that length, or else at it; the last piece is what is left;
+  - splits: piece j of document i goes to the split document i + j would go to, so a lone text's
+    pieces split as documents 0, 1, 2, ... do (a 1.1 MB input.txt: about 270 pieces, about 13 in
+    val and 13 in test at 5% each), and every document that is not cut keeps its split;
+  - EOT: a piece starts with EOT where its split's text jumps: at the document's first piece, and
+    where the piece before it went to another split. A run of consecutive pieces in one split is
+    the document's text unchanged; a split of a cut text is its runs, EOT before each.
+  The fractions then count pieces; meta.json's docs count pieces too.
+  A preparation written before this rule (its meta.json has no cut_documents) counts as up to date
+  unless it holds a lone document; rebuild one that had documents above CUT_CHARS with --overwrite
+  to cut them.
+Exit status: 0 done; 2 with one `error:` line (bad flags, a source that cannot be read, an out_dir
+that cannot be written), leaving no output behind; 130 on Ctrl-C (`stopped by Ctrl-C; ...`).
 """
 
 import argparse
 import glob
 import gzip
+import io
 import json
 import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import time
+import zlib
 from collections import deque
 from contextlib import suppress
 from pathlib import Path
@@ -56,9 +85,21 @@ OUR_FILES = re.compile(r"\.?((train|val|test)_\d{6}\.bin|meta\.json)(\.tmp)?")
 STAGING = ".prepare_data-staging"  # a preparation is built here, beside the one it replaces, then moved in
 MAX_SHARD_TOKENS = 2**30  # a shard is assembled in memory: 2 GiB of uint16 ids
 
+# the cutting rule of the module docstring
+CUT_CHARS = 1 << 20  # a document longer than this is cut (and a source's only document, whatever its length)
+PIECE_CHARS = 1 << 12  # a piece ends at the first line end at or after this many characters
+LONG_LINE_CHARS = 1 << 14  # ... or, with no line end before this length, after its last space or tab before it
+CUT_RULE = {"above_chars": CUT_CHARS, "or_lone": True, "piece_chars": PIECE_CHARS, "long_line_chars": LONG_LINE_CHARS,
+            "eot": "before a document, and before a piece whose predecessor went to another split"}
+READ_CHARS = 1 << 16  # a .txt file is read in blocks of this many characters
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, after prepare() cleaned up: the message says what out_dir holds now."""
+
 
 # -----------------------------------------------------------------------------
-# preparing a corpus
+# splits and cutting
 
 def split_of(index, val_fraction, test_fraction):
     """The split ("train", "val" or "test") of the document at position `index` of the source."""
@@ -69,6 +110,94 @@ def split_of(index, val_fraction, test_fraction):
         return "test"
     return "train"
 
+
+def _piece_end(buf):
+    """Where the first piece of `buf` ends (an index past its last character), or None when `buf`
+    is too short to tell: the cutting rule of the module docstring."""
+    end = buf.find("\n", PIECE_CHARS - 1, LONG_LINE_CHARS)
+    if end >= 0:
+        return end + 1
+    if len(buf) < LONG_LINE_CHARS:
+        return None
+    end = max(buf.rfind(" ", PIECE_CHARS - 1, LONG_LINE_CHARS), buf.rfind("\t", PIECE_CHARS - 1, LONG_LINE_CHARS))
+    return end + 1 if end >= 0 else LONG_LINE_CHARS
+
+
+def _pieces(blocks):
+    """The pieces of a text given as consecutive blocks of it."""
+    buf = ""
+    for block in blocks:
+        buf += block
+        while len(buf) >= PIECE_CHARS:
+            end = _piece_end(buf)
+            if end is None:
+                break
+            yield buf[:end]
+            buf = buf[end:]
+    if buf:
+        yield buf
+
+
+def _blocks(text):
+    return (text[i:i + READ_CHARS] for i in range(0, len(text), READ_CHARS))
+
+
+def _units(documents, split_of_index, cut):
+    """(split, text, eot) of every document that stays whole and of every piece of the ones that are
+    cut, in order; eot: the unit starts with EOT (the cutting rule of the module docstring).
+    documents: (text, lone) where text is a string or an iterable of its blocks (a .txt file, never
+    held whole) and lone says it is the source's only document. split_of_index: document index ->
+    split. cut: a dict that counts the documents cut and their pieces."""
+    for i, (text, lone) in enumerate(documents):
+        if text is None or isinstance(text, str):
+            text = text or ""
+            if len(text) <= CUT_CHARS and not lone:
+                yield split_of_index(i), text, True
+                continue
+            blocks = _blocks(text)
+        else:  # blocks: hold up to CUT_CHARS of them to see whether the document is longer
+            blocks, head, size = iter(text), [], 0
+            if not lone:
+                for block in blocks:
+                    head.append(block)
+                    size += len(block)
+                    if size > CUT_CHARS:
+                        break
+                else:
+                    yield split_of_index(i), "".join(head), True
+                    continue
+            blocks = _chain(head, blocks)
+        n, before = 0, None
+        for n, piece in enumerate(_pieces(blocks), 1):
+            split = split_of_index(i + n - 1)
+            yield split, piece, split != before
+            before = split
+        cut["documents"] += n > 0
+        cut["pieces"] += n
+        cut["lone"] = lone
+
+
+def _chain(head, rest):
+    yield from head
+    yield from rest
+
+
+def _with_lone(texts):
+    """(text, lone) of each text; lone only for the only one (one text of lookahead)."""
+    it, end = iter(texts), object()  # a text may be None (an empty document)
+    first = next(it, end)
+    if first is end:
+        return
+    second = next(it, end)
+    yield first, second is end
+    if second is not end:
+        yield second, False
+        for text in it:
+            yield text, False
+
+
+# -----------------------------------------------------------------------------
+# reading sources
 
 def unigram_baseline(train_counts, val_counts):
     """Cross-entropy (nats/token) of val under the add-one-smoothed unigram distribution of train."""
@@ -102,7 +231,7 @@ def _local_files(patterns):
 
 
 def _builder(files):
-    """The `datasets` builder (json, parquet or text) for local files, from their extension."""
+    """The kind of local files (json, parquet or text), from their extension."""
     builders = set()
     for f in files:
         stem = f[:-3] if f.endswith(".gz") else f
@@ -116,152 +245,242 @@ def _builder(files):
     return builders.pop()
 
 
-def load_source(dataset, name, data_files, source_split, text_column, streaming):
-    """The source documents as a datasets.Dataset (or IterableDataset if streaming) of one column."""
-    from datasets import load_dataset
-    kwargs = {"sample_by": "document"} if dataset == "text" else {}  # a .txt file is one document
-    ds = load_dataset(dataset, name, data_files=data_files, split=source_split, streaming=streaming, **kwargs)
-    try:
-        return ds.select_columns([text_column])
-    except ValueError as e:
-        raise DataError(f"source {dataset} {data_files or name or ''} has no column {text_column!r} ({e}): "
-                        "pass --text_column") from e
+READ_ERRORS = (OSError, EOFError, zlib.error)  # what a damaged file (a corrupt or cut .gz) raises when read
 
 
-class NotText(ValueError):
-    """A document whose text column holds something other than a string or null."""
+def _open_text(path):
+    """A local file as text: .gz decompressed, UTF-8 (strict), a leading byte order mark dropped, line
+    ends as "\\n"."""
+    raw = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None)
 
 
-def _first_bad_record(path, text_column):
-    """The first place in a local source file that a reader trips on, as a message (None: none found).
-    Called only when reading the source failed, to say where and why: datasets' own errors name
-    neither the file nor the line."""
+def _not_utf8(path):
+    """DataError naming the first line of a local file that is not UTF-8 (the file read again, in blocks)."""
+    import codecs
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pos, line, line_start = 0, 1, 0  # the file offset of the block, its line, where that line starts
     opener = gzip.open if path.endswith(".gz") else open
-    kind = BUILDERS.get(os.path.splitext(path[:-3] if path.endswith(".gz") else path)[1])
+    with opener(path, "rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            held = decoder.getstate()[0]  # the start of a character cut by the previous block
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                before = (held + block)[:e.start]
+                line += before.count(b"\n")
+                if b"\n" in before:
+                    line_start = pos - len(held) + before.rfind(b"\n") + 1
+                return DataError(f"{path} line {line} is not UTF-8 ({e.reason} at byte "
+                                 f"{pos - len(held) + e.start - line_start} of the line): convert the file to UTF-8 "
+                                 "(e.g. iconv -f latin1 -t utf-8)")
+            if not block:
+                return DataError(f"{path} is not UTF-8: convert the file to UTF-8")
+            line += block.count(b"\n")
+            if b"\n" in block:
+                line_start = pos + block.rfind(b"\n") + 1
+            pos += len(block)
 
-    def check(record, where):
-        if kind != "json":
-            return None
-        if not isinstance(record, dict):
-            return f"{where} is a JSON {type(record).__name__}, not an object: one JSON object per document"
-        text = record.get(text_column)
-        if text is not None and not isinstance(text, str):
-            return (f"{where}: {text_column!r} holds {text!r:.40} ({type(text).__name__}), not text: fix it, "
-                    "or pass --text_column naming the text field")
-        return None
 
+def _read_errors(path, where=lambda: ""):
+    """A context for reading a local file: what it raises becomes one DataError naming the file."""
+    class Context:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, e, tb):
+            if isinstance(e, UnicodeDecodeError):
+                raise _not_utf8(path) from None
+            if isinstance(e, READ_ERRORS):
+                reason = getattr(e, "strerror", None) or str(e)
+                raise DataError(f"{path} could not be read{where()} ({type(e).__name__}: {reason}): it is damaged "
+                                "or cut short; replace it") from None
+            return False
+    return Context()
+
+
+def _text_blocks(path):
+    """A .txt file, as blocks of its text."""
+    with _read_errors(path), _open_text(path) as f:
+        while block := f.read(READ_CHARS):
+            yield block
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _record_text(record, where, text_column, first):
+    """The text of a JSON record; DataError if it is not one."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where} is a JSON {type(record).__name__}, not an object: one JSON object per document")
+    if text_column not in record and first:
+        raise DataError(f"{where} has no field {text_column!r} (its fields: {', '.join(map(str, record))}): "
+                        "pass --text_column naming the text field")
+    text = record.get(text_column)
+    if text is not None and not isinstance(text, str):
+        raise DataError(f"{where}: {text_column!r} holds {text!r:.40} ({type(text).__name__}), not text: fix it, "
+                        "or pass --text_column naming the text field")
+    if text and (bad := SURROGATE.search(text)):  # a "\ud800" escape that pairs with nothing: not Unicode text
+        raise DataError(f"{where}: {text_column!r} holds a lone surrogate ({bad.group()!r}) at character "
+                        f"{bad.start()}: not Unicode text; fix or remove it")
+    return text
+
+
+def _json_texts(path, text_column):
+    """The texts of a JSON lines file (one object per line), or of a JSON array of objects."""
+    n, first = 0, True
+    with _read_errors(path, lambda: f" after line {n}" if n else ""), _open_text(path) as f:
+        for line in f:
+            n += 1
+            stripped = line.strip()
+            if not stripped:
+                continue
+            if first and stripped.startswith("["):  # one JSON array: read whole
+                text = line + f.read()
+                try:
+                    records = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): "
+                                    "fix it") from None
+                for i, record in enumerate(records):
+                    yield _record_text(record, f"{path} item {i}", text_column, i == 0)
+                return
+            try:
+                record = json.loads(stripped)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {n} is not valid JSON ({e.msg}, column {e.colno}): "
+                                "fix or remove that line") from None
+            yield _record_text(record, f"{path} line {n}", text_column, first)
+            first = False
+
+
+def _parquet_texts(path, text_column):
+    """The texts of a parquet file's column, a batch of rows at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     try:
-        if kind == "parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-            schema = pq.read_schema(path)
-            if text_column in schema.names:
-                typ = schema.field(text_column).type
-                if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
-                    return f"{path}: column {text_column!r} has type {typ}, not text: pass --text_column"
-            return None
-        with opener(path, "rb") as f:
-            if kind == "json" and f.read(1).lstrip() == b"[":  # one JSON array of objects
-                f.seek(0)
-                try:
-                    records = json.loads(f.read().decode("utf-8"))
-                except UnicodeDecodeError as e:
-                    return f"{path} is not UTF-8 text (byte {e.start}): convert it to UTF-8"
-                except json.JSONDecodeError as e:
-                    return f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): fix it"
-                return next(filter(None, (check(r, f"{path} item {i}") for i, r in enumerate(records))), None)
-            f.seek(0)
-            for n, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    return (f"{path} line {n} is not UTF-8 ({e.reason} at byte {e.start} of the line): "
-                            "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
-                if kind != "json" or not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    return f"{path} line {n} is not valid JSON ({e.msg}, column {e.colno}): fix or remove that line"
-                bad = check(record, f"{path} line {n}")
-                if bad:
-                    return bad
-    except (OSError, EOFError, ValueError) as e:  # a corrupt .gz or parquet file
-        return f"{path} could not be read ({type(e).__name__}: {e}): replace it"
-    return None
+        f = pq.ParquetFile(path)
+        schema = f.schema_arrow
+        if text_column not in schema.names:
+            raise DataError(f"{path} has no column {text_column!r} (its columns: {', '.join(schema.names)}): "
+                            "pass --text_column")
+        typ = schema.field(text_column).type
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
+            raise DataError(f"{path}: column {text_column!r} has type {typ}, not text: pass --text_column")
+        for batch in f.iter_batches(batch_size=256, columns=[text_column]):
+            yield from batch.column(0).to_pylist()
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"{path} could not be read ({type(e).__name__}: {e}): replace it") from None
 
 
-def _source_error(e, dataset, name, data_files, text_column):
-    """A DataError that says which source file (and line) could not be read, for `e` raised while
-    reading a source."""
-    for f in data_files or []:
-        if dataset in BUILDERS.values():
-            message = _first_bad_record(f, text_column)
-            if message:
-                return DataError(message)
-    if isinstance(e, NotText):
-        return DataError(f"{e}: pass --text_column naming a text column")
-    cause = e
-    while cause.__cause__ is not None or cause.__context__ is not None:
-        cause = cause.__cause__ or cause.__context__
-    reason = (str(cause).strip().splitlines() or [""])[0]
-    return DataError(f"could not read source {dataset} {data_files or name or ''}: "
-                     f"{type(cause).__name__}: {reason}")
+def _hub_texts(dataset, name, data_files, source_split, text_column, streaming):
+    """The texts of a hub dataset's column, through `datasets`. Whatever fails while reading is a
+    DataError naming the source."""
+    where = dataset + (f" ({name})" if name else "") + (f" {data_files}" if data_files else "")
+    try:
+        from datasets import load_dataset
+        ds = load_dataset(dataset, name, data_files=data_files, split=source_split, streaming=streaming)
+        try:
+            ds = ds.select_columns([text_column])
+        except ValueError as e:
+            raise DataError(f"source {where} has no column {text_column!r} ({e}): pass --text_column") from None
+        for index, row in enumerate(ds):
+            yield _record_text(row, f"source {where} document {index}", text_column, False)
+    except (DataError, GeneratorExit):
+        raise
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        reason = (str(cause).strip().splitlines() or [""])[0]
+        raise DataError(f"could not read source {where}: {type(cause).__name__}: {reason}: check the dataset's "
+                        "name, --name and --source_split, and the network") from None
 
+
+def _documents(dataset, name, data_files, local, source_split, text_column, streaming):
+    """(text, lone) of every document of the source, in order (see _units)."""
+    if dataset == "text" and local:
+        for path in data_files:
+            yield _text_blocks(path), len(data_files) == 1
+        return
+    if local:
+        read = _json_texts if dataset == "json" else _parquet_texts
+        texts = (text for path in data_files for text in read(path, text_column))
+    else:
+        texts = _hub_texts(dataset, name, data_files, source_split, text_column, streaming)
+    yield from _with_lone(texts)
+
+
+# -----------------------------------------------------------------------------
+# tokenizing
 
 CHUNK_CHARS = 1 << 18  # characters of text per tokenizer task
 
 
-def _chunks(ds, text_column):
-    """Lists of consecutive document texts of about CHUNK_CHARS characters, in source order."""
-    texts, size = [], 0
-    for index, row in enumerate(ds):
-        text = row[text_column]
-        if text is not None and not isinstance(text, str):
-            raise NotText(f"document {index} of the source holds {text!r:.40} ({type(text).__name__}) "
-                          f"in column {text_column!r}, not text")
-        texts.append(text or "")  # null: an empty document
-        size += len(texts[-1])
+def _chunks(units):
+    """(texts, EOT flags, split ids) of consecutive units of about CHUNK_CHARS characters, in source order."""
+    texts, eots, splits, size = [], [], [], 0
+    for split, text, eot in units:
+        texts.append(text)
+        eots.append(eot)
+        splits.append(SPLITS.index(split))
+        size += len(text)
         if size >= CHUNK_CHARS:
-            yield texts
-            texts, size = [], 0
+            yield texts, eots, splits
+            texts, eots, splits, size = [], [], [], 0
     if texts:
-        yield texts
+        yield texts, eots, splits
 
 
-def _encode_docs(tokenizer_name, texts):
-    """Tokens of documents as [EOT] + encode(text) each (none for an empty text), and their lengths."""
+def _encode_docs(tokenizer_name, texts, eots=None):
+    """Tokens of documents as [EOT] + encode(text) each ([EOT] only where eots says so; nothing for an
+    empty text), and their lengths."""
     tok = get_tokenizer(tokenizer_name)
     ids, lengths = [], []
-    for text in texts:
-        doc = [tok.eot] + tok.encode(text) if text else []
+    for text, eot in zip(texts, eots or [True] * len(texts)):
+        doc = [tok.eot] * eot + tok.encode(text) if text else []
         ids += doc
         lengths.append(len(doc))
     return np.array(ids, dtype=np.uint16), np.array(lengths, dtype=np.int64)
 
 
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process' to handle, and to report
+
+
 def _encoded(chunks, tokenizer_name, num_proc):
-    """_encode_docs over the chunks, in order, on `num_proc` processes with a bounded backlog."""
+    """(tokens, lengths, split ids) of the chunks, in order, on `num_proc` processes with a bounded backlog."""
     if num_proc == 1:
-        for texts in chunks:
-            yield _encode_docs(tokenizer_name, texts)
+        for texts, eots, splits in chunks:
+            yield *_encode_docs(tokenizer_name, texts, eots), splits
         return
-    with multiprocessing.Pool(num_proc) as pool:
+    with multiprocessing.Pool(num_proc, initializer=_ignore_sigint) as pool:
         pending = deque()
-        for texts in chunks:
-            pending.append(pool.apply_async(_encode_docs, (tokenizer_name, texts)))
+        for texts, eots, splits in chunks:
+            pending.append((pool.apply_async(_encode_docs, (tokenizer_name, texts, eots)), splits))
             if len(pending) >= 2 * num_proc:
-                yield pending.popleft().get()
+                result, splits = pending.popleft()
+                yield *result.get(), splits
         while pending:
-            yield pending.popleft().get()
+            result, splits = pending.popleft()
+            yield *result.get(), splits
 
 
 SETTINGS = ("format_version", "source", "tokenizer", "tokenizer_fingerprint",
-            "val_fraction", "test_fraction", "shard_tokens")
+            "val_fraction", "test_fraction", "shard_tokens", "cut_documents")
 
 
 def _our_files(out_dir):
     return sorted(p for p in out_dir.iterdir() if OUR_FILES.fullmatch(p.name)) if out_dir.is_dir() else []
+
+
+def _setting(meta, key):
+    """A setting of a meta.json; one written before the cutting rule held its documents whole, which is the
+    rule's result unless the source was one document (or had one above CUT_CHARS: see the docstring)."""
+    if key == "cut_documents" and key not in meta and sum(s.get("docs", 0) for s in meta["splits"].values()) > 1:
+        return CUT_RULE
+    return meta.get(key)
 
 
 def _up_to_date(out_dir, settings):
@@ -276,9 +495,9 @@ def _up_to_date(out_dir, settings):
                         "pass --overwrite to replace them, or choose another --out_dir")
     if meta is None:
         return False  # shards without meta.json are what an interrupted run left: nothing to lose
-    if {k: meta.get(k) for k in SETTINGS} == settings:
+    if {k: _setting(meta, k) for k in SETTINGS} == settings:
         return True
-    changed = ", ".join(k for k in SETTINGS if meta.get(k) != settings[k])
+    changed = ", ".join(k for k in SETTINGS if _setting(meta, k) != settings[k])
     raise DataError(f"{out_dir} holds data prepared with other settings ({changed}): "
                     "pass --overwrite to replace it, or choose another --out_dir")
 
@@ -288,7 +507,7 @@ class ShardWriter:
 
     def __init__(self, out_dir, split, tokenizer, shard_tokens):
         self.out_dir, self.split, self.tokenizer = out_dir, split, tokenizer
-        self.buf = np.empty(shard_tokens, dtype=np.uint16)
+        self.buf = np.empty(shard_tokens, dtype=np.uint16)  # its pages are taken as it fills
         self.fill = 0
         self.files = []
         self.docs = self.tokens = 0
@@ -309,39 +528,46 @@ class ShardWriter:
         if self.fill == 0:
             return
         shard = self.buf[:self.fill]
-        self.counts += np.bincount(shard, minlength=len(self.counts))
+        for i in range(0, len(shard), 1 << 22):  # bincount works on int64 copies: a slice at a time, not the shard
+            self.counts += np.bincount(shard[i:i + (1 << 22)], minlength=len(self.counts))
         name = f"{self.split}_{len(self.files):06d}.bin"
         write_shard(self.out_dir / name, shard, self.tokenizer)
         self.files.append(name)
         self.fill = 0
 
 
-def _tokenize(ds, text_column, tok, out_dir, shard_tokens, num_proc, val_fraction, test_fraction):
-    """Tokenize the documents of `ds` into the shards of each split; returns the ShardWriter of each split."""
-    from datasets import Dataset
-    from datasets.utils.tqdm import tqdm
+def _tokenize(documents, tok, out_dir, shard_tokens, num_proc, val_fraction, test_fraction, cut):
+    """Tokenize the documents into the shards of each split; returns the ShardWriter of each split."""
+    from tqdm import tqdm
     writers = {s: ShardWriter(out_dir, s, tok, shard_tokens) for s in SPLITS}
-    index = 0
-    with tqdm(total=len(ds) if isinstance(ds, Dataset) else None, unit="docs", desc="tokenizing") as bar:
-        for tokens, lengths in _encoded(_chunks(ds, text_column), tok.name, num_proc):
-            split = np.array([SPLITS.index(split_of(index + j, val_fraction, test_fraction))
-                              for j in range(len(lengths))])
+    chunks = _chunks(_units(documents, lambda i: split_of(i, val_fraction, test_fraction), cut))
+    with tqdm(unit="docs", desc="tokenizing", disable=None) as bar:  # no bar when stderr is not a terminal
+        for tokens, lengths, split in _encoded(chunks, tok.name, num_proc):
+            split = np.array(split)
             token_split = np.repeat(split, lengths)
             for i, s in enumerate(SPLITS):
                 writers[s].add(tokens[token_split == i], int(np.count_nonzero((split == i) & (lengths > 0))))
-            index += len(lengths)
             bar.update(len(lengths))
     for w in writers.values():
         w.flush()
     return writers
 
 
+def _check_out_dir(out_dir):
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise DataError(f"--out_dir {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist: "
+                        "create that directory, or pass another --out_dir")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--out_dir {out_dir} is a file, not a directory")
+
+
 def prepare(dataset=None, name=None, data_files=None, source_split="train", text_column="text",
-            streaming=False, tokenizer="gpt2", out_dir=None, val_fraction=0.05, test_fraction=0.05,
+            streaming=True, tokenizer="gpt2", out_dir=None, val_fraction=0.05, test_fraction=0.05,
             shard_tokens=10**8, num_proc=1, overwrite=False):
     """Tokenize a source into shards under out_dir and write its meta.json; returns the meta dict.
     The new preparation is built in out_dir/.prepare_data-staging and moved into place once complete,
-    so a failure (a bad source, a full disk, an interrupt) leaves what out_dir held as it was."""
+    so a failure (a bad source, a full disk, an interrupt) leaves what out_dir held as it was.
+    streaming only matters for a hub dataset (local files are always read as a stream)."""
     tok = get_tokenizer(tokenizer)
     check_fits_uint16(tok)
     if val_fraction + test_fraction >= 1:
@@ -356,6 +582,9 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     if local:
         if not data_files:
             raise DataError(f"--dataset {dataset} reads local files: pass them with --data_files")
+        if source_split != "train":
+            raise DataError(f"--source_split {source_split} names a split of a hub dataset; local files are read "
+                            "whole: drop it")
         data_files = _local_files(data_files)
         dataset = dataset or _builder(data_files)
         stem = Path(data_files[0]).name.split(".")[0]
@@ -364,6 +593,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     if out_dir is None:
         out_dir = DATA_DIR / (stem if tok.name == "gpt2" else f"{stem}_{tok.name}")
     out_dir = Path(out_dir)
+    _check_out_dir(out_dir)
     for f in data_files if local else ():
         if out_dir.resolve() in Path(f).parents:
             raise DataError(f"source file {f} lies inside --out_dir {out_dir}, whose files prepare_data.py writes "
@@ -372,7 +602,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
               "split": source_split, "text_column": text_column}
     settings = {"format_version": FORMAT_VERSION, "source": source, "tokenizer": tok.name,
                 "tokenizer_fingerprint": tok.fingerprint, "val_fraction": val_fraction,
-                "test_fraction": test_fraction, "shard_tokens": shard_tokens}
+                "test_fraction": test_fraction, "shard_tokens": shard_tokens, "cut_documents": CUT_RULE}
     created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -380,17 +610,22 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         raise DataError(os_error_message(e, out_dir)) from None
     lock = DirLock(out_dir, "prepare_data.py run", DataError)
     staging, swapping = out_dir / STAGING, False  # swapping: out_dir's previous preparation is being replaced
+    had = (out_dir / "meta.json").exists()
     try:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed run left
         if not overwrite and _up_to_date(out_dir, settings):
             print(f"{out_dir} is already prepared from this source with these settings (--overwrite rebuilds it)")
             return load_meta(out_dir)
-        had = (out_dir / "meta.json").exists()
+        kept = f"; {out_dir}'s previous preparation is unchanged" if had else ""
         try:
             staging.mkdir()
-            ds = load_source(dataset, name, data_files, source_split, text_column, streaming)
+        except OSError as e:
+            raise DataError(os_error_message(e, staging) + kept) from None
+        cut = {"documents": 0, "pieces": 0, "lone": False}
+        try:
+            documents = _documents(dataset, name, data_files, local, source_split, text_column, streaming)
             t0 = time.time()
-            writers = _tokenize(ds, text_column, tok, staging, shard_tokens, num_proc, val_fraction, test_fraction)
+            writers = _tokenize(documents, tok, staging, shard_tokens, num_proc, val_fraction, test_fraction, cut)
             if sum(w.docs for w in writers.values()) == 0:
                 raise DataError(f"source {dataset} {data_files or name or ''} has no documents with text "
                                 f"in column {text_column!r}: pass a non-empty source")
@@ -398,18 +633,16 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
                 raise DataError(f"the train split is empty: all {sum(w.docs for w in writers.values())} documents went "
                                 "to val or test; lower --val_fraction / --test_fraction, or pass more documents")
         except DataError as e:
-            raise DataError(f"{e}; {out_dir}'s previous preparation is unchanged" if had else str(e)) from None
-        except OSError as e:
-            raise DataError(os_error_message(e, staging) + (f"; {out_dir}'s previous preparation is unchanged"
-                                                            if had else "")) from None
-        except Exception as e:
-            raise _source_error(e, dataset, name, data_files, text_column) from None
+            raise DataError(f"{e}{kept}") from None
+        except OSError as e:  # reading raises DataError, and writing a shard does too: this is something else
+            raise DataError(f"{type(e).__name__} while preparing into {staging}: {e}{kept}") from None
         splits = {s: {"docs": w.docs, "tokens": w.tokens, "shards": len(w.files), "files": w.files}
                   for s, w in writers.items()}
         baseline = None
         if writers["val"].tokens:
             baseline = unigram_baseline(writers["train"].counts, writers["val"].counts)
-        meta = {**settings, "vocab_size": tok.vocab_size, "eot": tok.eot, "eot_placement": "before each document",
+        meta = {**settings, "vocab_size": tok.vocab_size, "eot": tok.eot,
+                "eot_placement": "before each document (in a cut one, where its split's text jumps)",
                 "splits": splits, "unigram_baseline_nats": baseline}
         write_meta(staging, meta)
         swapping = True
@@ -419,7 +652,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             raise DataError(f"{os_error_message(e, out_dir)}, while moving the new preparation into place: "
                             "neither the old one nor the new one is left; run prepare_data.py again") from None
         swapping = False  # done: the new preparation is whole
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         for p in _our_files(out_dir) if swapping or created else []:
             p.unlink(missing_ok=True)  # half a swap is no preparation: never leave one that looks valid
@@ -427,6 +660,12 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             (out_dir / ".lock").unlink(missing_ok=True)
             with suppress(OSError):
                 out_dir.rmdir()
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+            if swapping:
+                raise Interrupted(f"stopped by Ctrl-C while moving the new preparation into place: {out_dir} holds "
+                                  "neither the old one nor the new one; run prepare_data.py again") from None
+            raise Interrupted(f"stopped by Ctrl-C; {out_dir}'s previous preparation is unchanged" if had else
+                              f"stopped by Ctrl-C; nothing was left in {out_dir}") from None
         raise
     finally:
         lock.release()
@@ -436,10 +675,16 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     for s, info in splits.items():
         print(f"{s:>5}: {info['docs']:,} docs, {info['tokens']:,} tokens, {info['shards']} shards")
         if info["tokens"] == 0 and s != "train" and meta[f"{s}_fraction"] > 0:
-            print(f"warning: split {s} is empty: the source has too few documents for --{s}_fraction", file=sys.stderr)
+            few = (f"the lone text gave only {cut['pieces']} pieces of about {PIECE_CHARS:,} characters: raise "
+                   f"--{s}_fraction, or pass more text" if cut["lone"] else
+                   f"the source has too few documents for --{s}_fraction")
+            print(f"warning: split {s} is empty: {few}", file=sys.stderr)
+    if cut["documents"]:
+        print(f"cut {cut['documents']:,} document(s) (a lone one, or longer than {CUT_CHARS:,} characters) into "
+              f"{cut['pieces']:,} pieces at line ends for the splits (the cutting rule: prepare_data.py --help)")
     if baseline is not None:
         print(f"unigram baseline (val, train frequencies): {baseline:.4f} nats/token")
-    print(f"wrote {out_dir} in {dt:.1f}s ({total / dt:,.0f} tokens/s)")
+    print(f"wrote {out_dir} in {dt:.1f}s ({total / max(dt, 1e-9):,.0f} tokens/s)")
     return meta
 
 
@@ -483,10 +728,13 @@ def main(argv=None):
                      "or json/parquet/text with --data_files")
     src.add_argument("--name", help="hub dataset config (e.g. sample-10BT)")
     src.add_argument("--data_files", nargs="+", help="local .jsonl[.gz], .json[.gz], .parquet or .txt[.gz] files or "
-                     "glob patterns (a .txt file is one document); with a hub --dataset, files inside it")
-    src.add_argument("--source_split", default="train", help="split of the source to read")
+                     "glob patterns (a .txt file is one document; a lone or very long one is cut: see above); "
+                     "with a hub --dataset, files inside it")
+    src.add_argument("--source_split", default="train", help="split of a hub dataset to read")
     src.add_argument("--text_column", default="text")
-    src.add_argument("--streaming", action="store_true", help="stream the source instead of caching it first")
+    src.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True,
+                     help="stream a hub dataset (the default) or, with --no-streaming, download and cache it "
+                     "first; local files are always read as a stream")
     out = parser.add_argument_group("output")
     out.add_argument("--tokenizer", default="gpt2", choices=sorted(TOKENIZERS))
     out.add_argument("--out_dir", help="default: data/<source name>[_<tokenizer> unless gpt2]")
@@ -495,12 +743,15 @@ def main(argv=None):
     out.add_argument("--shard_tokens", type=_count, default=10**8, help="tokens per shard (1e8 style accepted)")
     out.add_argument("--num_proc", type=_count, default=1, help="tokenizer processes")
     out.add_argument("--overwrite", action="store_true", help="replace what out_dir holds")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         prepare(**vars(args))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        print(str(e) if isinstance(e, Interrupted) else "stopped by Ctrl-C; nothing was written", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -12,8 +12,10 @@ Prompt: without --prompt or --prompt_file the prompt is the end-of-text token al
 puts EOT before every document, so this samples the start of a new document (unconditional).
 A sample ends after --max_new_tokens tokens or at an end-of-text token, whichever comes first.
 
-Batches: --num_samples N decodes the N samples as one batch, one forward pass per token for all of
-them. Each sample draws from its own random stream, a torch.Generator seeded with
+Batches: --num_samples N decodes the N samples in batches of at most --batch_size (default 32), one
+forward pass per token for all the samples of a batch, so memory stays bounded however many samples
+are asked for (a batch holds its key/value cache: 2 x n_layer x batch x block_size x n_embd floats).
+Each sample draws from its own random stream, a torch.Generator seeded with
 sample_seed(seed, i), a hash of (--seed, i): so the samples of a batch are independent, and sample i
 is the same text whatever the batch size (the first k samples of a run of N are the run of k with
 the same seed). One caveat: matrix products of another batch size may round differently (float32
@@ -45,6 +47,8 @@ import torch
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.shards import DataError, get_tokenizer
 from model import GPT, GPTConfig, KVCache
+
+DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)
 
 
 class UsageError(ValueError):
@@ -176,8 +180,10 @@ class SampleWriter:
     comes and streams from there. Each sample starts with the prompt text; a line of dashes
     separates them. A sample ends at the stop token (not printed) or at finish()."""
 
-    def __init__(self, n, tokenizer, out, prompt_text, stop_token):
+    def __init__(self, n, tokenizer, out, prompt_text, stop_token, first=0):
+        """first: how many samples were printed before these (a later batch: a separator before its first)."""
         self.tokenizer, self.out, self.prompt_text, self.stop_token = tokenizer, out, prompt_text, stop_token
+        self.first = first
         self.tokens = [[] for _ in range(n)]  # of each sample, up to its end
         self.done = [False] * n
         self.current, self.stream, self.written = 0, None, 0  # the sample being printed
@@ -205,7 +211,7 @@ class SampleWriter:
     def _print(self):
         while self.current < len(self.tokens):
             if self.stream is None:
-                if self.current > 0:
+                if self.first + self.current > 0:
                     self.out.write("-" * 40 + "\n")
                 self.out.write(self.prompt_text)
                 self.stream, self.written = TextStream(self.tokenizer, self.out), 0
@@ -235,7 +241,9 @@ def parse_args(argv):
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (default: the end-of-text token alone)")
     prompt.add_argument("--prompt_file", help="read the prompt from this UTF-8 file")
-    p.add_argument("--num_samples", type=int, default=1, help="samples, decoded as one batch (default 1)")
+    p.add_argument("--num_samples", type=int, default=1, help="samples (default 1)")
+    p.add_argument("--batch_size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help=f"samples decoded together at most (default {DEFAULT_BATCH_SIZE})")
     p.add_argument("--max_new_tokens", type=int, default=256, help="tokens per sample at most (default 256)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 is greedy (default 1)")
     p.add_argument("--top_k", type=int, help="draw from the k most likely tokens only (default: all)")
@@ -253,6 +261,7 @@ def check_args(args):
             raise UsageError(msg)
 
     need(args.num_samples >= 1, f"--num_samples must be at least 1, got {args.num_samples}")
+    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}")
     need(args.max_new_tokens >= 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     need(math.isfinite(args.temperature) and args.temperature >= 0,
          f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
@@ -307,18 +316,21 @@ def run(args):
     if len(prompt_ids) > block_size:
         print(f"warning: the prompt has {len(prompt_ids)} tokens, more than block_size={block_size}; "
               f"the model sees its last {block_size}", file=sys.stderr)
-    n = args.num_samples
-    generators = [torch.Generator(device).manual_seed(sample_seed(args.seed, i)) for i in range(n)]
-    writer = SampleWriter(n, tokenizer, sys.stdout, text or "", tokenizer.eot)
+    n, batch_size = args.num_samples, min(args.batch_size, args.num_samples)
     n_tokens, t0 = 0, time.perf_counter()
-    for tokens in generate(model, [prompt_ids] * n, args.max_new_tokens, args.temperature, args.top_k,
-                           args.top_p, generators, use_cache=not args.no_cache, vocab_size=tokenizer.vocab_size):
-        n_tokens += writer.add(tokens.tolist())
-        if writer.all_done:  # every sample reached end-of-text
-            break
-    writer.finish()
+    for first in range(0, n, batch_size):  # a batch at a time: its cache, generators and texts, then the next
+        rows = range(first, min(n, first + batch_size))
+        generators = [torch.Generator(device).manual_seed(sample_seed(args.seed, i)) for i in rows]
+        writer = SampleWriter(len(rows), tokenizer, sys.stdout, text or "", tokenizer.eot, first)
+        for tokens in generate(model, [prompt_ids] * len(rows), args.max_new_tokens, args.temperature, args.top_k,
+                               args.top_p, generators, use_cache=not args.no_cache, vocab_size=tokenizer.vocab_size):
+            n_tokens += writer.add(tokens.tolist())
+            if writer.all_done:  # every sample of the batch reached end-of-text
+                break
+        writer.finish()
     dt = time.perf_counter() - t0
-    batch = f"{n} samples in one batch, " if n > 1 else ""
+    batch = (f"{n} samples in batches of {batch_size}, " if n > batch_size else
+             f"{n} samples in one batch, " if n > 1 else "")
     print(f"{n_tokens} tokens in {dt:.2f}s ({n_tokens / dt:.1f} tokens/s, {batch}"
           f"{'no cache' if args.no_cache else 'kv cache'}, {device})", file=sys.stderr)
     return 0

@@ -180,12 +180,11 @@ def test_interrupted_run_leaves_no_valid_output(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         replace(a, b)
     monkeypatch.setattr(os, "replace", interrupt_third)
-    with pytest.raises(KeyboardInterrupt):
-        prep(src, out, "--shard_tokens", 500)
+    assert prep(src, out, "--shard_tokens", 500) == 130  # Ctrl-C: one line (test_ctrl_c_is_one_line_and_exit_130)
     assert not out.exists()  # the run removed its shards and the directory it created
     out.mkdir()
     with pytest.raises(KeyboardInterrupt):
-        prep(src, out, "--shard_tokens", 500)
+        prepare_data.prepare(data_files=[src], tokenizer="byte", out_dir=out, shard_tokens=500)
     assert [p.name for p in out.iterdir()] == [".lock"]  # a directory it did not create stays, empty
     monkeypatch.setattr(os, "replace", replace)
     # a killed run (kill -9) cannot clean up: its shards without meta.json are no data, and are replaced
@@ -546,3 +545,242 @@ def test_a_directory_of_the_users_in_out_dir_is_left_alone(tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     assert prep(src, out) == 0 and prep(src, out, "--overwrite") == 0
     assert (out / ".staging" / "notes.txt").read_text() == "mine" and (out / "README").read_text() == "also mine"
+
+
+# -----------------------------------------------------------------------------
+# reliability, round three: a lone text splits, memory stays bounded, every failure is one line
+
+def lines_of_text(n_chars, seed=0):
+    """Lines of random words, about n_chars characters of text ending with a line end."""
+    rng, lines, size = random.Random(seed), [], 0
+    while size < n_chars:
+        line = " ".join(rng.choice(["to", "be", "or", "not", "thee", "été", "日本"]) + str(rng.randrange(100))
+                        for _ in range(rng.randint(1, 14))) + "\n"
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)
+
+
+def reference_pieces(text, piece, long_line):
+    """The cutting rule of prepare_data.py's docstring, written out plainly."""
+    out = []
+    while text:
+        end = text.find("\n", piece - 1, long_line)
+        if end < 0 and len(text) < long_line:
+            end = len(text) - 1
+        elif end < 0:
+            end = max(text.rfind(" ", piece - 1, long_line), text.rfind("\t", piece - 1, long_line))
+            end = long_line - 1 if end < 0 else end
+        out.append(text[:end + 1])
+        text = text[end + 1:]
+    return out
+
+
+def test_a_lone_text_file_is_cut_at_line_ends_into_every_split(tmp_path, capsys):
+    text = lines_of_text(250_000)
+    (tmp_path / "input.txt").write_text(text)
+    out = tmp_path / "out"
+    assert prep(tmp_path / "input.txt", out, "--val_fraction", 0.1, "--test_fraction", 0.1) == 0
+    meta = load_meta(out)
+    assert all(meta["splits"][s]["tokens"] > 0 for s in SPLITS), meta["splits"]
+    assert "warning" not in capsys.readouterr().err
+    pieces = reference_pieces(text, prepare_data.PIECE_CHARS, prepare_data.LONG_LINE_CHARS)
+    assert "".join(pieces) == text and len(pieces) >= 10
+    assert all(p.endswith("\n") and len(p) >= prepare_data.PIECE_CHARS for p in pieces[:-1])
+    tok = get_tokenizer("byte")
+    for split in SPLITS:  # piece j of the lone document goes where document j would go
+        assert split_stream(out, split) == cut_stream(tok, pieces, 0, split, 0.1, 0.1)
+        runs = "".join(p if split_of(j, 0.1, 0.1) == split else "\0" for j, p in enumerate(pieces)).split("\0")
+        assert tok.decode(split_stream(out, split)) == "<|endoftext|>".join([""] + [r for r in runs if r])
+    assert sum(meta["splits"][s]["docs"] for s in SPLITS) == len(pieces)
+
+
+def cut_stream(tok, pieces, i, split, val_fraction, test_fraction):
+    """The tokens that the pieces of document i give `split`: EOT where the split's text jumps."""
+    ids, before = [], None
+    for j, piece in enumerate(pieces):
+        s = split_of(i + j, val_fraction, test_fraction)
+        if s == split:
+            ids += [tok.eot] * (s != before) + tok.encode(piece)
+        before = s
+    return ids
+
+
+def test_a_long_document_among_others_is_cut_and_the_others_keep_their_splits(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_data, "CUT_CHARS", 3000)  # what a 1 MiB document does, at a small size
+    monkeypatch.setattr(prepare_data, "PIECE_CHARS", 200)
+    monkeypatch.setattr(prepare_data, "LONG_LINE_CHARS", 800)
+    long = lines_of_text(5000, seed=1)[:4000] + "x" * 1700 + " tail"  # ends in a line longer than 800
+    docs = DOCS[:10] + [long] + DOCS[10:]
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    assert prep(src, tmp_path / "out", "--val_fraction", 0.2, "--test_fraction", 0.1) == 0
+    pieces = reference_pieces(long, 200, 800)
+    assert len(pieces) > 10 and pieces[-2] == "x" * 800 and pieces[-1].endswith(" tail")
+    tok = get_tokenizer("byte")
+    for split in SPLITS:  # document i as before; piece j of the long document 10 as document 10 + j
+        expected = expected_stream(tok, docs[:10], split, 0.2, 0.1) + cut_stream(tok, pieces, 10, split, 0.2, 0.1)
+        expected += [i for j, t in enumerate(docs[11:], 11) if t and split_of(j, 0.2, 0.1) == split
+                     for i in [tok.eot] + tok.encode(t)]
+        assert split_stream(tmp_path / "out", split) == expected
+
+
+def test_a_byte_order_mark_is_stripped_from_text_and_json(tmp_path):
+    bom = "\ufeff"
+    for name, content in (("a.txt", bom + "Hello\nworld\n"), ("a.jsonl", bom + '{"text": "Hello"}\n')):
+        (tmp_path / name).write_text(content, encoding="utf-8")
+        out = tmp_path / f"out_{name}"
+        assert prep(tmp_path / name, out, "--val_fraction", 0, "--test_fraction", 0) == 0
+        assert split_stream(out, "train")[:6] == [256, *b"Hello"]
+
+
+PEAK_RSS = """
+import os, subprocess, sys
+p = subprocess.Popen([sys.executable, "prepare_data.py", *sys.argv[1:]], stdout=subprocess.DEVNULL,
+                     stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+err = p.stderr.read()
+_, status, usage = os.wait4(p.pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, err
+print(usage.ru_maxrss)
+"""
+
+
+def peak_rss_mb(*args):
+    """The peak resident memory (MB) of a prepare_data.py process with these arguments."""
+    run = subprocess.run([sys.executable, "-c", PEAK_RSS, *map(str, args)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    return int(run.stdout) / 1024
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl"])
+def test_memory_does_not_grow_with_the_corpus(tmp_path, kind):
+    """A lone text (the input.txt case) and many JSON documents, 4 MB and 16 MB: the default
+    preparation reads the source as a stream, so its peak memory stays where it was (the issue: 4.58
+    GB for a 200 MB .txt, 1.55 GB for a 200 MB jsonl)."""
+    peaks = []
+    for mb in (4, 16):
+        src = tmp_path / f"c{mb}.{kind}"
+        text = lines_of_text(mb << 20, seed=mb)
+        if kind == "txt":
+            src.write_text(text)
+        else:
+            lines = text.splitlines(keepends=True)
+            write_jsonl(src, ["".join(lines[i:i + 40]) for i in range(0, len(lines), 40)])
+        peaks.append(peak_rss_mb("--data_files", src, "--out_dir", tmp_path / f"out{mb}", "--tokenizer", "byte",
+                                 "--shard_tokens", "1e5"))
+        src.unlink()
+    assert peaks[1] - peaks[0] < 8, f"peak RSS {peaks[0]:.0f} MB for 4 MB, {peaks[1]:.0f} MB for 16 MB"
+    assert all(load_meta(tmp_path / f"out{mb}")["splits"]["val"]["tokens"] > 0 for mb in (4, 16))
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    assert prep(src, out, "--shard_tokens", 500) == 0
+    before = files_of(out)
+    real, calls = prepare_data.write_shard, []
+
+    def interrupt_the_second(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(prepare_data, "write_shard", interrupt_the_second)
+    assert prep(src, out, "--shard_tokens", 400, "--overwrite") == 130
+    assert capsys.readouterr().err == f"stopped by Ctrl-C; {out}'s previous preparation is unchanged\n"
+    assert files_of(out) == before
+    calls.clear()
+    assert prep(src, tmp_path / "new", "--shard_tokens", 400) == 130
+    assert capsys.readouterr().err == f"stopped by Ctrl-C; nothing was left in {tmp_path / 'new'}\n"
+    assert not (tmp_path / "new").exists()
+
+
+CTRL_C_IN_A_SHARD_WRITE = """
+import sys, time
+import prepare_data
+real = prepare_data.write_shard
+def slow(*args):
+    print("writing", flush=True)
+    time.sleep(60)
+prepare_data.write_shard = slow
+sys.exit(prepare_data.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_at_a_terminal_stops_every_process_in_one_line(tmp_path):
+    """Ctrl-C at a terminal signals the whole process group, the tokenizer processes too."""
+    import signal
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-c", CTRL_C_IN_A_SHARD_WRITE, "--data_files", src, "--out_dir", str(out),
+                          "--tokenizer", "byte", "--num_proc", "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert p.stdout.readline() == "writing\n"
+        os.killpg(p.pid, signal.SIGINT)
+        assert p.wait(timeout=60) == 130
+        err = p.stderr.read()
+        assert err == f"stopped by Ctrl-C; nothing was left in {out}\n", err
+        assert not out.exists()
+    finally:
+        p.kill()
+
+
+def test_a_corrupt_gzip_is_a_read_error_naming_the_file(tmp_path, capsys):
+    import gzip
+    good = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in DOCS * 20).encode())
+    for name, content in (("garbage.jsonl.gz", b"this is not gzip data" * 10), ("cut.jsonl.gz", good[:len(good) // 2]),
+                          ("cut.txt.gz", gzip.compress(lines_of_text(50_000).encode())[:3000])):
+        (tmp_path / name).write_bytes(content)
+        for streaming in ([], ["--streaming"]):
+            assert prep(tmp_path / name, tmp_path / "out", *streaming) == 2
+            err = capsys.readouterr().err.splitlines()[-1]
+            assert err.startswith(f"error: {tmp_path / name} could not be read") and "replace it" in err, err
+            assert "cannot write" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unreachable_hub_dataset_is_a_read_error_naming_it(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert main(["--dataset", "someone/corpus", "--out_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write" not in err
+    assert err.startswith("error: could not read source someone/corpus: ConnectionError: Couldn't reach"), err
+    assert not (tmp_path / "out").exists()
+
+    def fails_midway(*args, **kwargs):
+        def rows():
+            yield {"text": "a document"}
+            raise OSError("Read timed out")
+        return SimpleNamespace(select_columns=lambda columns: rows())
+    monkeypatch.setattr(datasets, "load_dataset", fails_midway)
+    assert main(["--dataset", "someone/corpus", "--out_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not read source someone/corpus: OSError: Read timed out"), err
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_lone_surrogate_names_the_file_and_line(tmp_path, capsys, streaming):
+    src = tmp_path / "s.jsonl"
+    src.write_text('{"text": "fine"}\n{"text": "x \\ud800 y"}\n')
+    assert prep(src, tmp_path / "out", *(["--streaming"] if streaming else [])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {src} line 2: 'text' holds a lone surrogate"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_dir_that_is_a_dangling_link_or_a_file_is_one_clear_line(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    assert prep(src, link) == 2
+    assert capsys.readouterr().err == (f"error: --out_dir {link} is a symbolic link to {tmp_path / 'gone'}, which does "
+                                       "not exist: create that directory, or pass another --out_dir\n")
+    (tmp_path / "file").write_text("x")
+    assert prep(src, tmp_path / "file") == 2
+    assert capsys.readouterr().err == f"error: --out_dir {tmp_path / 'file'} is a file, not a directory\n"
+    assert link.is_symlink() and not (tmp_path / "gone").exists()

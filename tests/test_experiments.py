@@ -407,6 +407,107 @@ def test_diagnose_command_on_a_checkpoint(residual, tmp_path, byte_data):
     assert diagnose.summary(out).count("\n") >= 1
 
 
+# --- diagnose.py, reliability round three: bad input is one line and exit 2, before any compute --------
+
+TINY = dict(vocab_size=260, block_size=16, n_layer=2, n_head=2, n_embd=32, residual="block_attnres")
+
+
+def fake_run(run_dir, data_dir):
+    """A run directory holding a checkpoint of a tiny random model whose run read `data_dir`."""
+    from depthres import checkpoint
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint.save_checkpoint(run_dir / "ckpt.pt", {
+        "format": checkpoint.CKPT_FORMAT, "model_config": TINY, "model": GPT(GPTConfig(**TINY)).state_dict(),
+        "tokenizer": "byte", "step": 2, "train_config": {"data_dir": str(data_dir)}, "optimizer": {}, "loader": {},
+        "rng": {}})
+    return run_dir
+
+
+def diagnose_cli(capsys, *args):
+    rc = diagnose.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    monkeypatch.setattr(diagnose, "collect", None)  # never reached
+
+
+@pytest.mark.parametrize("case", ["tokens", "batch_size", "device", "cuda", "out_file", "curves_missing",
+                                  "curves_out_dir"])
+def test_diagnose_bad_flags_are_one_line_and_exit_2_before_any_compute(case, tmp_path, byte_data, capsys,
+                                                                     monkeypatch, no_compute):
+    run = fake_run(tmp_path / "run", byte_data)
+    (tmp_path / "a_file").write_text("mine")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args, message = {
+        "tokens": (["--ckpt", run, "--tokens", -5], "--tokens must be at least 1, got -5"),
+        "batch_size": (["--ckpt", run, "--batch_size", 0], "--batch_size must be at least 1, got 0"),
+        "device": (["--ckpt", run, "--device", "tpu"], "--device tpu is not a device: use cpu, cuda or cuda:N"),
+        "cuda": (["--ckpt", run, "--device", "cuda"], "--device cuda: no CUDA device is available"),
+        "out_file": (["--ckpt", run, "--out", tmp_path / "a_file"],
+                     f"--out {tmp_path / 'a_file'} is a file: diagnose writes diagnostics.json and routing.png into "
+                     "a directory"),
+        "curves_missing": (["--curves", run, tmp_path / "nowhere"],
+                           f"--curves {tmp_path / 'nowhere'}: no log.jsonl there (not a train.py run directory)"),
+        "curves_out_dir": (["--curves", run, "--out", tmp_path],
+                           f"--out {tmp_path} is a directory: with --curves alone, --out is the PNG file to write"),
+    }[case]
+    (run / "log.jsonl").write_text("")  # a run directory for --curves
+    rc, out, err = diagnose_cli(capsys, *args)
+    assert (rc, out) == (2, "") and err == f"error: {message}\n", err
+    assert (tmp_path / "a_file").read_text() == "mine" and not (run / "diagnostics.json").exists()
+
+
+def writes_fail_under(monkeypatch, directory):
+    """Writes into `directory` fail as on a read-only file system (chmod would not stop root)."""
+    import builtins
+    import errno
+    import os
+    real = builtins.open
+
+    def guarded(file, mode="r", *args, **kwargs):
+        if set(mode) & set("wax+") and Path(os.fspath(file)).resolve().is_relative_to(directory.resolve()):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(file))
+        return real(file, mode, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", guarded)
+
+
+def test_diagnose_checks_its_output_directory_before_computing(tmp_path, byte_data, capsys, monkeypatch, no_compute):
+    run = fake_run(tmp_path / "run", byte_data)
+    writes_fail_under(monkeypatch, run)
+    rc, out, err = diagnose_cli(capsys, "--ckpt", run)
+    assert (rc, out) == (2, "")
+    assert err == (f"error: cannot write the diagnostics into {run}: read-only file system: pass --out with a "
+                   "writable directory\n"), err
+
+
+def test_diagnose_finds_the_data_of_a_run_from_anywhere_or_is_told_where(tmp_path, byte_data, capsys, monkeypatch):
+    import shutil
+    repo = tmp_path / "repo"
+    shutil.copytree(byte_data, repo / "data" / "bytes")
+    run = fake_run(tmp_path / "run", "data/bytes")  # recorded relative to the directory train.py ran in
+    monkeypatch.setattr(diagnose, "ROOT", repo)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--tokens", 64, "--batch_size", 2)
+    assert rc == 0, err
+    assert f"data_dir data/bytes (from the checkpoint) is {repo / 'data' / 'bytes'}" in out
+    (repo / "data" / "bytes").rename(repo / "moved")  # the data moved: say where it looked, and what to pass
+    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--tokens", 64, "--batch_size", 2)
+    assert (rc, out) == (2, "")
+    assert err == (f"error: the checkpoint's data_dir data/bytes holds no prepared data: looked in "
+                   f"{elsewhere / 'data' / 'bytes'} and {repo / 'data' / 'bytes'}; pass --data_dir with the "
+                   "directory prepare_data.py wrote for this run\n"), err
+    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--tokens", 64, "--batch_size", 2, "--data_dir",
+                                repo / "moved")
+    assert rc == 0 and json.loads((run / "diagnostics.json").read_text())["data_dir"] == str(repo / "moved")
+    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--data_dir", tmp_path / "nothing")
+    assert (rc, out) == (2, "") and err.startswith(f"error: --data_dir {tmp_path / 'nothing'} holds no meta.json")
+
+
 # --- a tiny sweep, end to end -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

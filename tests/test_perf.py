@@ -161,3 +161,38 @@ def test_variant_specs_parse_every_field_type():
         residual="denseformer", denseformer_dilation=2, denseformer_period=3)  # int | None fields as ints
     assert bench.parse_variant("dar:dar_include_partial=false:dar_routing=self_kv") == dict(
         residual="dar", dar_include_partial=False, dar_routing="self_kv")
+
+
+# --- bench.py, reliability round three: bad input is one line, before any compute ---------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--variants", "standard,nosuch"], "--variants nosuch: unknown residual 'nosuch'; choose one of standard, "),
+    (["--variants", "rd_attnres:rd_mod=tied"], "--variants rd_attnres:rd_mod=tied: unknown key 'rd_mod' (did you "
+                                               "mean rd_mode?)"),
+    (["--variants", "rd_attnres:rd_mode"], "--variants rd_attnres:rd_mode: 'rd_mode' is not key=value"),
+    (["--variants", "dar:dar_block_size=two"], "--variants dar:dar_block_size=two: dar_block_size takes an integer, "
+                                               "not 'two'"),
+    (["--variants", "standard:activation_checkpointing=yes"], "activation_checkpointing takes true or false"),
+    (["--variants", "standard:n_layer=4"], "--variants standard:n_layer=4: n_layer is set for every variant by "
+                                           "--n_layer"),
+    (["--n_layer", "0"], "--n_layer must be at least 1, got 0"),
+    (["--n_embd", "30", "--n_head", "4"], "n_embd=30 is not divisible by n_head=4"),
+    (["--device", "cuda"], "--device cuda: no CUDA device is available"),
+    (["--device", "tpu"], "--device tpu is not a device: use auto, cpu, cuda or cuda:N"),
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["--routing_blocks", "4:4,8"], "--routing_blocks: each block is sources:sites, both at least 1"),
+    (["--out", "{tmp}"], "--out {tmp} is a directory: pass the JSON file to write"),
+    (["--out", "{tmp}/missing/bench.json"], "cannot write {tmp}/missing/bench.json: No such file or directory"),
+], ids=["residual", "key_typo", "no_value", "not_int", "not_bool", "shape_key", "n_layer", "heads", "cuda", "tpu",
+        "repeats", "warmup", "routing_blocks", "out_dir", "out_missing_dir"])
+def test_bench_bad_input_is_one_line_before_any_compute(args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "Runner", None)  # never reached: no model built, no step run
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--out", str(tmp_path / "bench.json"), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message.replace("{tmp}", str(tmp_path)) in err, err
+    assert list(tmp_path.iterdir()) == []

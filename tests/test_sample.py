@@ -354,3 +354,27 @@ def test_a_tiny_temperature_samples_the_most_likely_token(run_dir, capsys):
         assert (rc, out) == (0, greedy), err
     logits = torch.tensor([[1.0, 3.0, -2.0], [0.5, -1.0, 0.25]])
     assert sample_logits(logits, 1e-45).tolist() == [1, 0] and sample_logits(logits, 1e-46).tolist() == [1, 0]
+
+
+# --- reliability, round three: the batch is bounded ---------------------------------------------------
+
+def test_samples_are_decoded_in_batches_of_at_most_batch_size(run_dir, capsys, monkeypatch):
+    """--num_samples 1000000 once took all of a machine's memory as one batch; the samples now go in
+    batches of --batch_size (default DEFAULT_BATCH_SIZE), each sample with its own seed as before."""
+    import sample
+    real, batches = sample.generate, []
+    monkeypatch.setattr(sample, "generate", lambda model, prompts, *a, **kw: batches.append(len(prompts))
+                        or real(model, prompts, *a, **kw))
+    args = ("--ckpt", run_dir, "--max_new_tokens", 6, "--num_samples", 10, "--seed", 3)
+    rc, one_batch, err = cli(capsys, *args, "--batch_size", 10)
+    assert rc == 0 and batches == [10] and "10 samples in one batch" in err
+    batches.clear()
+    rc, out, err = cli(capsys, *args, "--batch_size", 4)
+    assert rc == 0 and batches == [4, 4, 2] and "10 samples in batches of 4" in err
+    assert out == one_batch and len(out.split("-" * 40 + "\n")) == 10  # the same samples, separated alike
+    batches.clear()
+    monkeypatch.setattr(sample, "DEFAULT_BATCH_SIZE", 3)  # the default bounds the batch too
+    rc, out, err = cli(capsys, *args)
+    assert rc == 0 and batches == [3, 3, 3, 1] and out == one_batch
+    rc, out, err = cli(capsys, *args, "--batch_size", 0)
+    assert rc == 2 and out == "" and err == "error: --batch_size must be at least 1, got 0\n"

@@ -20,32 +20,119 @@ backward, the same reads again plus each output's gradient, and each source grad
 
 Variants are `residual[:key=value...]`, e.g. `rd_attnres:rd_mode=tied`, `full_attnres:depth_impl=reference`,
 `block_attnres:activation_checkpointing=true` (each sublayer recomputed in backward).
+
+Exit status: 0 done; 2 with one `error:` line before any model is built (a flag, a variant or a key
+that does not parse or build, a device that is not there, an --out that cannot be written). The JSON
+is written whole or not at all, and where it goes is checked before the benchmark runs.
 """
 
 import argparse
+import difflib
 import json
+import os
 import statistics
+import sys
 import time
 import typing
 
 import torch
 import torch._dynamo
 
+from depthres.files import write_atomic
 from model import GPT, GPTConfig, ReferenceRouter, compile_model
 from routing import TwoPhaseRouter, rms_inv
 
 DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc,denseformer,muddformer,delta_attnres"
+SHAPE_KEYS = {"vocab_size": "--vocab_size", "block_size": "--seq_len", "n_layer": "--n_layer", "n_head": "--n_head",
+              "n_embd": "--n_embd", "residual": "the variant's name"}  # set for every variant by bench's flags
+
+
+class BenchError(ValueError):
+    """Bad input: `error: ...`, exit code 2, before any compute."""
+
+
+def _boolean(value):
+    if value.lower() not in ("1", "true", "0", "false"):
+        raise ValueError
+    return value.lower() in ("1", "true")
 
 
 def parse_variant(spec):
+    """The GPTConfig keys of a variant `residual[:key=value...]`; BenchError naming what does not parse."""
     name, *pairs = spec.split(":")
     kw = dict(residual=name)
+    fields = GPTConfig.__dataclass_fields__
     for pair in pairs:
-        key, value = pair.split("=")
-        typ = GPTConfig.__dataclass_fields__[key].type
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise BenchError(f"{pair!r} is not key=value")
+        if key in SHAPE_KEYS:
+            raise BenchError(f"{key} is set for every variant by {SHAPE_KEYS[key]}")
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            raise BenchError(f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+        typ = fields[key].type
         typ = next((t for t in typing.get_args(typ) if t is not type(None)), typ)  # int | None -> int
-        kw[key] = {int: int, float: float, bool: lambda v: v.lower() in ("1", "true")}.get(typ, str)(value)
+        convert, kind = {int: (int, "an integer"), float: (float, "a number"),
+                         bool: (_boolean, "true or false")}.get(typ, (str, "text"))
+        try:
+            kw[key] = convert(value)
+        except ValueError:
+            raise BenchError(f"{key} takes {kind}, not {value!r}") from None
     return kw
+
+
+def variant_config(spec, args):
+    """The GPTConfig of a variant at the benchmark's size; BenchError naming the variant if it does not build."""
+    try:
+        return GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
+                         n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec))
+    except (BenchError, ValueError, TypeError) as e:
+        raise BenchError(f"--variants {spec}: {e}") from None
+
+
+def check_args(args):
+    """Every flag, variant and the output path, before any model is built; returns (device, specs)."""
+    def need(ok, msg):
+        if not ok:
+            raise BenchError(msg)
+
+    for flag in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "batch_size", "repeats"):
+        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}")
+    need(all(len(b) == 2 and min(b) >= 1 for b in args.routing_blocks),
+         "--routing_blocks: each block is sources:sites, both at least 1 (e.g. 4:4,8:4), got "
+         + ",".join(":".join(map(str, b)) for b in args.routing_blocks))
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise BenchError(f"--device {args.device} is not a device: use auto, cpu, cuda or cuda:N") from None
+        need(device.type in ("cpu", "cuda"), f"--device {args.device}: use auto, cpu, cuda or cuda:N")
+        need(device.type != "cuda" or torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available")
+        need(device.type != "cuda" or device.index is None or device.index < torch.cuda.device_count(),
+             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    try:
+        GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                  n_embd=args.n_embd)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    specs = args.variants.split(",")
+    if "standard" not in specs:
+        specs.insert(0, "standard")
+    for spec in specs:
+        variant_config(spec, args)
+    need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write")
+    probe = os.path.join(os.path.dirname(args.out) or ".", f".bench-probe-{os.getpid()}")
+    try:
+        with open(probe, "xb"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise BenchError(f"cannot write {args.out}: {e.strerror}") from None
+    return device, specs
 
 
 def sync(device):
@@ -58,9 +145,7 @@ class Runner:
 
     def __init__(self, spec, args, device, dtype):
         self.spec = spec
-        cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                        n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec))
-        self.model = GPT(cfg, seed=0).to(device)
+        self.model = GPT(variant_config(spec, args), seed=0).to(device)
         self.step_fn = compile_model(self.model, backend=args.compile_backend) if args.compile else self.model
         self.opt = torch.optim.AdamW(self.model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
         g = torch.Generator().manual_seed(0)
@@ -182,13 +267,12 @@ def main(argv=None):
                    help="completed sources:sites of the blocks in the routing table; empty: no table")
     p.add_argument("--out", default="bench.json")
     args = p.parse_args(argv)
-
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    try:
+        device, specs = check_args(args)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
-    specs = args.variants.split(",")
-    if "standard" not in specs:
-        specs.insert(0, "standard")
     if args.compile:  # one graph per variant (and per grad mode): never fall back to eager without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(specs) + 2)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
@@ -246,9 +330,13 @@ def main(argv=None):
             print(f"| {r['sources']} | {r['sites']} | {r['impl']} | {r['pass_']} | {r['ms']:.2f} | {r['floor_ms']:.2f} "
                   f"| {r['of_floor']:.2f} |")
 
-    with open(args.out, "w") as f:
-        json.dump(dict(args=vars(args), device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth,
-                       steps=results, routing=routing), f, indent=1)
+    report = dict(args=vars(args), device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth,
+                  steps=results, routing=routing)
+    try:
+        write_atomic(args.out, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()), OSError)
+    except OSError as e:  # checked before the benchmark ran: the disk filled, or the directory went away
+        print(f"error: cannot write {args.out}: {e.strerror or e}; the tables above hold the numbers", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"\nwrote {args.out}")
     return results, routing
 

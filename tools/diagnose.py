@@ -10,9 +10,13 @@ What did a model's depth routing learn? Diagnostics from a checkpoint, on held-o
         muddformer   the mean per-token weights per way (Q, K, V, R), on the newest output and on x0
     python -m tools.diagnose --curves runs/sweep/*/            # validation-loss curves across runs
 
-Writes diagnostics.json and PNG plots into --out (default: the run directory). Plots need
-matplotlib (optional: `pip install matplotlib`); without it the numbers are still written.
-Exit status: 0 done; 2 with one `error:` line (a missing, corrupt or unfitting checkpoint, its data).
+Writes diagnostics.json and PNG plots into --out (default: the run directory), each file whole or
+not at all (written beside and renamed). Plots need matplotlib (optional: `pip install matplotlib`);
+without it the numbers are still written.
+Data: the validation split of --data_dir, by default the checkpoint's data_dir; a relative one is
+looked for from the current directory, then from the repository's root (where train.py usually runs).
+Exit status: 0 done; 2 with one `error:` line, before any compute (bad flags, an output that cannot be
+written, a missing, corrupt or unfitting checkpoint, its data not found); 130 on Ctrl-C.
 """
 
 import argparse
@@ -21,13 +25,29 @@ import math
 import os
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres.files import os_error_message, write_atomic
 from depthres.runlog import perplexity
-from depthres.shards import DataError, eval_batches
+from depthres.shards import DataError, eval_batches, load_meta
 from model import GPT, GPTConfig, _site_name
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs
+
+
+class UsageError(ValueError):
+    """Bad input (flags, an output that cannot be written): `error: ...`, exit code 2."""
+
+
+class NotWritten(Exception):
+    """The diagnostics were computed but could not be written; `out` holds them."""
+
+    def __init__(self, message, out):
+        super().__init__(message)
+        self.out = out
 
 # --- the measures ---------------------------------------------------------------------------------
 
@@ -222,9 +242,16 @@ def plot_routing_maps(maps, path, title, kind):
         ax.set_title(name or "routing weights", fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.6)
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return path
+
+
+def save_figure(plt, fig, path):
+    """savefig as a PNG, whole or not at all (write_atomic); the figure is closed either way."""
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120), OSError)
+    finally:
+        plt.close(fig)
 
 
 def val_curve(run):
@@ -256,24 +283,73 @@ def plot_curves(groups, path):
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return path
 
 
 # --- the command -----------------------------------------------------------------------------------
 
-def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu"):
+def default_out(ckpt_path):
+    """Where the diagnostics go without --out: the run directory."""
+    return ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(ckpt_path) or "."
+
+
+def check_writable(directory, what):
+    """Create `directory` if needed and write a probe file into it, so that results computed later
+    have somewhere to go; UsageError if not."""
+    probe = os.path.join(directory, f".diagnose-probe-{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "xb"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        reason = os_error_message(e, directory).removeprefix(f"cannot write {directory}: ")
+        raise UsageError(f"cannot write {what} into {directory}: {reason}: pass --out with a writable "
+                         f"{'directory' if what == 'the diagnostics' else 'path'}") from None
+
+
+def find_data_dir(recorded, given=None):
+    """(the data directory to read, a note saying where it was found). given: --data_dir, used as it
+    is; else the checkpoint's data_dir, as it is if absolute, else from the current directory, then
+    from the repository's root."""
+    if given is not None:
+        if not (Path(given) / "meta.json").is_file():
+            raise DataError(f"--data_dir {given} holds no meta.json: pass the directory prepare_data.py wrote")
+        return str(given), None
+    path = Path(recorded)
+    places = [path] if path.is_absolute() else list(dict.fromkeys([Path.cwd() / path, ROOT / path]))
+    for place in places:
+        if (place / "meta.json").is_file():
+            return str(place), None if place == path else f"data_dir {recorded} (from the checkpoint) is {place}"
+    raise DataError(f"the checkpoint's data_dir {recorded} holds no prepared data: looked in "
+                    f"{' and '.join(map(str, places))}; pass --data_dir with the directory prepare_data.py wrote "
+                    "for this run")
+
+
+def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", data_dir=None):
+    """Compute the diagnostics of a checkpoint and write them into out_dir (default: the run directory).
+    Every check (the checkpoint, its data, the model) comes before the compute."""
     ckpt = load_checkpoint(ckpt_path, map_location=device)
-    cfg = GPTConfig(**ckpt["model_config"])
-    model = GPT(cfg).to(device)
-    model.load_state_dict(ckpt["model"])
+    try:
+        cfg = GPTConfig(**ckpt["model_config"])
+        model = GPT(cfg).to(device)
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{ckpt_path}: the checkpoint's model does not fit this model.py: {e}") from None
     model.eval()
-    tc = ckpt["train_config"]
+    data_dir, note = find_data_dir(ckpt["train_config"].get("data_dir", "data/shakespeare"), data_dir)
+    meta = load_meta(data_dir)
+    if meta["tokenizer"] != ckpt["tokenizer"] or meta["vocab_size"] > cfg.vocab_size:
+        raise DataError(f"{data_dir} holds {meta['tokenizer']} tokens ({meta['vocab_size']} ids), but the checkpoint's "
+                        f"model reads {ckpt['tokenizer']} tokens ({cfg.vocab_size} ids): pass --data_dir with the "
+                        "data of this run")
+    if note:
+        print(note)
     batches = [(x.to(device), y.to(device)) for x, y in
-               eval_batches(tc["data_dir"], "val", batch_size, cfg.block_size, tokens)]
+               eval_batches(data_dir, "val", batch_size, cfg.block_size, tokens)]
     loss, records = collect(model, batches)
-    out = dict(checkpoint=ckpt_path, residual=cfg.residual, step=ckpt["step"], val_loss=loss)
+    out = dict(checkpoint=str(ckpt_path), data_dir=data_dir, residual=cfg.residual, step=ckpt["step"], val_loss=loss)
     n, kind = cfg.n_layer, recorded_kind(records)
     maps = routing_maps(records, n)
     if maps and kind not in ("dwa", "mixing"):
@@ -296,13 +372,16 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu"):
     if kind == "mixing":
         out["mixing_matrices"] = {k: v.tolist() for k, v in mixing_matrices(records, n).items()}
 
-    out_dir = out_dir or (ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(ckpt_path))
-    os.makedirs(out_dir, exist_ok=True)
-    if "routing_maps" in out or "dwa_weights" in out:
-        out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
-                                                f"{cfg.residual}, step {ckpt['step']}", kind)
-    with open(os.path.join(out_dir, "diagnostics.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    out_dir = out_dir or default_out(ckpt_path)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        if "routing_maps" in out or "dwa_weights" in out:
+            out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
+                                                    f"{cfg.residual}, step {ckpt['step']}", kind)
+        path = os.path.join(out_dir, "diagnostics.json")
+        write_atomic(path, lambda f: f.write((json.dumps(out, indent=1) + "\n").encode()), OSError)
+    except OSError as e:
+        raise NotWritten(os_error_message(e, out_dir), out) from None
     return out
 
 
@@ -332,26 +411,79 @@ def summary(d):
     return "\n".join(lines)
 
 
+def check_args(args):
+    """Every flag, and where the results go, before any compute."""
+    def need(ok, msg):
+        if not ok:
+            raise UsageError(msg)
+
+    need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}")
+    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        need(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available")
+        need(device.index is None or device.index < torch.cuda.device_count(),
+             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    else:
+        need(device.type == "cpu", f"--device {args.device}: use cpu, cuda or cuda:N")
+    for run in args.curves or []:
+        need(os.path.isfile(os.path.join(run, "log.jsonl")),
+             f"--curves {run}: no log.jsonl there (not a train.py run directory)")
+    if args.ckpt:
+        need(args.out is None or not os.path.exists(args.out) or os.path.isdir(args.out),
+             f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory")
+    elif args.out:
+        need(not os.path.isdir(args.out),
+             f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write")
+    if args.curves:
+        png = curves_path(args)
+        check_writable(os.path.dirname(png) or ".", "the curves")
+    if args.ckpt:
+        check_writable(args.out or default_out(args.ckpt), "the diagnostics")
+
+
+def curves_path(args):
+    """Where --curves writes its plot: --out, or curves.png in --out with --ckpt, or ./curves.png."""
+    if args.ckpt:
+        return os.path.join(args.out, "curves.png") if args.out else "curves.png"
+    return args.out or "curves.png"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", help="run directory or checkpoint file")
     p.add_argument("--curves", nargs="+", metavar="RUN_DIR", help="plot validation curves of these runs")
-    p.add_argument("--out", help="output directory (default: the run directory) or, with --curves, the PNG path")
+    p.add_argument("--out", help="output directory (default: the run directory) or, with --curves alone, the PNG "
+                   "path (default curves.png; with --ckpt too, curves.png in --out)")
+    p.add_argument("--data_dir", help="the prepared data to read (default: the checkpoint's data_dir)")
     p.add_argument("--tokens", type=int, default=16384, help="held-out tokens to average over")
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     args = p.parse_args(argv)
     if not args.ckpt and not args.curves:
         p.error("give --ckpt or --curves")
     try:
+        check_args(args)
         if args.curves:
-            print("wrote", plot_curves({os.path.basename(r.rstrip("/")): [r] for r in args.curves},
-                                       args.out or "curves.png"))
+            print("wrote", plot_curves({os.path.basename(r.rstrip("/")): [r] for r in args.curves}, curves_path(args)))
         if args.ckpt:
-            print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device)))
-    except (CheckpointError, DataError) as e:
+            print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)))
+    except (UsageError, CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NotWritten as e:  # computed, then the disk failed: the numbers are printed, not lost
+        print(summary(e.out))
+        print(f"error: {e}; the summary above is all that was kept", file=sys.stderr)
+        return 2
+    except OSError as e:  # writing the curves
+        print(f"error: {os_error_message(e, curves_path(args))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stopped by Ctrl-C", file=sys.stderr)
+        return 130
     return 0
 
 
