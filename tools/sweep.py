@@ -748,8 +748,8 @@ def save_output(path, write):
             os.fsync(f.fileno())
         os.replace(tmp, path)
         return None
-    except OSError as e:
-        return (e.strerror or str(e)).lower()
+    except OSError as e:  # the OS's words; a plot's own one-line error ends with them ("cannot write P: why")
+        return (e.strerror or str(e).rsplit(": ", 1)[-1]).lower()
     except Exception as e:  # a plot is an extra: the tables and the files that could be written stand
         return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     finally:
