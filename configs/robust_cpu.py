@@ -1,7 +1,8 @@
 # Does the advantage hold? (issue 26) The CPU design of tools/robust.py on configs/exp_cpu.py's recipe
 # (lr 3e-3 -> 3e-4 cosine, 400 steps of 1,024 byte tokens, scored on the fixed 64k-token val prefix):
 #   python prepare_data.py --tokenizer byte        # once: data/shakespeare_byte
-#   OMP_NUM_THREADS=1 python -m tools.robust configs/robust_cpu.py & OMP_NUM_THREADS=1 python -m tools.robust configs/robust_cpu.py
+#   OMP_NUM_THREADS=1 python -m tools.robust configs/robust_cpu.py &    # two processes share the runs,
+#   OMP_NUM_THREADS=1 python -m tools.robust configs/robust_cpu.py      # as two sweep processes do
 #   python -m tools.robust configs/robust_cpu.py --table_only     # the report from the finished runs
 # Runs: tune 5 variants x 3 lrs x 2 seeds (30 x 400 steps); compare 5 variants x 3 seeds at 400 and 1200
 # steps plus standard at 600 and 800 (15 x 400, 3 x 600, 3 x 800, 15 x 1200); best: up to 5 x 3 x 400

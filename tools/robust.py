@@ -445,6 +445,12 @@ def predict(fit, C):
     return fit["E"] + fit["A_norm"] * (C / fit["c0"]) ** -fit["alpha"]
 
 
+def inside(fit, C):
+    """Whether compute C lies within the ladder's (to rounding): a read-off there is no extrapolation."""
+    lo, hi = fit["range"]
+    return lo * (1 - 1e-9) <= C <= hi * (1 + 1e-9)
+
+
 def inverse(fit, loss):
     """The compute at which the fit reaches `loss`: math.inf when the loss is at or below the floor E
     (never reached), None when the fit does not fall with compute (alpha or A not positive)."""
@@ -490,12 +496,13 @@ def bootstrap(ladder, variant, kind, resamples=2000, seed=0, level=0.95):
     inverted, left out; inf counts as a value: the loss is below the fit's floor)."""
     seeds = sorted(variant)
     rng = random.Random(seed)
-    xf, xs, undefined = [], [], 0
+    xf, xs, undefined, seen = [], [], 0, {}
     for _ in range(resamples):
-        draw = [seeds[rng.randrange(len(seeds))] for _ in seeds]
-        lad = {n: {i: pts[s] for i, s in enumerate(draw)} for n, pts in ladder.items()}
-        var = {i: variant[s] for i, s in enumerate(draw)}
-        f, st, _, _ = multiple(lad, var, kind)
+        draw = tuple(sorted(seeds[rng.randrange(len(seeds))] for _ in seeds))  # means ignore the order
+        if draw not in seen:  # 3 seeds have 10 distinct draws: fit each once
+            lad = {n: {i: pts[s] for i, s in enumerate(draw)} for n, pts in ladder.items()}
+            seen[draw] = multiple(lad, {i: variant[s] for i, s in enumerate(draw)}, kind)
+        f, st, _, _ = seen[draw]
         if f is None:
             undefined += 1
             continue
@@ -537,7 +544,7 @@ def multipliers(design, runs):
             fv = runs[(name, seeds[0])]["flops_per_token"]
             cell.update(flops=f, steps_x=st, reference_flops=c_star, flops_per_token=fv, flops_per_token_ratio=fv / fref,
                         loss=statistics.fmean(x for _, x, _ in variant.values()),
-                        extrapolated=None if c_star is None else not fit["range"][0] <= c_star <= fit["range"][1],
+                        extrapolated=None if c_star is None else not inside(fit, c_star),
                         interval=bootstrap(ladder, variant, kind, design["bootstrap"], design["bootstrap_seed"]))
     return out
 
@@ -761,16 +768,16 @@ def render(result, design):
             ratio = m.get("flops_per_token_ratio", ratio)
             iv = m.get("interval") or {}
             ext = " *extrapolated*" if m.get("extrapolated") else ""
-            cells += [f"{_f(m['flops'], '.2f')} [{_f((iv.get('flops') or [None])[0], '.2f')}, "
-                      f"{_f((iv.get('flops') or [None, None])[1], '.2f')}]{ext}",
-                      f"{_f(m['steps_x'], '.2f')} [{_f((iv.get('steps') or [None])[0], '.2f')}, "
-                      f"{_f((iv.get('steps') or [None, None])[1], '.2f')}]{ext}"]
+            cells += [f"{_f(m['flops'], '.3f')} [{_f((iv.get('flops') or [None])[0], '.3f')}, "
+                      f"{_f((iv.get('flops') or [None, None])[1], '.3f')}]{ext}",
+                      f"{_f(m['steps_x'], '.3f')} [{_f((iv.get('steps') or [None])[0], '.3f')}, "
+                      f"{_f((iv.get('steps') or [None, None])[1], '.3f')}]{ext}"]
             info.append(f"{n}: {len(m['seeds'])}/{seeds_n} seeds, ladder {'/'.join(map(str, m['ladder'])) or '-'}"
                         + (" (partial)" if m["partial"] else ""))
         if bench:
             b = bench["variants"].get(v)
             cells += [_f(r["multipliers"][v][str(n)]["steps_x"] * b["speed_ratio"]
-                         if b and r["multipliers"][v][str(n)]["steps_x"] is not None else None, ".2f") for n in ns]
+                         if b and r["multipliers"][v][str(n)]["steps_x"] is not None else None, ".3f") for n in ns]
         out.append(f"| `{v}`{' (reference)' if v == ref else ''} | {_f(ratio, '.3f')} | " + " | ".join(cells)
                    + f" | {'; '.join(info)} |")
     out += ["", "The reference's own rows read its runs against its own fit: their distance from 1 is the fit's error "
@@ -815,18 +822,22 @@ def plot(result, design, path):
                 label=f"{design['reference']} ladder ({', '.join(pts)} steps)")
     xs_all = [p["flops"] for p in pts.values()]
     markers = "osD^v"
-    for i, v in enumerate(design["variants"]):
+    fit = result.get("fit")
+    for i, v in enumerate(x for x in design["variants"] if x != design["reference"]):  # the reference: the ladder
         for j, n in enumerate(sorted(design["steps"])):
             rs = [runs[(steps_name(design, v, n), s)] for s in design["seeds"] if (steps_name(design, v, n), s) in runs]
             if not rs:
                 continue
             losses = [x["val_loss"] for x in rs]
-            fx = statistics.fmean(x["flops"] for x in rs)
+            fx, mean = statistics.fmean(x["flops"] for x in rs), statistics.fmean(losses)
             xs_all.append(fx)
-            ax.errorbar([fx], [statistics.fmean(losses)], yerr=[statistics.stdev(losses) if len(losses) > 1 else 0],
+            ax.errorbar([fx], [mean], yerr=[statistics.stdev(losses) if len(losses) > 1 else 0],
                         fmt=markers[j % len(markers)], color=f"C{i}", capsize=3, mfc="white" if j else f"C{i}",
                         label=f"{v}, {n} steps (n {len(rs)})")
-    fit = result.get("fit")
+            c_star = inverse(fit, mean) if fit else None
+            if c_star is not None and math.isfinite(c_star):  # to where the reference's fit reaches its loss
+                ax.plot([fx, c_star], [mean, mean], ":", color=f"C{i}", lw=1)
+                xs_all.append(c_star)
     if fit:
         lo, hi = min(xs_all) / 1.1, max(xs_all) * 1.1
         grid = [lo * (hi / lo) ** (k / 200) for k in range(201)]
@@ -837,7 +848,11 @@ def plot(result, design, path):
                 ax.plot(part, [predict(fit, c) for c in part], "--", color="black", lw=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("training FLOPs (flops_per_token x tokens; dashed: fit extrapolated)")
+    from matplotlib.ticker import FormatStrFormatter  # matplotlib is there: pyplot() found it
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.2f"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.2f"))
+    ax.set_xlabel("training FLOPs (flops_per_token x tokens)\nthe ladder's fit: solid, dashed where extrapolated; "
+                  "dotted: to where it reaches the variant's loss", fontsize=8)
     ax.set_ylabel("val NLL (mean ± sd over seeds)")
     ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.grid(alpha=0.3, which="both")
