@@ -773,7 +773,8 @@ def render(result, design):
                       f"{_f(m['steps_x'], '.3f')} [{_f((iv.get('steps') or [None])[0], '.3f')}, "
                       f"{_f((iv.get('steps') or [None, None])[1], '.3f')}]{ext}"]
             info.append(f"{n}: {len(m['seeds'])}/{seeds_n} seeds, ladder {'/'.join(map(str, m['ladder'])) or '-'}"
-                        + (" (partial)" if m["partial"] else ""))
+                        + (" (partial)" if m["partial"] else "")
+                        + (f", {iv['undefined']} resamples without a read-off" if iv.get("undefined") else ""))
         if bench:
             b = bench["variants"].get(v)
             cells += [_f(r["multipliers"][v][str(n)]["steps_x"] * b["speed_ratio"]
