@@ -681,6 +681,11 @@ def render(result, design):
         cells = [f"{_f(t['cells'][x]['mean'], '.4f')} ({t['cells'][x]['n']})" for x in lrs]
         best = _f(t["best_lr"], "g") + ("" if t["complete"] or t["best_lr"] is None else " (partial)")
         out.append(f"| `{v}` | " + " | ".join(cells) + f" | {best} |")
+    lo_lr, hi_lr = f"{min(design['lrs']):g}", f"{max(design['lrs']):g}"
+    edge = [v for v, t in lr["table"].items() if t["best_lr"] is not None and f"{t['best_lr']:g}" in (lo_lr, hi_lr)]
+    if edge and len(lrs) > 1:
+        out += ["", f"At the grid's edge ({lo_lr} or {hi_lr}): {', '.join(f'`{v}`' for v in edge)}; their optimum may lie "
+                "outside the grid."]
     out += ["", f"Ranking on the tuning seeds at the shared lr: {' < '.join(f'`{v}`' for v in lr['ranking_shared']) or '-'}",
             f"at each variant's own best lr: {' < '.join(f'`{v}`' for v in lr['ranking_best']) or '-'}"]
     if lr["ranking_changes"] is None:
