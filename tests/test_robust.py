@@ -340,6 +340,11 @@ def test_a_partial_design_reports_what_exists_and_what_is_missing(tmp_path):
     text = (tmp_path / "runs" / "robust.md").read_text()
     assert "(partial)" in text and "not whole-split scores" in text and "first 1,024 tokens" in text
     assert str(tmp_path) not in text + (tmp_path / "runs" / "robust.json").read_text()  # run paths relative
+    for s in (1, 2):  # one seed left: a read-off, no interval
+        for f in (tmp_path / "runs" / "mudd" / f"seed{s}").iterdir():
+            f.unlink()
+    one = robust.analyze(d)["multipliers"]["mudd"]["4"]
+    assert one["seeds"] == [0] and one["flops"] > 1 and one["interval"] is None
 
 
 # --- a tiny design, end to end ---------------------------------------------------------------------------

@@ -541,11 +541,12 @@ def multipliers(design, runs):
             variant = {s: (runs[(name, s)]["flops"], runs[(name, s)]["val_loss"], fref * runs[(name, s)]["tokens"])
                        for s in seeds}
             f, st, c_star, fit = multiple(ladder, variant, kind)
+            iv = bootstrap(ladder, variant, kind, design["bootstrap"], design["bootstrap_seed"]) if len(seeds) > 1 else None
             fv = runs[(name, seeds[0])]["flops_per_token"]
             cell.update(flops=f, steps_x=st, reference_flops=c_star, flops_per_token=fv, flops_per_token_ratio=fv / fref,
                         loss=statistics.fmean(x for _, x, _ in variant.values()),
                         extrapolated=None if c_star is None else not inside(fit, c_star),
-                        interval=bootstrap(ladder, variant, kind, design["bootstrap"], design["bootstrap_seed"]))
+                        interval=iv)  # one seed: no interval
     return out
 
 
@@ -742,8 +743,9 @@ def render(result, design):
     # c.
     out += ["", "## c. Compute: the reference needs X times the compute", ""]
     pts = r["ladder"]
-    out.append(f"The ladder: `{ref}` at " + ", ".join(f"{m} steps {p['mean']:.4f} ± {p['sd']:.4f} (n {p['n']}, "
-                                                    f"{p['flops']:.3g} FLOP)" for m, p in pts.items()) + "." if pts
+    out.append(f"The ladder: `{ref}` at " + ", ".join(f"{m} steps {p['mean']:.4f}" + (f" ± {p['sd']:.4f}" if p["n"] > 1 else "")
+                                                    + f" (n {p['n']}, {p['flops']:.3g} FLOP)" for m, p in pts.items()) + "."
+               if pts
                else f"The ladder: no `{ref}` run of it has finished yet.")
     fit = r["fit"]
     if fit:
@@ -787,7 +789,8 @@ def render(result, design):
         out.append(f"| `{v}`{' (reference)' if v == ref else ''} | {_f(ratio, '.3f')} | " + " | ".join(cells)
                    + f" | {'; '.join(info)} |")
     out += ["", "The reference's own rows read its runs against its own fit: their distance from 1 is the fit's error "
-            "there. With few seeds the bootstrap has few distinct resamples (3 seeds: 10), so its interval is coarse.",
+            "there. With few seeds the bootstrap has few distinct resamples (3 seeds: 10), so its interval is coarse; "
+            "with one seed there is none.",
             "", "![loss against training FLOPs](loss_vs_flops.png)"]
     # d.
     out += ["", "## d. Wall-clock: measured speed ratios only", ""]
