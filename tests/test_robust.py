@@ -1,0 +1,390 @@
+"""tools/robust.py: the design's run names, its checks, the lr chosen on tuning seeds alone, the compute
+multiplier on synthetic power-law ladders (known answers), the bootstrap, and a tiny design end to end."""
+
+import json
+import math
+import shlex
+from pathlib import Path
+
+import pytest
+
+import train
+from depthres import config
+from tools import robust, sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- the CPU design: exactly the runs of issue 26 ------------------------------------------------------
+
+TUNE = {  # name: overrides, on seeds 100 and 101
+    "standard--lr0.0015": "residual=standard lr=0.0015 min_lr=0.00015",
+    "standard": "residual=standard",
+    "standard--lr0.006": "residual=standard lr=0.006 min_lr=0.0006",
+    "block_attnres--lr0.0015": "residual=block_attnres lr=0.0015 min_lr=0.00015",
+    "block_attnres": "residual=block_attnres",
+    "block_attnres--lr0.006": "residual=block_attnres lr=0.006 min_lr=0.0006",
+    "rd_attnres--lr0.0015": "residual=rd_attnres lr=0.0015 min_lr=0.00015",
+    "rd_attnres": "residual=rd_attnres",
+    "rd_attnres--lr0.006": "residual=rd_attnres lr=0.006 min_lr=0.0006",
+    "muddformer--lr0.0015": "residual=muddformer lr=0.0015 min_lr=0.00015",
+    "muddformer": "residual=muddformer",
+    "muddformer--lr0.006": "residual=muddformer lr=0.006 min_lr=0.0006",
+    "delta_attnres--lr0.0015": "residual=delta_attnres lr=0.0015 min_lr=0.00015",
+    "delta_attnres": "residual=delta_attnres",
+    "delta_attnres--lr0.006": "residual=delta_attnres lr=0.006 min_lr=0.0006",
+}
+COMPARE = {  # on seeds 0, 1 and 2
+    "standard": "residual=standard",
+    "block_attnres": "residual=block_attnres",
+    "rd_attnres": "residual=rd_attnres",
+    "muddformer": "residual=muddformer",
+    "delta_attnres": "residual=delta_attnres",
+    "standard--steps600": "residual=standard max_steps=600",
+    "standard--steps800": "residual=standard max_steps=800",
+    "standard--steps1200": "residual=standard max_steps=1200",
+    "block_attnres--steps1200": "residual=block_attnres max_steps=1200",
+    "rd_attnres--steps1200": "residual=rd_attnres max_steps=1200",
+    "muddformer--steps1200": "residual=muddformer max_steps=1200",
+    "delta_attnres--steps1200": "residual=delta_attnres max_steps=1200",
+}
+
+
+def train_argv(spec, name):
+    return [spec["base"]] + [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(spec["variants"][name])]
+
+
+def test_the_cpu_design_names_exactly_the_runs_of_issue_26():
+    d = robust.load_design("configs/robust_cpu.py")
+    assert d["recipe"] == dict(lr=3e-3, min_lr=3e-4, steps=400, batch_tokens=1024) and d["out_dir"] == "runs/robust_cpu"
+    tune, compare = robust.stage_spec(d, "tune"), robust.stage_spec(d, "compare")
+    assert tune["variants"] == TUNE and tune["seeds"] == [100, 101]
+    assert compare["variants"] == COMPARE and compare["seeds"] == [0, 1, 2]
+    assert tune["overrides"] == compare["overrides"] == "ckpt_interval=200"
+    # what train.py reads: the lr-grid runs end their cosine at lr / 10, the length runs keep the recipe's lr
+    tc, _ = config.parse_config(train_argv(tune, "rd_attnres--lr0.006"))
+    assert (tc.lr, tc.min_lr, tc.max_steps, tc.ckpt_interval) == (0.006, 0.0006, 400, 200)
+    tc, _ = config.parse_config(train_argv(compare, "muddformer--steps1200"))
+    assert (tc.lr, tc.min_lr, tc.max_steps) == (0.003, 0.0003, 1200)
+    # the best-lr stage: a variant whose best lr is the shared one needs no run; the others run on seeds 0-2
+    best = robust.stage_spec(d, "best", {"standard": 3e-3, "muddformer": 6e-3, "rd_attnres": 1.5e-3})
+    assert best["variants"] == {"muddformer--lr0.006": TUNE["muddformer--lr0.006"],
+                                "rd_attnres--lr0.0015": TUNE["rd_attnres--lr0.0015"]} and best["seeds"] == [0, 1, 2]
+    assert robust.stage_spec(d, "best", {"standard": 3e-3}) is None
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("robust_*.py")))
+def test_every_run_of_every_design_is_a_valid_config(path):
+    d = robust.load_design(path)
+    every_lr = {v: lr for v in d["variants"] for lr in d["lrs"]}  # the best stage's runs are the tune stage's
+    for spec in (robust.stage_spec(d, "tune"), robust.stage_spec(d, "compare"), robust.stage_spec(d, "best", every_lr)):
+        for name in spec["variants"]:
+            tc, model_settings = config.parse_config(train_argv(spec, name))
+            config.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
+
+
+def test_the_gpu_design_is_the_cpu_protocol_at_rd_s():
+    d = robust.load_design("configs/robust_gpu.py")
+    assert d["base"] == "configs/rd_s.py" and d["recipe"]["steps"] == 3814 and d["recipe"]["lr"] == 3e-3
+    assert d["steps"] == [3814, 11442] and d["ladder"] == [3814, 5721, 7628, 11442]
+    cpu = robust.load_design("configs/robust_cpu.py")
+    assert d["variants"] == cpu["variants"] and d["lrs"] == cpu["lrs"]
+    assert (d["tuning_seeds"], d["seeds"]) == (cpu["tuning_seeds"], cpu["seeds"])
+
+
+# --- a bad design: one line, before any run ---------------------------------------------------------------
+
+GOOD = dict(base='"configs/test.py"', variants='{"a": "residual=standard", "b": "residual=block_attnres"}',
+            reference='"a"', lrs="[0.005, 0.01]", tuning_seeds="[100]", seeds="[0, 1]", steps="[6]", ladder="[6, 9]")
+BAD_DESIGNS = {
+    "shared_seeds": (dict(tuning_seeds="[1, 100]"), "tuning_seeds and seeds share [1]"),
+    "negative_lr": (dict(lrs="[0.01, -0.02]"), "lrs must be a non-empty list of positive numbers"),
+    "zero_steps": (dict(steps="[6, 0]"), "steps must be a list of at least 1 distinct positive whole numbers"),
+    "one_rung": (dict(ladder="[6]"), "ladder must be a list of at least 2 distinct positive whole numbers"),
+    "no_recipe_lr": (dict(lrs="[0.005, 0.02]"), "lrs [0.005, 0.02] must hold the recipe's lr 0.01"),
+    "no_recipe_length": (dict(steps="[9]"), "steps [9] must hold the recipe's length 6"),
+    "variant_sets_lr": (dict(variants='{"a": "", "b": "lr=0.1"}'), "variant 'b' sets lr: the design sets"),
+    "dashes": (dict(variants='{"a": "", "b--x": ""}'), "variant name 'b--x'"),
+    "reference": (dict(reference='"c"'), "reference 'c' is not one of the variants"),
+    "missing": (dict(ladder=None), "must set ladder"),
+    "power_short": (dict(fit='"power"'), "the ladder needs at least 4 lengths"),
+    "unknown_key": (dict(variants='{"a": "", "b": "n_layers=4"}'), "unknown key 'n_layers' in the command line"),
+    "raises": (dict(steps="[6] + 1"), "line 7: TypeError"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DESIGNS)
+def test_a_bad_design_is_one_line_before_any_run(case, tmp_path, monkeypatch):
+    change, message = BAD_DESIGNS[case]
+    keys = {**GOOD, **change}
+    path = tmp_path / "design.py"
+    path.write_text("".join(f"{k} = {v}\n" for k, v in keys.items() if v is not None))
+    monkeypatch.setattr(sweep, "run_child", None)  # never reached
+    with pytest.raises(SystemExit) as e:
+        robust.main([str(path), "--out_dir", str(tmp_path / "runs")])
+    assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_missing_design_file(tmp_path):
+    with pytest.raises(SystemExit, match="^error: design file .* not found$"):
+        robust.main([str(tmp_path / "nope.py")])
+
+
+# --- fake runs ------------------------------------------------------------------------------------------
+
+TINY = dict(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
+BATCH = 256
+
+
+def fake_run(out, name, seed, loss, steps, residual="standard", lr=1e-2):
+    """A finished run's directory as train.py leaves it (the files the report reads)."""
+    d = Path(out) / name / f"seed{seed}"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(dict(
+        train=dict(batch_tokens=BATCH, max_steps=steps, lr=lr, min_lr=lr / 10, eval_tokens=1024),
+        model=dict(TINY, residual=residual))))
+    (d / "summary.json").write_text(json.dumps(dict(run_dir=str(d), step=steps, val_loss=loss, test_loss=loss + 0.01,
+                                                    params=1000, seconds=60.0, tokens_per_s=1.0)))
+    (d / "log.jsonl").write_text(json.dumps(dict(kind="eval", split="val", step=steps, loss=loss)) + "\n")
+
+
+def design_file(tmp_path, **keys):
+    text = dict(base='"configs/test.py"', variants='{"standard": "residual=standard", "mudd": "residual=muddformer"}',
+                reference='"standard"', lrs="[0.01]", tuning_seeds="[100]", seeds="[0, 1, 2]", steps="[4, 12]",
+                ladder="[4, 6, 8, 12]", overrides='"max_steps=4"', out_dir=repr(str(tmp_path / "runs")))
+    text.update(keys)
+    path = tmp_path / "design.py"
+    path.write_text("".join(f"{k} = {v}\n" for k, v in text.items()))
+    return robust.load_design(str(path))
+
+
+F_STD = robust.flops_per_token(dict(TINY, residual="standard"))
+F_MUDD = robust.flops_per_token(dict(TINY, residual="muddformer"))
+
+
+def law(E, B, alpha):
+    c1 = F_STD * BATCH * 4  # the ladder's first point: loss E + B
+    return lambda C: E + B * (C / c1) ** -alpha
+
+
+# --- c. the multiplier: known answers ---------------------------------------------------------------------
+
+def test_a_power_law_ladder_recovers_its_exponent():
+    C = [F_STD * BATCH * n for n in (400, 600, 800, 1200)]
+    true = dict(E=1.3, A=25.0, alpha=0.27)
+    L = [true["E"] + true["A"] * c ** -true["alpha"] for c in C]
+    fit = robust.fit_ladder(C, L, "power")
+    assert fit["alpha"] == pytest.approx(true["alpha"], rel=1e-6)
+    assert fit["E"] == pytest.approx(true["E"], rel=1e-6) and fit["A"] == pytest.approx(true["A"], rel=1e-5)
+    assert fit["rms"] < 1e-9
+    pure = robust.fit_ladder(C, [25.0 * c ** -0.27 for c in C], "loglinear")  # no floor: log-linear is exact
+    assert (pure["alpha"], pure["A"], pure["E"]) == (pytest.approx(0.27, rel=1e-12), pytest.approx(25.0, rel=1e-9), 0)
+    for f in (fit, pure):  # the inverse reads the compute back
+        assert robust.inverse(f, robust.predict(f, 1.7 * C[0])) == pytest.approx(1.7 * C[0], rel=1e-6)
+
+
+def test_inverse_beyond_the_floor_and_of_a_curve_that_does_not_fall():
+    fit = robust.fit_ladder([1.0, 2.0, 4.0, 8.0], [1.5 + 2 ** -k for k in range(4)], "power")
+    assert robust.inverse(fit, 1.4) == math.inf  # below the floor: never reached
+    rising = robust.fit_ladder([1.0, 2.0], [2.0, 2.1], "loglinear")
+    assert rising["alpha"] < 0 and robust.inverse(rising, 2.05) is None
+
+
+@pytest.mark.parametrize("kind,E", [("loglinear", 0.0), ("power", 1.0)])
+def test_a_variant_at_a_known_multiple_reads_as_that_multiple(kind, E, tmp_path):
+    """The ladder lies on an exact law; `mudd` reaches, with its own FLOPs, the loss the reference reaches
+    with k times them: X FLOP-matched is k, X step-matched k times the FLOPs-per-token ratio."""
+    d = design_file(tmp_path, fit=repr(kind))
+    L = law(E, 1.0, 0.3)
+    out = tmp_path / "runs"
+    k = {4: 1.5, 12: 2.0}
+    for s in d["seeds"]:
+        for n in d["ladder"]:
+            fake_run(out, robust.steps_name(d, "standard", n), s, L(F_STD * BATCH * n), n)
+        for n in d["steps"]:
+            fake_run(out, robust.steps_name(d, "mudd", n), s, L(k[n] * F_MUDD * BATCH * n), n, "muddformer")
+    result = robust.analyze(d)
+    ratio = F_MUDD / F_STD
+    assert ratio > 1.01  # MUDDFormer costs more per token: charged for it
+    tol = 1e-9 if kind == "loglinear" else 1e-6
+    for n, m in result["multipliers"]["mudd"].items():
+        n = int(n)
+        assert m["flops"] == pytest.approx(k[n], rel=tol)
+        assert m["steps_x"] == pytest.approx(k[n] * ratio, rel=tol)
+        assert m["steps_x"] / m["flops"] == pytest.approx(ratio, rel=1e-12)  # exactly the FLOPs-per-token ratio
+        assert m["flops_per_token_ratio"] == pytest.approx(ratio, rel=1e-12)
+        assert not m["partial"] and m["seeds"] == [0, 1, 2] and m["ladder"] == [4, 6, 8, 12]
+        # noiseless seeds: every resample is the same data, the interval is the truth
+        assert m["interval"]["flops"] == [pytest.approx(k[n], rel=tol)] * 2
+        assert m["interval"]["steps"] == [pytest.approx(k[n] * ratio, rel=tol)] * 2
+    assert result["multipliers"]["mudd"]["4"]["extrapolated"] is False  # 1.5 x 1.03 x 4 steps: inside 4..12
+    assert result["multipliers"]["mudd"]["12"]["extrapolated"] is True  # 2 x 1.03 x 12 steps: beyond 12
+    for n in (4, 12):  # the reference against its own exact ladder
+        assert result["multipliers"]["standard"][str(n)]["flops"] == pytest.approx(1.0, rel=tol)
+    assert result["fit"]["alpha"] == pytest.approx(0.3, rel=tol) and result["fit"]["E"] == pytest.approx(E, abs=1e-6)
+
+
+def noisy_design(tmp_path):
+    d = design_file(tmp_path)
+    L = law(0.0, 1.0, 0.3)
+    noise = {0: 0.01, 1: -0.004, 2: 0.006}
+    for s in d["seeds"]:
+        for n in d["ladder"]:
+            fake_run(tmp_path / "runs", robust.steps_name(d, "standard", n), s, L(F_STD * BATCH * n) + noise[s], n)
+        for n in d["steps"]:
+            fake_run(tmp_path / "runs", robust.steps_name(d, "mudd", n), s,
+                     L(1.5 * F_MUDD * BATCH * n) + 0.5 * noise[s] + 0.002 * s, n, "muddformer")
+    return d
+
+
+def test_the_bootstrap_is_reproducible_and_pairs_the_seeds(tmp_path):
+    d = noisy_design(tmp_path)
+    a, b = robust.analyze(d)["multipliers"]["mudd"]["4"], robust.analyze(d)["multipliers"]["mudd"]["4"]
+    assert a["interval"] == b["interval"] and a["interval"]["undefined"] == 0  # a fixed RNG seed
+    lo, hi = a["interval"]["flops"]
+    assert lo < a["flops"] < hi and lo < hi
+    ratio = F_MUDD / F_STD  # each resample's two multipliers differ by the FLOPs ratio: so do the percentiles
+    assert a["interval"]["steps"] == [pytest.approx(lo * ratio, rel=1e-12), pytest.approx(hi * ratio, rel=1e-12)]
+    # by hand: the same draws of seed indices for the ladder and the variant
+    ladder = {n: {s: (F_STD * BATCH * n, robust.read_run(d["out_dir"], robust.steps_name(d, "standard", n), s)["val_loss"])
+                  for s in d["seeds"]} for n in d["ladder"]}
+    variant = {s: (F_MUDD * BATCH * 4, robust.read_run(d["out_dir"], "mudd", s)["val_loss"], F_STD * BATCH * 4)
+               for s in d["seeds"]}
+    assert robust.bootstrap(ladder, variant, "loglinear", 2000, 0) == a["interval"]
+    # 3 seeds give 10 distinct resamples (multisets); the percentiles are values of them
+    draws = [(i, j, k) for i in range(3) for j in range(i, 3) for k in range(j, 3)]
+    values = [robust.multiple({n: dict(enumerate(pts[s] for s in draw)) for n, pts in ladder.items()},
+                              dict(enumerate(variant[s] for s in draw)), "loglinear")[0] for draw in draws]
+    assert len(draws) == 10 and lo in values and hi in values
+
+
+def test_percentile_is_linear_between_order_statistics():
+    assert robust.percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.5
+    assert robust.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.025) == pytest.approx(1.1)
+    assert robust.percentile([1.0, math.inf], 1.0) == math.inf
+
+
+# --- a. the lr: chosen on the tuning seeds, never on the comparison's ------------------------------------
+
+def test_the_lr_is_chosen_on_tuning_seeds_only(tmp_path):
+    d = design_file(tmp_path, variants='{"standard": "residual=standard", "block": "residual=block_attnres"}',
+                    lrs="[0.005, 0.01, 0.02]", tuning_seeds="[100, 101]", steps="[4]", ladder="[4, 6]")
+    out = tmp_path / "runs"
+    tuning = {("standard", 0.005): 2.0, ("standard", 0.01): 1.9, ("standard", 0.02): 2.1,  # best: 0.01
+              ("block", 0.005): 2.0, ("block", 0.01): 1.95, ("block", 0.02): 1.8}  # best: 0.02
+    for (v, lr), loss in tuning.items():
+        for s in (100, 101):
+            fake_run(out, robust.lr_name(d, v, lr), s, loss + 0.001 * s, 4, lr=lr)
+    # the comparison seeds would choose otherwise: standard at 0.02, block at 0.005
+    comparison = {("standard", 0.01): 1.85, ("standard", 0.02): 1.0, ("block", 0.005): 0.5, ("block", 0.01): 1.84,
+                  ("block", 0.02): 1.83}
+    for (v, lr), loss in comparison.items():
+        for s in (0, 1, 2):
+            fake_run(out, robust.lr_name(d, v, lr), s, loss + 0.01 * s, 4, lr=lr)
+    for s in (0, 1, 2):
+        fake_run(out, "standard--steps6", s, 1.7, 6)
+    everything = {**robust.read_stage(robust.stage_spec(d, "tune")),
+                  **{(n, s): robust.read_run(out, n, s) for n in ("standard--lr0.02", "block--lr0.005") for s in (0, 1, 2)}}
+    table = robust.lr_table(d, everything)  # handed the comparison seeds' runs too: it ignores them
+    assert {v: t["best_lr"] for v, t in table.items()} == {"standard": 0.01, "block": 0.02}
+    assert all(t["complete"] and t["common_seeds"] == [100, 101] for t in table.values())
+    assert table["block"]["cells"]["0.005"]["losses"] == {"100": pytest.approx(2.1), "101": pytest.approx(2.101)}
+
+    result = robust.analyze(d)
+    assert result["lr"]["settled"] == {"standard": 0.01, "block": 0.02}
+    assert result["lr"]["ranking_shared"] == ["standard", "block"] and result["lr"]["ranking_best"] == ["block", "standard"]
+    assert result["lr"]["ranking_changes"] is True
+    best = robust.stage_spec(d, "best", result["lr"]["settled"])
+    assert best["variants"] == {"block--lr0.02": "residual=block_attnres lr=0.02 min_lr=0.002"} and best["seeds"] == [0, 1, 2]
+    # the comparison: seeds 0-2 only, though standard/seed100 and seed101 (tuning) share the name standard
+    (at_best,) = result["lr"]["comparison"]["at_best"]
+    assert (at_best["run"], at_best["against"]) == ("block--lr0.02", "standard")
+    assert set(at_best["deltas"]) == {"0", "1", "2"} and at_best["mean"] == pytest.approx(1.83 - 1.85)
+    (gap,) = result["gaps"]["4"]
+    assert set(gap["deltas"]) == {"0", "1", "2"} and gap["mean"] == pytest.approx(1.84 - 1.85)
+    for cells in result["multipliers"].values():
+        assert all(set(c["seeds"]) <= {0, 1, 2} for c in cells.values())
+    assert result["missing"] == dict(tune=[], compare=[], best=[])
+
+
+# --- the report ----------------------------------------------------------------------------------------
+
+def test_the_bench_ratios_are_the_bench_files():
+    ratios = robust.bench_ratios(robust.load_design("configs/robust_cpu.py"))
+    bench = {s["variant"]: s for s in json.loads((ROOT / "docs/results/bench_cpu_exp_size.json").read_text())["steps"]}
+    assert set(ratios["variants"]) == {"standard", "block_attnres", "rd_attnres", "muddformer", "delta_attnres"}
+    assert ratios["variants"]["muddformer"]["speed_ratio"] == bench["muddformer"]["speed_ratio"]
+    assert robust.bench_name("residual=delta_attnres delta_block_size=4") == "delta_attnres:delta_block_size=4"
+
+
+def strict_json(path):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
+
+
+def test_a_partial_design_reports_what_exists_and_what_is_missing(tmp_path):
+    d = noisy_design(tmp_path)
+    for s in d["seeds"]:  # the long runs have not finished
+        for name in ("mudd--steps12", "standard--steps12"):
+            for f in (tmp_path / "runs" / name / f"seed{s}").iterdir():
+                f.unlink()
+    robust.report(d)
+    result = strict_json(tmp_path / "runs" / "robust.json")
+    cell = result["multipliers"]["mudd"]["4"]
+    assert cell["partial"] and cell["ladder"] == [4, 6, 8] and cell["flops"] > 1
+    assert result["multipliers"]["mudd"]["12"]["flops"] is None  # no run: null, never invented
+    assert result["gaps"]["12"][0]["n"] == 0 and result["gaps"]["12"][0]["mean"] is None
+    assert "mudd--steps12/seed0" in result["missing"]["compare"]
+    text = (tmp_path / "runs" / "robust.md").read_text()
+    assert "(partial)" in text and "not whole-split scores" in text and "first 1,024 tokens" in text
+    assert str(tmp_path) not in text + (tmp_path / "runs" / "robust.json").read_text()  # run paths relative
+    for s in (1, 2):  # one seed left: a read-off, no interval
+        for f in (tmp_path / "runs" / "mudd" / f"seed{s}").iterdir():
+            f.unlink()
+    one = robust.analyze(d)["multipliers"]["mudd"]["4"]
+    assert one["seeds"] == [0] and one["flops"] > 1 and one["interval"] is None
+
+
+# --- a tiny design, end to end ---------------------------------------------------------------------------
+
+def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
+    """2 variants x 2 lrs on 1 tuning seed, then 2 comparison seeds at 4 and 6 steps: trained in this
+    process (tools.sweep's runner, with train.py called in place of a child process), then the report."""
+    path = tmp_path / "design.py"
+    path.write_text(f'base = "configs/test.py"\n'
+                    f'variants = {{"standard": "residual=standard", "block": "residual=block_attnres"}}\n'
+                    f'reference = "standard"\nlrs = [1e-2, 3e-2]\ntuning_seeds = [7]\nseeds = [0, 1]\n'
+                    f'steps = [4, 6]\nladder = [4, 6]\n'
+                    f'overrides = "data_dir={data_dir} max_steps=4 eval_interval=2 ckpt_interval=0 log_interval=2"\n'
+                    f'out_dir = {str(tmp_path / "runs")!r}\n')
+    ran = []
+
+    def in_process(cmd):
+        ran.append(next(a for a in cmd if a.startswith("--out_dir=")).rsplit("/", 1)[1] + "/" +
+                   next(a for a in cmd if a.startswith("--run_name=")).split("=")[1])
+        return train.cli(cmd[2:])
+
+    monkeypatch.setattr(sweep, "run_child", in_process)
+    result = robust.main([str(path)])
+    best = result["lr"]["settled"]
+    assert set(best) == {"standard", "block"}
+    expected = {"standard/seed7", "standard--lr0.03/seed7", "block/seed7", "block--lr0.03/seed7"} | \
+        {f"{n}/seed{s}" for n in ("standard", "block", "standard--steps6", "block--steps6") for s in (0, 1)} | \
+        {f"{v}--lr0.03/seed{s}" for v, lr in best.items() if lr == 0.03 for s in (0, 1)}
+    assert set(ran) == expected and len(ran) == len(expected)
+    out = tmp_path / "runs"
+    report = strict_json(out / "robust.json")
+    assert {r["dir"] for r in report["runs"]} == expected and all(r["steps"] in (4, 6) for r in report["runs"])
+    assert report["missing"] == dict(tune=[], compare=[], best=[])
+    assert report["gaps"]["4"][0]["n"] == 2 and report["multipliers"]["block"]["6"]["seeds"] == [0, 1]
+    text = (out / "robust.md").read_text()
+    for heading in ("## a. Learning rate", "## b. The gap", "## c. Compute", "## d. Wall-clock", "## Runs"):
+        assert heading in text
+    assert str(tmp_path) not in text
+    if robust.pyplot() is not None:
+        assert (out / "loss_vs_flops.png").stat().st_size > 0
+    ran.clear()
+    robust.main([str(path)])  # everything finished: nothing reruns
+    assert ran == []
