@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from routing import TwoPhaseRouter, compute_dtype, float32_routing, matmul32, rms_inv, transport
+from routing import TwoPhaseRouter, compute_dtype, float32_routing, matmul32, norm_project, rms_inv, transport
 
 RD_MODES = ("decoupled", "tied", "average", "frozen_v")
 DAR_ROUTINGS = ("cross", "self_kv", "cross_v", "fixed_kv", "sep_v")
@@ -818,12 +818,14 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def normed(self, linear, h):
-        """linear(norm(h)) for a K or V input of its own (RD-AttnRes' h_V, MUDDFormer's h_K, h_V), keeping
-        only h for backward, where the norm is recomputed: h is kept anyway (the routing saves it), its
-        normalised copy would be one more activation per layer. Same numbers, bit for bit."""
+        """linear(norm(h)) for a K or V input of its own (RD-AttnRes' h_V, MUDDFormer's h_K, h_V). The
+        plain ops keep norm(h) for the projection's backward: one more [B, T, d] activation per layer
+        beside h, which the routing keeps anyway. routing.norm_project computes the same forward and
+        keeps h and one float per token (1 / rms), rebuilding norm(h) in backward. With
+        activation_checkpointing the whole sublayer is recomputed anyway: the plain ops."""
         if self.recompute and torch.is_grad_enabled() and h.requires_grad:
-            return torch.utils.checkpoint.checkpoint(lambda x: linear(norm(x)), h, use_reentrant=False)
-        return linear(norm(h))
+            return norm_project(h, linear.weight)
+        return linear(norm(h))  # the reference: what norm_project computes
 
 
 class MLP(nn.Module):

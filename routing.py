@@ -26,11 +26,16 @@ Tensors: a source is [*, d] (one stream) or [M, *, d] (DAR's two streams); N tok
 Queries are grouped by target t (AttnRes: one target; DAR: two), rows target-major, and target t
 reads keys from stream streams[t][0] and values from stream streams[t][1] of every source.
 Everything runs in float32 (float64 for float64 models) with autocast off, forward and backward.
+
+Beside the routing: `norm_project`, RMSNorm then a projection, for an attention K or V input of its
+own (RD-AttnRes' h_V, MUDDFormer's h_K and h_V), which keeps one float per token for backward instead
+of the normalised input.
 """
 
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch.autograd import Function
 
 
@@ -430,3 +435,58 @@ def matmul32(a, b):
     """a @ b with autocast off, forward and backward (see _Matmul32); a and b in one float dtype."""
     with float32_routing(a):
         return _Matmul32.apply(a, b) if _needs_grad(a, b) else a @ b
+
+
+# ----------------------------------------------------------------------------------------------
+# Normalise, then project: a K or V input of its own (RD-AttnRes' h_V, MUDDFormer's h_K and h_V).
+
+
+def _rms_norm(h):
+    """(RMSNorm(h) in h's dtype, 1 / rms(h) [..., 1] in the compute dtype): F.rms_norm without a gain and
+    with its default eps, by the same operations in the same order (on CPU: the same bits)."""
+    dt = compute_dtype(h)
+    hf = h.to(dt)
+    rinv = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True).add_(torch.finfo(dt).eps))
+    return (hf * rinv).to(h.dtype), rinv
+
+
+class _NormProject(Function):
+    """y = RMSNorm(h) @ W.T, as F.linear(F.rms_norm(h), W) computes it, saving h (a reference: the routing
+    keeps it anyway), W and the reciprocal RMS rinv (one float per token), never RMSNorm(h). The
+    backward rebuilds x = RMSNorm(h) = h * rinv elementwise for dW = g^T x, and takes RMSNorm's
+    backward with the saved rinv: dh = rinv (gx - x mean(gx * x)), gx = g W.
+    The projection runs in the dtype autocast gives F.linear in the forward (bf16 under bf16
+    autocast, as the plain ops; else the inputs'), and the backward's two matmuls in that same dtype,
+    explicitly, with autocast off wherever the backward is traced or run; the norm and its backward
+    in the compute dtype (float32; float64 for float64 models)."""
+
+    @staticmethod
+    def forward(ctx, h, W):
+        x, rinv = _rms_norm(h)
+        y = F.linear(x, W)
+        ctx.mm_dtype = y.dtype
+        ctx.save_for_backward(h, W, rinv)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        h, W, rinv = ctx.saved_tensors
+        with autocast_off(h):
+            mm, dt = ctx.mm_dtype, rinv.dtype
+            x = h.to(dt) * rinv  # RMSNorm(h), rebuilt
+            g = g.to(mm)
+            g_W = g.reshape(-1, g.size(-1)).T @ x.to(mm).reshape(-1, x.size(-1)) if ctx.needs_input_grad[1] else None
+            g_h = None
+            if ctx.needs_input_grad[0]:
+                gx = (g @ W.to(mm)).to(dt)
+                g_h = gx.addcmul_(x, (gx * x).sum(-1, keepdim=True), value=-1 / x.size(-1)).mul_(rinv)
+        return None if g_h is None else g_h.to(h.dtype), None if g_W is None else g_W.to(W.dtype)
+
+
+def norm_project(h, W):
+    """F.linear(RMSNorm(h), W) (RMSNorm without a gain, F.rms_norm's default eps), keeping h, W and one
+    float per token for backward instead of RMSNorm(h): see _NormProject. The same forward as the
+    plain ops."""
+    if _needs_grad(h, W):
+        return _NormProject.apply(h, W)
+    return F.linear(_rms_norm(h)[0], W)

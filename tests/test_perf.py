@@ -103,7 +103,9 @@ def test_inductor_under_bf16_autocast_equals_eager(variant, plain_compile):
 def test_activation_checkpointing_compiles_whole_and_equals_eager():
     """With activation_checkpointing, fullgraph=True traces each sublayer as one checkpointed region
     (RD-AttnRes: a sublayer with two inputs) and the compiled step equals eager's, under bf16
-    autocast; eager with checkpointing equals eager without, the recomputation under autocast too."""
+    autocast; eager with checkpointing equals eager without, the recomputation under autocast too
+    (the loss bit for bit; the gradients to float32 rounding: without checkpointing h_V goes through
+    routing.norm_project, whose RMSNorm backward rounds otherwise than the plain ops')."""
     torch._dynamo.reset()
     model = randomized(tiny(residual="rd_attnres", activation_checkpointing=True))
     ops = []
@@ -118,7 +120,8 @@ def test_activation_checkpointing_compiles_whole_and_equals_eager():
     plain = randomized(tiny(residual="rd_attnres"))
     (loss_p, grads_p), (loss_c, grads_c) = step(plain, plain, autocast), step(model, model, autocast)
     assert torch.equal(loss_c, loss_p) and grads_c.keys() == grads_p.keys()
-    assert all(torch.equal(grads_c[n], grads_p[n]) for n in grads_p)
+    for n in grads_p:
+        torch.testing.assert_close(grads_c[n], grads_p[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def run_bench(tmp_path, variants, *extra):

@@ -295,7 +295,8 @@ def main(argv=None):
         ms = statistics.median(r.times)
         results.append(dict(variant=r.spec, params=r.model.num_params(), ms=1e3 * ms,
                             tokens_per_s=args.batch_size * args.seq_len / ms, speed_ratio=mid,
-                            speed_ratio_quartiles=(lo, hi), saved_activation_bytes=saved, cuda_peak_bytes=peak))
+                            speed_ratio_quartiles=(lo, hi), saved_activation_bytes=saved, cuda_peak_bytes=peak,
+                            step_s=r.times))  # every timed step, in round order: ratios of any two variants
     base = results[specs.index("standard")]
     for row in results:
         row["memory_ratio"] = row["saved_activation_bytes"] / base["saved_activation_bytes"]
