@@ -821,8 +821,8 @@ class CausalSelfAttention(nn.Module):
         """linear(norm(h)) for a K or V input of its own (RD-AttnRes' h_V, MUDDFormer's h_K, h_V). The
         plain ops keep norm(h) for the projection's backward: one more [B, T, d] activation per layer
         beside h, which the routing keeps anyway. routing.norm_project computes the same forward and
-        keeps h and one float per token (1 / rms), rebuilding norm(h) in backward. With
-        activation_checkpointing the whole sublayer is recomputed anyway: the plain ops."""
+        keeps h, the weight (references) and one float per token (1 / rms), rebuilding norm(h) in
+        backward. With activation_checkpointing the whole sublayer is recomputed anyway: the plain ops."""
         if self.recompute and torch.is_grad_enabled() and h.requires_grad:
             return norm_project(h, linear.weight)
         return linear(norm(h))  # the reference: what norm_project computes
