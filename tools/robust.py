@@ -59,7 +59,6 @@ import math
 import random
 import shlex
 import statistics
-import traceback
 from pathlib import Path
 
 import torch
@@ -87,16 +86,7 @@ def load_design(path, out_dir=None):
     def fail(message):
         raise SystemExit(f"error: design file {path}: {message}")
 
-    if not Path(path).is_file():
-        raise SystemExit(f"error: design file {path} not found")
-    d = {}
-    try:
-        exec(compile(Path(path).read_text(), str(path), "exec"), {}, d)
-    except SyntaxError as e:
-        fail(f"line {e.lineno}: syntax error: {e.msg}")
-    except Exception as e:
-        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == str(path)), "?")
-        fail(f"line {line}: {type(e).__name__}: {e}")
+    d = sweep.read_settings(path, "design file")
     missing = [k for k in ("base", "variants", "reference", "lrs", "tuning_seeds", "seeds", "steps", "ladder")
                if k not in d]
     if missing:

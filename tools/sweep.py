@@ -92,22 +92,29 @@ def in_root(path):
     return str(path) if Path(path).is_absolute() else str(ROOT / path)
 
 
+def read_settings(path, what):
+    """The names a Python settings file (a sweep or design file) assigns; a missing file, a syntax error
+    or an exception in it is one `error: <what> <path>: ...` line (SystemExit), naming the line."""
+    if not Path(path).is_file():
+        raise SystemExit(f"error: {what} {path} not found")
+    settings = {}
+    try:
+        exec(compile(Path(path).read_text(), str(path), "exec"), {}, settings)
+    except SyntaxError as e:
+        raise SystemExit(f"error: {what} {path}: line {e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == str(path)), "?")
+        raise SystemExit(f"error: {what} {path}: line {line}: {type(e).__name__}: {e}") from None
+    return settings
+
+
 def load_sweep(path, reference=None):
     """The sweep file's settings, each checked: a bad file is one `error:` line (SystemExit) before any run.
     Its relative paths (base, out_dir) are made absolute, against the project root."""
     def fail(message):
         raise SystemExit(f"error: sweep file {path}: {message}")
 
-    if not Path(path).is_file():
-        raise SystemExit(f"error: sweep file {path} not found")
-    spec = {}
-    try:
-        exec(compile(Path(path).read_text(), str(path), "exec"), {}, spec)
-    except SyntaxError as e:
-        fail(f"line {e.lineno}: syntax error: {e.msg}")
-    except Exception as e:
-        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == str(path)), "?")
-        fail(f"line {line}: {type(e).__name__}: {e}")
+    spec = read_settings(path, "sweep file")
     if reference:
         spec["reference"] = reference
     missing = [k for k in ("base", "variants", "seeds", "reference") if k not in spec]
