@@ -737,7 +737,7 @@ def test_a_read_only_out_dir_is_one_line_and_the_table_still_prints(tmp_path, mo
     assert sweep.main([str(path), "--table_only"]) == 0
     out, err = capsys.readouterr()
     assert "| `b` | +0.0% | +0.0100 [needs 2 seeds] | 0/1 | n/a |" in out
-    plots = ", curves.png, forest.png, gap_over_training.png" if "matplotlib is not installed" not in out else ""
+    plots = ", curves.png, forest.png, gap_over_training.png" if "matplotlib is not installed" not in err else ""
     assert err.splitlines()[-1] == (f"warning: could not write results.md, results.json, results.csv{plots} in "
                                     f"{tmp_path / 'runs'} (read-only file system); the tables above are complete")
     assert not list((tmp_path / "runs").glob("*.tmp*")) and not (tmp_path / "runs" / "results.json").exists()

@@ -178,7 +178,7 @@ def pyplot():
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print("matplotlib is not installed: skipping plots (pip install matplotlib)")
+        print("matplotlib is not installed: skipping plots (pip install matplotlib)", file=sys.stderr)
         return None
 
 
