@@ -24,7 +24,23 @@ variants = {
     "standard_mlp549": "residual=standard mlp_hidden=549",  # 1,730,560 vs muddformer's 1,730,005 (+4.5%)
     "standard_mlp608": "residual=standard mlp_hidden=608",  # 1,851,392 vs mhc's 1,851,824 (+11.9%)
 }
+# The comparison, declared before the runs (tools/report.py). The primary family: each paper's claim
+# against its own baseline, paired t-tests on the whole validation split, Holm within the family.
+primary = [
+    ("full_attnres", "standard"),  # Kimi's Attention Residuals
+    ("block_attnres", "standard"),
+    ("rd_attnres", "block_attnres"),  # RD-AttnRes is proposed over Block AttnRes
+    ("dar", "block_attnres"),  # DAR (Block) as an extension of Block AttnRes
+    ("mhc", "standard"),
+    ("denseformer", "standard"),
+    ("muddformer", "standard"),
+    ("delta_attnres", "standard"),
+]
+# a control is a gate: "variant - control" is tested once the variant's primary test rejects
 controls = {"muddformer": "standard_mlp549", "mhc": "standard_mlp608"}  # variant -> its parameter-matched control
+twins = {"rd_tied": "block_attnres"}  # trains bit for bit as Block AttnRes: checked equal, in no family
+score = "val"  # the whole validation split (each run's scores.json); the whole test split is reported beside it
+# everything else (the RD and DAR ablations, dar_full, delta_block, each variant against both references) is exploratory
 seeds = [0, 1, 2, 3, 4]
 reference = "standard"
 second_reference = "block_attnres"

@@ -10,7 +10,7 @@ import pytest
 
 import train
 from depthres import config
-from tools import robust, sweep
+from tools import rescore, robust, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -359,9 +359,12 @@ def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
                     f'steps = [4, 6]\nladder = [4, 6]\n'
                     f'overrides = "data_dir={data_dir} max_steps=4 eval_interval=2 ckpt_interval=0 log_interval=2"\n'
                     f'out_dir = {str(tmp_path / "runs")!r}\n')
-    ran = []
+    ran, scored = [], []
 
     def in_process(cmd):
+        if cmd[1:3] == ["-m", "tools.rescore"]:  # the sweep scores its finished runs on whole splits
+            scored.extend(cmd[3:])
+            return rescore.main(cmd[3:])
         ran.append(next(a for a in cmd if a.startswith("--out_dir=")).rsplit("/", 1)[1] + "/" +
                    next(a for a in cmd if a.startswith("--run_name=")).split("=")[1])
         return train.cli(cmd[2:])
@@ -375,6 +378,7 @@ def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
         {f"{v}--lr0.03/seed{s}" for v, lr in best.items() if lr == 0.03 for s in (0, 1)}
     assert set(ran) == expected and len(ran) == len(expected)
     out = tmp_path / "runs"
+    assert sorted(scored) == sorted(str(out / d) for d in expected)  # each run scored once, on whole splits
     report = strict_json(out / "robust.json")
     assert {r["dir"] for r in report["runs"]} == expected and all(r["steps"] in (4, 6) for r in report["runs"])
     assert report["missing"] == dict(tune=[], compare=[], best=[])
@@ -386,5 +390,5 @@ def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
     if robust.pyplot() is not None:
         assert (out / "loss_vs_flops.png").stat().st_size > 0
     ran.clear()
-    robust.main([str(path)])  # everything finished: nothing reruns
-    assert ran == []
+    robust.main([str(path)])  # everything finished and scored: nothing reruns
+    assert ran == [] and len(scored) == len(expected)

@@ -1,5 +1,5 @@
-"""tools/stats.py beyond the t-test: the exact sign-flip p-value and the detectable effect, on cases
-computed by hand."""
+"""tools/stats.py on cases computed by hand or read from tables: Student's t, Holm, the exact sign-flip
+p-value and the detectable effect (the gated family: tests/test_report.py)."""
 
 import math
 
@@ -31,3 +31,37 @@ def test_detectable_effect():
     assert stats.detectable(1.0, 5, alpha=0.05 / 8) > stats.detectable(1.0, 5)
     assert stats.detectable(1.0, 10**7) * math.sqrt(10**7) == pytest.approx(1.959964 + 0.841621, abs=1e-5)
     assert math.isnan(stats.detectable(1.0, 1))
+
+
+# --- the t-test and Holm: known answers -----------------------------------------------------------------
+
+def test_student_t_against_closed_forms_and_tables():
+    for t in (0.3, 1.0, 2.5, 7.0):
+        assert stats.t_two_sided_p(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, abs=1e-12)  # Cauchy
+        assert stats.t_two_sided_p(t, 2) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-12)
+    # two-sided 5% critical values of the t tables (df 1, 2, 4, 30)
+    for df, crit in ((1, 12.706205), (2, 4.302653), (4, 2.776445), (30, 2.042272)):
+        assert stats.t_quantile(0.975, df) == pytest.approx(crit, abs=1e-6)
+        assert stats.t_two_sided_p(crit, df) == pytest.approx(0.05, abs=1e-7)  # crit has 6 decimals
+    assert stats.t_quantile(0.025, 4) == pytest.approx(-2.776445, abs=1e-6)
+    assert stats.t_two_sided_p(1.959964, 10**7) == pytest.approx(0.05, abs=1e-6)  # the normal limit
+
+
+def test_paired_t_on_a_small_fixed_sample():
+    r = stats.paired_t([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (r["n"], r["df"], r["mean"]) == (5, 4, 3.0)
+    assert r["sd"] == pytest.approx(math.sqrt(2.5)) and r["t"] == pytest.approx(3 * math.sqrt(2))
+    assert r["p"] == pytest.approx(0.0132356, abs=1e-7)
+    half = 2.776445 * math.sqrt(2.5) / math.sqrt(5)
+    assert (r["lo"], r["hi"]) == (pytest.approx(3 - half, abs=1e-6), pytest.approx(3 + half, abs=1e-6))
+    same = stats.paired_t([0.0, 0.0, 0.0])  # a variant trained bit for bit as its reference: no difference
+    assert same["t"] == 0 and same["p"] == 1
+    assert stats.paired_t([-0.1, -0.1])["p"] == 0  # a constant non-zero difference
+    assert math.isnan(stats.paired_t([0.5])["p"])
+
+
+def test_holm_bonferroni():
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1, kept monotone
+    adjusted = stats.holm([0.02, math.nan, 0.04])  # no test: not counted
+    assert adjusted[0] == pytest.approx(0.04) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(0.04)

@@ -4,17 +4,21 @@ test splits, not the fixed prefix (eval_tokens) the run itself evaluates.
 
     python -m tools.rescore runs/sweep_cpu/rd_attnres/seed0          # one run (or several)
     python -m tools.rescore --sweep configs/sweep_cpu.py             # every finished run of a sweep
+    python -m tools.rescore --sweep configs/sweep_cpu.py --out_dir DIR   # ... whose runs are in DIR
     python -m tools.rescore RUN_DIR --tokens 65536 --splits val      # as the run scored it (a check)
 
 Writes scores.json into each run directory (atomically): {"step", "val": {"loss", "tokens"}, "test":
 {...}, "max_tokens"}. A run whose scores.json is of its checkpoint's step is skipped unless --force.
 The numbers are those train.py's evaluation computes (the same windows of seq_len, the same batches,
-float64 sums), so with --tokens set to the run's eval_tokens they equal its logged losses.
+float64 sums), so with --tokens set to the run's eval_tokens they equal its logged losses. On a CUDA
+machine the model runs there, under bfloat16 autocast as train.py evaluates; elsewhere on the CPU in
+float32. A sweep scores each run it finishes this way (tools/sweep.py); tools/report.py reads the scores.
 Exit status: 0 done; 2 with one `error:` line (no checkpoint, a corrupt one, missing data, a run
 directory that cannot be written).
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -26,7 +30,8 @@ from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.files import write_file
 from depthres.shards import DataError, eval_batches
 from model import GPT, GPTConfig
-from tools.sweep import load_sweep, run_dir
+from tools.report import run_dir
+from tools.sweep import load_sweep
 
 
 class RescoreError(RuntimeError):
@@ -34,11 +39,14 @@ class RescoreError(RuntimeError):
 
 
 @torch.no_grad()
-def split_loss(model, data_dir, split, batch_size, seq_len, max_tokens=None):
+def split_loss(model, data_dir, split, batch_size, seq_len, max_tokens=None, device="cpu"):
     """(mean loss, tokens) over the first max_tokens targets of a split (None: all of it)."""
     total, tokens = 0.0, 0
+    cuda = torch.device(device).type == "cuda"
     for x, y in eval_batches(data_dir, split, batch_size, seq_len, max_tokens):
-        _, loss = model(x, y)
+        x, y = x.to(device), y.to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+            _, loss = model(x, y)
         total += loss.double().item() * y.numel()
         tokens += y.numel()
     return total / tokens, tokens
@@ -61,9 +69,12 @@ def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir
     tc = ckpt["train_config"]
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
     scores = {"step": ckpt["step"], "max_tokens": max_tokens}
     for split in splits:
-        loss, tokens = split_loss(model, data_dir or tc["data_dir"], split, tc["batch_size"], tc["seq_len"], max_tokens)
+        loss, tokens = split_loss(model, data_dir or tc["data_dir"], split, tc["batch_size"], tc["seq_len"], max_tokens,
+                                  device)
         scores[split] = {"loss": loss, "tokens": tokens}
     write_file(out, (json.dumps(scores, indent=2) + "\n").encode(), RescoreError)
     return scores
@@ -73,6 +84,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (each with ckpt.pt)")
     p.add_argument("--sweep", help="a sweep file: every finished run (summary.json) of it")
+    p.add_argument("--out_dir", help="with --sweep: where its runs are, if not the sweep file's out_dir")
     p.add_argument("--splits", default="val,test", help="comma-separated splits to score (default: val,test)")
     p.add_argument("--tokens", type=int, default=None, help="score only the first TOKENS targets (default: all)")
     p.add_argument("--data_dir", default=None, help="the prepared data (default: each run's own data_dir)")
@@ -89,6 +101,8 @@ def main(argv=None):
         runs = [Path(r) for r in args.runs]
         if args.sweep:
             spec = load_sweep(args.sweep)
+            if args.out_dir:
+                spec["out_dir"] = str(Path(args.out_dir).absolute())
             runs += [d for v in spec["variants"] for s in spec["seeds"]
                      if (d := run_dir(spec, v, s)).joinpath("summary.json").exists()]
         for r in runs:

@@ -5,6 +5,9 @@ The statistics of a paired comparison, in plain Python (no SciPy):
                          its degrees of freedom n - 1 and two-sided p-value
     t_quantile(q, df)    the q-quantile of Student's t, for confidence intervals
     holm(ps)             Holm-Bonferroni adjusted p-values across a family of tests
+    gated_holm(ps, gated, alpha)
+                         Holm across primary tests, with gated tests (a variant against its control)
+                         that take the level their primary test frees once it rejects
     sign_flip_p(d)       the exact paired permutation (sign-flip) p-value: no normality assumed
     detectable(sd, n)    the smallest mean difference a paired t-test detects with 80% power
 
@@ -98,6 +101,83 @@ def holm(ps):
         running = max(running, min(1.0, (m - rank) * p))
         adjusted[i] = running
     return adjusted
+
+
+def graph_procedure(ps, weights, graph, alpha=0.05):
+    """The sequentially rejective graphical procedure of Bretz, Maurer, Brannath and Posch (2009) on
+    weighted Bonferroni tests. Hypothesis i starts with level weights[i] * alpha (the weights sum to at
+    most 1); when it is rejected, its weight moves along graph[i] (graph[i][k]: the share that goes to
+    k, a row sums to at most 1) and the graph is updated so that it stays a valid path between the
+    rest. The family-wise error rate is at most alpha, in the strong sense. Returns (adjusted, local):
+      adjusted[i]  the smallest alpha at which i is rejected (the adjusted p-value, Bretz et al. 2011:
+                   reject i at alpha exactly where adjusted[i] <= alpha);
+      local[i]     the weight i is finally tested with at this alpha: the weight it was rejected at, or
+                   the one it holds when the procedure stops; i is rejected iff ps[i] <= local[i] * alpha,
+                   so an interval at level 1 - local[i] * alpha excludes 0 exactly when i is rejected."""
+    def run(level):
+        """(the order of the rejections with each one's weight, the weights when no more rejects)."""
+        w, g, left, steps = list(weights), [list(row) for row in graph], set(range(len(ps))), []
+        while left:
+            j = min(left, key=lambda i: ps[i] / w[i] if w[i] > 0 else math.inf)
+            if level is not None and not (w[j] > 0 and ps[j] <= w[j] * level):
+                break
+            steps.append((j, w[j]))
+            left.discard(j)
+            for k in left:
+                w[k] += w[j] * g[j][k]
+            g = [[0.0 if k == i or i == j or k == j else
+                  (g[i][k] + g[i][j] * g[j][k]) / (1 - g[i][j] * g[j][i]) if g[i][j] * g[j][i] < 1 else 0.0
+                  for k in range(len(ps))] for i in range(len(ps))]
+        return steps, w
+
+    adjusted, running = [math.nan] * len(ps), 0.0
+    for j, wj in run(None)[0]:  # every hypothesis, in the order the procedure would reject them
+        running = max(running, min(1.0, ps[j] / wj) if wj > 0 else 1.0)
+        adjusted[j] = running
+    steps, w = run(alpha)
+    local = list(w)
+    for j, wj in steps:
+        local[j] = wj
+    return adjusted, local
+
+
+def gated_holm(ps, gated, alpha=0.05):
+    """Holm across the primary p-values ps, with gated tests: gated {i: p} is a test (a variant against
+    its parameter-matched control) asked only once primary i rejects. Each primary starts at alpha / m;
+    a rejected primary passes its level to its gated test if it has one, else equally to the other
+    primaries; a rejected gated test passes its level equally to the other primaries (a graphical
+    procedure, see graph_procedure: the family-wise error rate over all of them is at most alpha).
+    Without gated tests it is Holm's procedure exactly. nan (no test) is left out, as holm() does.
+    Returns (adjusted, local) for the primaries then adjusted, local for the gated ones, as dicts:
+    ({"primary": [...], "gated": {i: ...}} for each)."""
+    live = [i for i, p in enumerate(ps) if not math.isnan(p)]
+    gates = {i: p for i, p in gated.items() if i in live and not math.isnan(p)}
+    nodes = live + [("gate", i) for i in gates]  # primaries first, then the gated tests
+    at = {node: n for n, node in enumerate(nodes)}
+    m = len(live)
+    out_adj = {"primary": [math.nan] * len(ps), "gated": {}}
+    out_local = {"primary": [math.nan] * len(ps), "gated": {}}
+    if not m:
+        return out_adj, out_local
+    weights = [1 / m] * m + [0.0] * len(gates)
+    graph = [[0.0] * len(nodes) for _ in nodes]
+    for i in live:
+        others = [at[k] for k in live if k != i]
+        if i in gates:
+            graph[at[i]][at[("gate", i)]] = 1.0
+        for k in others:
+            if i not in gates:
+                graph[at[i]][k] = 1 / len(others)
+            if i in gates:
+                graph[at[("gate", i)]][k] = 1 / len(others)
+    flat = [ps[i] for i in live] + list(gates.values())
+    adjusted, local = graph_procedure(flat, weights, graph, alpha)
+    for node, a, w in zip(nodes, adjusted, local):
+        if isinstance(node, tuple):
+            out_adj["gated"][node[1]], out_local["gated"][node[1]] = a, w
+        else:
+            out_adj["primary"][node], out_local["primary"][node] = a, w
+    return out_adj, out_local
 
 
 def sign_flip_p(d):

@@ -5,6 +5,7 @@ Paired comparisons: every variant with every seed, and a table of what came out.
     python -m tools.sweep configs/sweep_cpu.py --launcher "torchrun --nproc_per_node=8"
     python -m tools.sweep configs/sweep_cpu.py --table_only             # just the table, from finished runs
     python -m tools.sweep configs/sweep_cpu.py --table_only --reference block_attnres
+    python -m tools.sweep configs/sweep_cpu.py --table_only --score test   # the tests on the whole test split
     python -m tools.sweep configs/sweep_cpu.py --wandb                  # every run logged to Weights & Biases
 
 A sweep file is Python that sets:
@@ -15,6 +16,14 @@ A sweep file is Python that sets:
                their initial weights, their batches and their schedule (no seed twice)
     reference  the variant the others are compared with
     overrides  (optional) "key=value ..." for every run
+The comparison, declared before any run (what the report does with it: tools/report.py):
+    primary    (optional) [(variant, baseline), ...]: the claims, one family, Holm within it
+    controls   (optional) {variant: its parameter-matched control}: tested once the variant's primary
+               test rejects
+    twins      (optional) {variant: twin}: trains bit for bit as its twin; checked equal, never tested
+    score      (optional) "val" (default: the whole validation split), "test", "val_prefix", "test_prefix"
+    alpha      (optional) the family-wise error rate, 0.05
+    second_reference  (optional) a second variant every other one is compared with (exploratory)
     out_dir    (optional) where runs go: out_dir/<variant>/seed<s>; default runs/<sweep file name>
     wandb      (optional) True: log every run to W&B, as --wandb does
 The sweep owns seed, data_seed, run_name and out_dir: a variant or overrides that sets one would break
@@ -38,11 +47,12 @@ is skipped with a note. A training run dies with the sweep that started it: if t
 even by kill -9, its run gets SIGTERM, so it writes a checkpoint and stops (Linux). After each run a
 progress line gives the runs done out of all (skipped finished runs count as done), the time since
 the sweep started, and an ETA: the mean duration of the runs this invocation has run, times the runs
-left (a resumed run counts with the part it ran, so right after a resume the ETA can be low). At the
-end the table is printed and saved as results.md, results.json (strict JSON: null where a number is
-undefined, such as a confidence interval from one seed) and results.csv in out_dir, with plots when
-matplotlib is installed; each file is written whole or not at all, and a file that cannot be written
-(a read-only out_dir) is one `warning:` line after the printed tables.
+left (a resumed run counts with the part it ran, so right after a resume the ETA can be low). Each run
+that finishes is scored on its whole validation and test splits (python -m tools.rescore, scores.json
+in the run directory), and so is any finished run the sweep finds unscored. At the end the report
+(tools/report.py) is printed and saved as results.md, results.json and results.csv in out_dir, with
+plots when matplotlib is installed; each file is written whole or not at all, and a file that cannot
+be written (a read-only out_dir) is one `warning:` line after the printed tables.
 
 Exit status: 0 done; 1 with one `error:` line, before any run where the input is bad: a bad sweep file
 or variant (every variant's overrides are checked as train.py reads them), an out_dir it cannot write,
@@ -51,13 +61,9 @@ some runs diverged (the tables mark them).
 """
 
 import argparse
-import csv
 import ctypes
 import fcntl
 import importlib.util
-import io
-import json
-import math
 import os
 import shlex
 import signal
@@ -74,8 +80,7 @@ from pathlib import Path
 from depthres.config import build_model_config, control_character, parse_config
 from depthres.files import os_error_message
 from depthres.sharded import holds_checkpoint
-from tools.diagnose import plot_curves, pyplot
-from tools.stats import holm, paired_t
+from tools.report import SCORES, divergence, read_summary, report, run_dir, whole_split_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNED_KEYS = ("seed", "data_seed", "run_name", "out_dir")  # what the sweep sets for every run: its pairing
@@ -150,8 +155,46 @@ def load_sweep(path, reference=None):
     if not isinstance(spec["controls"], dict) or not all(k in spec["variants"] and v in spec["variants"]
                                                         for k, v in spec["controls"].items()):
         fail("controls must be a dict {variant: its parameter-matched control}, both among the variants")
+    check_protocol(spec, fail)
     check_owned(spec, lenient=True)  # before --table_only too: such a sweep's table pairs nothing
     return spec
+
+
+def check_protocol(spec, fail):
+    """The declared comparison (tools/report.py): primary [(variant, baseline)], twins {variant: twin},
+    score and alpha; each checked against the variants, so a typo is an error before any run, not a
+    family that silently lost a test."""
+    names = list(spec["variants"])
+    primary = spec.setdefault("primary", [])
+    if not isinstance(primary, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in primary):
+        fail('primary must be a list of (variant, baseline) pairs, e.g. [("block_attnres", "standard")]')
+    for variant, baseline in primary:
+        for name in (variant, baseline):
+            if name not in names:
+                fail(f"primary names {name!r}, which is not one of the variants {names}")
+        if variant == baseline:
+            fail(f"primary compares {variant!r} with itself")
+    tested = [v for v, _ in primary]
+    if len(set(tested)) < len(tested):
+        fail("primary tests a variant twice: declare one claim per variant (others are exploratory)")
+    if primary:
+        for variant in spec["controls"]:
+            if variant not in tested:
+                fail(f"controls gives {variant!r} a control, but {variant!r} has no primary test: a control is tested "
+                     "once its variant's primary test rejects; declare that test in primary, or drop the control")
+    twins = spec.setdefault("twins", {})
+    if not isinstance(twins, dict) or not all(k in names and v in names and k != v for k, v in twins.items()):
+        fail(f"twins must be a dict {{variant: the variant it trains bit for bit as}}, both among the variants {names}")
+    for variant in twins:
+        if variant in tested or variant in spec["controls"] or variant in spec["controls"].values():
+            fail(f"twin {variant!r} is in a family: a twin is only checked for equality with its twin, never tested")
+    spec.setdefault("score", "val")
+    if spec["score"] not in SCORES:
+        fail(f"score must be one of {', '.join(SCORES)}, got {spec['score']!r}")
+    spec.setdefault("alpha", 0.05)
+    if not isinstance(spec["alpha"], float) or not 0 < spec["alpha"] < 1:
+        fail(f"alpha must be a number between 0 and 1, got {spec['alpha']!r}")
 
 
 def check_owned(spec, lenient=False):
@@ -190,10 +233,6 @@ def check_runs(spec):
             build_model_config(model_settings, tc, {"vocab_size": 1, "tokenizer": "any"})
         except ValueError as e:  # shlex: an unterminated quote; ConfigError
             raise SystemExit(f"error: sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
-
-
-def run_dir(spec, variant, seed):
-    return Path(spec["out_dir"]) / variant / f"seed{seed}"
 
 
 def overrides(spec, variant):
@@ -235,48 +274,6 @@ def eta_seconds(durations, remaining):
 def hms(seconds):
     s = round(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-def read_summary(d):
-    """A run directory's summary.json as a dict, or None: not there, or not a JSON object (a torn or
-    damaged file is an unfinished run: resumed at its last checkpoint, the run writes it again)."""
-    try:
-        summary = json.loads((Path(d) / "summary.json").read_bytes())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
-
-
-def tabulable(summary):
-    return summary is not None and isinstance(summary.get("val_loss"), (int, float)) \
-        and not isinstance(summary["val_loss"], bool) and math.isfinite(summary["val_loss"])
-
-
-def log_records(d):
-    """The JSON records of a run's log.jsonl (a torn or foreign line skipped; none without the file)."""
-    try:
-        lines = (Path(d) / "log.jsonl").read_bytes().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        with suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                records.append(record)
-    return records
-
-
-def divergence(d):
-    """The "diverged" record train.py left in a run's log.jsonl (its step and error), or None."""
-    return next((r for r in reversed(log_records(d)) if r.get("kind") == "diverged"), None)
-
-
-def val_curve(d):
-    """[(step, val loss)] of a run's log.jsonl."""
-    return [(r["step"], r["loss"]) for r in log_records(d)
-            if r.get("kind") == "eval" and r.get("split") == "val" and isinstance(r.get("step"), int)
-            and isinstance(r.get("loss"), (int, float))]
 
 
 def status(spec, variant, seed):
@@ -456,374 +453,38 @@ def run_all(spec, launcher):
     if busy:
         print(f"sweep: {len(busy)} run(s) were taken by another sweep process or run; the table counts what has "
               "finished", flush=True)
+    score_all(spec)
     return {"diverged": diverged, "busy": busy}
 
 
-def collect(spec):
-    """The finished runs: each summary.json with its variant, seed and validation curve (from log.jsonl).
-    A summary.json that cannot be read is a run not finished, with a note."""
-    runs = []
-    for variant in spec["variants"]:
-        for seed in spec["seeds"]:
-            d = run_dir(spec, variant, seed)
-            summary = read_summary(d)
-            if summary is None and (d / "summary.json").exists():
-                print(f"note: {d / 'summary.json'} is not a readable summary (torn or damaged): {variant} seed {seed} "
-                      "counts as unfinished; the sweep resumes it to write it again", file=sys.stderr)
-            elif summary is not None and not tabulable(summary):
-                print(f"note: {d / 'summary.json'} holds no finite val_loss: {variant} seed {seed} is left out of the "
-                      "tables (delete the file to run it again)", file=sys.stderr)
-            if tabulable(summary):
-                runs.append({"variant": variant, "seed": seed,
-                             **{k: v for k, v in summary.items() if k not in ("variant", "seed", "curve")},
-                             "curve": {str(step): loss for step, loss in val_curve(d)}})
-    return runs
+def unscored(spec, variant, seed):
+    """Whether a finished run lacks its whole-split scores (and has the single-file checkpoint to score)."""
+    d = run_dir(spec, variant, seed)
+    summary = read_summary(d)
+    return summary is not None and (d / "ckpt.pt").is_file() and \
+        set(whole_split_scores(d, summary.get("step"))) != {"val", "test"}
 
 
-def collect_diverged(spec):
-    """The runs that diverged: variant, seed, and the step and error of train.py's record."""
-    out = []
-    for variant in spec["variants"]:
-        for seed in spec["seeds"]:
-            if status(spec, variant, seed) == "diverged":
-                record = divergence(run_dir(spec, variant, seed))
-                out.append(dict(variant=variant, seed=seed, step=record.get("step"), error=record.get("error")))
-    return out
-
-
-def compare(mine, theirs, key=lambda r: r["val_loss"]):
-    """The paired comparison of two variants' runs ({seed: run}) on the seeds both finished: each seed's
-    difference (negative: `mine` is better), the paired t-test with its 95% interval, the wins."""
-    deltas = {s: key(mine[s]) - key(theirs[s]) for s in sorted(mine) if s in theirs}
-    t = paired_t(list(deltas.values()))  # with one seed: no sd, t, p or interval (nan; null in results.json)
-    return dict(deltas={str(s): d for s, d in deltas.items()}, paired_seeds=len(deltas), wins=sum(d < 0 for d in deltas.values()),
-                delta_mean=t["mean"], delta_std=t["sd"], t=t["t"], p=t["p"],
-                ci95=[t["lo"], t["hi"]], ppl_change_pct=100 * (math.exp(t["mean"]) - 1) if deltas else math.nan)
-
-
-def summarize(runs, reference, second=None, controls=None):
-    """Per variant: val NLL over seeds, parameters, and paired comparisons with the reference (flat in
-    the row, as before), with the second reference ("second") and with the variant's parameter-matched
-    control ("control"). Each comparison's p-values are Holm-adjusted across its family: all variants
-    against the reference, all against the second reference, every variant against its control.
-    Tokens/s and peak-memory ratios are against the reference. Only seeds both finished are paired."""
-    by = {}
-    for r in runs:
-        by.setdefault(r["variant"], {})[r["seed"]] = r
-    ref, controls = by[reference], controls or {}
-    rows = []
-    for variant, seeds in by.items():
-        losses = [seeds[s]["val_loss"] for s in sorted(seeds)]
-
-        def ratio(key):
-            both = [s for s in seeds if s in ref and seeds[s].get(key) and ref[s].get(key)]
-            return statistics.fmean(seeds[s][key] for s in both) / statistics.fmean(ref[s][key] for s in both) \
-                if both else None
-
-        params = next(iter(seeds.values())).get("params")
-        row = dict(variant=variant, seeds=len(losses), params=params,
-                   params_vs_reference_pct=100 * (params / ref[min(ref)]["params"] - 1)
-                   if params and ref[min(ref)].get("params") else None,
-                   val_loss_mean=statistics.fmean(losses),
-                   val_loss_std=statistics.stdev(losses) if len(losses) > 1 else None,
-                   **compare(seeds, ref),
-                   tokens_per_s_ratio=ratio("tokens_per_s"), memory_ratio=ratio("peak_memory_bytes"))
-        if second in by and variant != second:
-            row["second"] = dict(reference=second, **compare(seeds, by[second]))
-        if controls.get(variant) in by:
-            control = by[controls[variant]]
-            cparams = next(iter(control.values())).get("params")
-            row["control"] = dict(reference=controls[variant], params=cparams,
-                                  params_diff_pct=100 * (params / cparams - 1) if params and cparams else None,
-                                  **compare(seeds, control))
-        rows.append(row)
-    for family in (lambda r: r if r["variant"] != reference else None, lambda r: r.get("second"),
-                   lambda r: r.get("control")):
-        members = [family(r) for r in rows if family(r) is not None]
-        for m, adjusted in zip(members, holm([m["p"] for m in members])):
-            m["p_holm"] = adjusted
-    return rows
-
-
-def gap_over_training(runs, reference, variants):
-    """{variant: {step: (mean paired difference of val loss against the reference, wins, seeds)}} at
-    every evaluation the paired runs share."""
-    by = {}
-    for r in runs:
-        by.setdefault(r["variant"], {})[r["seed"]] = r["curve"]
-    gaps = {}
-    if reference not in by:  # not one finished run of it yet
-        return gaps
-    for variant in variants:
-        if variant == reference or variant not in by:
-            continue
-        mine = {s: c for s, c in by[variant].items() if s in by[reference]}
-        steps = sorted(set.intersection(*(set(c) & set(by[reference][s]) for s, c in mine.items())), key=int) \
-            if mine else []
-        gaps[variant] = {int(step): (statistics.fmean(c[step] - by[reference][s][step] for s, c in mine.items()),
-                                     sum(c[step] < by[reference][s][step] for s, c in mine.items()), len(mine))
-                         for step in steps}
-    return gaps
-
-
-def _num(x, fmt, none="-"):
-    return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
-def _undefined(x):
-    return x is None or (isinstance(x, float) and math.isnan(x))
-
-
-def _p(row):
-    """p (Holm-adjusted p), bold when the adjusted p is below 0.05; n/a without a test (one seed)."""
-    if _undefined(row["p"]):
-        return "n/a"
-    text = f"{_num(row['p'], '.3f')} ({_num(row.get('p_holm'), '.3f')})"
-    return f"**{text}**" if row.get("p_holm", 1) < 0.05 else text
-
-
-def _interval(c):
-    """A comparison's mean difference and its 95% interval, or why there is none."""
-    if not c["paired_seeds"]:
-        return "n/a (no paired seed)"
-    if _undefined(c["ci95"][0]):
-        return f"{c['delta_mean']:+.4f} [needs 2 seeds]"
-    return f"{c['delta_mean']:+.4f} [{_num(c['ci95'][0], '+.4f')}, {_num(c['ci95'][1], '+.4f')}]"
-
-
-def _compared(c, with_t):
-    """A comparison's cells: mean difference [95% CI], wins, (t,) p (Holm); empty for none."""
-    if c is None:
-        return [""] * (4 if with_t else 3)
-    return ([_interval(c), f"{c['wins']}/{c['paired_seeds']}"] + ([_num(c["t"], ".2f", "n/a")] if with_t else [])
-            + [_p(c)])
-
-
-def _label(r):
-    """A variant's cell: its name, and the seeds of its runs that diverged."""
-    bad = r.get("diverged_seeds")
-    return f"`{r['variant']}`" + (f" (diverged: seed {', '.join(map(str, bad))})" if bad else "")
-
-
-def table(rows, reference, compact=False):
-    """One line per variant: its parameters against the reference, its comparisons with the reference
-    and with the second reference; the full table adds the val NLL, t, and tokens/s and memory ratios.
-    A variant whose every run diverged has "diverged" in every cell."""
-    second = next((r["second"]["reference"] for r in rows if "second" in r), None)
-    full = not compact
-    cols = (["variant", f"params vs `{reference}`"] + ["val NLL (mean ± sd)"] * full +
-            [f"Δ vs `{reference}` [95% CI]", "wins"] + ["t"] * full + ["p (Holm)"] +
-            ([f"Δ vs `{second}` [95% CI]", "wins", "p (Holm)"] if second else []) + ["tokens/s", "peak memory"] * full)
-    out = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    for r in rows:
-        if "val_loss_mean" not in r:  # no finished run: every one diverged
-            out.append("| " + " | ".join([_label(r)] + ["diverged"] * (len(cols) - 1)) + " |")
-            continue
-        cells = [_label(r), _num(r.get("params_vs_reference_pct"), "+.1f") + "%"]
-        cells += [f"{r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f}" if r["seeds"] > 1 else
-                  f"{r['val_loss_mean']:.4f} (1 seed)"] * full
-        cells += _compared(r if r["variant"] != reference else None, with_t=full)
-        cells += _compared(r.get("second"), with_t=False) if second else []
-        cells += [_num(r["tokens_per_s_ratio"], ".3f"), _num(r["memory_ratio"], ".3f")] * full
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def seed_table(rows, reference):
-    """Each seed's paired difference with the reference, per variant ("diverged" where the run did)."""
-    others = [r for r in rows if r["variant"] != reference]
-    seeds = sorted({int(s) for r in rows for s in r.get("deltas", {})} |
-                   {s for r in rows for s in r.get("diverged_seeds", [])})
-    if not others or not seeds:
-        return f"Each seed's difference to `{reference}`: none yet (no other variant has finished a run)."
-    out = ["| variant | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|" + " --- |" * (len(seeds) + 1)]
-    for r in others:
-        cells = ["diverged" if s in r.get("diverged_seeds", []) else _num(r.get("deltas", {}).get(str(s)), "+.4f")
-                 for s in seeds]
-        out.append(f"| `{r['variant']}` | " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def control_table(rows):
-    """Each variant against its parameter-matched control."""
-    out = ["| variant | control | parameters (variant / control) | Δ vs control [95% CI] | per seed | wins | p (Holm) |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        if "control" in r:
-            c = r["control"]
-            out.append(f"| `{r['variant']}` | `{c['reference']}` | {_num(r['params'], ',')} / {_num(c['params'], ',')} "
-                       f"({_num(c['params_diff_pct'], '+.2f')}%) | {_interval(c)} | "
-                       f"{' '.join(f'{d:+.4f}' for d in c['deltas'].values())} | "
-                       f"{c['wins']}/{c['paired_seeds']} | {_p(c)} |")
-    return "\n".join(out)
-
-
-def gap_table(gaps, reference):
-    """The paired gap to the reference at every evaluation: mean Δ (wins/seeds)."""
-    steps = sorted({step for g in gaps.values() for step in g})
-    if not steps:
-        return f"The gap to `{reference}` over training: none yet (no other variant has an evaluation paired with it)."
-    out = [f"| Δ vs `{reference}` at step | " + " | ".join(str(s) for s in steps) + " |", "|" + " --- |" * (len(steps) + 1)]
-    for variant, g in gaps.items():
-        out.append(f"| `{variant}` | " + " | ".join(f"{g[s][0]:+.4f} ({g[s][1]}/{g[s][2]})" if s in g else "-"
-                                                    for s in steps) + " |")
-    return "\n".join(out)
-
-
-def diverged_table(diverged):
-    """The runs that diverged (not in any statistic)."""
-    out = ["| diverged run | seed | at step |", "| --- | --- | --- |"]
-    out += [f"| `{d['variant']}` | {d['seed']} | {_num(d['step'], 'd')} |" for d in diverged]
-    return "\n".join(out)
-
-
-def plot_forest(rows, reference, controls, path):
-    """Each variant's paired Δ to the reference with its 95% interval, best first, each control just
-    below the variant it matches; filled markers: Holm-adjusted p < 0.05."""
-    plt = pyplot()
-    if plt is None:
-        return None
-    by = {r["variant"]: r for r in rows if r["variant"] != reference and r.get("paired_seeds")}
-    order = [v for v in sorted(by, key=lambda v: by[v]["delta_mean"]) if v not in controls.values()]
-    order = [x for v in order for x in [v] + ([controls[v]] if controls.get(v) in by else [])]
-    order += [v for v in by if v not in order]
-    if not order:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 0.32 * len(order) + 1.2))
-    for y, v in enumerate(order):
-        r, is_control = by[v], v in controls.values()
-        color = "tab:orange" if is_control else "black"
-        ax.plot(r["ci95"], [y, y], color=color, lw=1.5)
-        ax.plot(r["delta_mean"], y, "o", color=color, mfc=color if r.get("p_holm", 1) < 0.05 else "white")
-    ax.axvline(0, color="grey", lw=0.8)
-    labels = [f"{v} (control of {next(k for k, c in controls.items() if c == v)})" if v in controls.values() else v
-              for v in order]
-    ax.set_yticks(range(len(order)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"paired Δ val NLL vs {reference} (nats; < 0: better)\n"
-                  f"mean and 95% CI over {by[order[0]]['paired_seeds']} seeds; filled: Holm-adjusted p < 0.05")
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_gaps(gaps, reference, path):
-    """The mean paired gap to the reference at every evaluation, one line per variant (None: none yet)."""
-    if not any(gaps.values()):
-        return None
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
-    for i, (variant, g) in enumerate(gaps.items()):
-        steps = sorted(g)
-        ax.plot(steps, [g[s][0] for s in steps], ("-", "--", ":")[i // 10 % 3], marker=".", label=variant)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"paired Δ val NLL vs {reference} (nats)")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def strict_json(x):
-    """x with every non-finite float as None: results.json is strict JSON (null where a number is undefined,
-    such as the interval of one seed, or an infinite t where every seed differs by the same amount)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: strict_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [strict_json(v) for v in x]
-    return x
-
-
-def save_output(path, write):
-    """Write one output whole or not at all: write(a temporary path beside `path`) (None from it: nothing
-    to write, such as a plot without matplotlib), then a rename over `path`. Returns None, or why it
-    could not (a read-only or full disk, or a plot that failed), so the other outputs still go out."""
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+def score_all(spec):
+    """Score every finished run that has no whole-split scores yet, all in one tools/rescore.py child
+    process (the model is the child's, the sweep stays small, and torch is imported once), each run
+    claimed as a run is, so two sweep processes never score the same run. A run that cannot be scored
+    is a note: the report pairs the seeds that have scores, and says how many lack them."""
+    claims, dirs = [], []
     try:
-        if write(tmp) is None:
-            return None
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return None
-    except OSError as e:  # the OS's words; a plot's own one-line error ends with them ("cannot write P: why")
-        return (e.strerror or str(e).rsplit(": ", 1)[-1]).lower()
-    except Exception as e:  # a plot is an extra: the tables and the files that could be written stand
-        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        for variant, seed in [(v, s) for s in spec["seeds"] for v in spec["variants"]]:
+            if unscored(spec, variant, seed) and (lock := claim(spec, variant, seed)) is not None:
+                claims.append(lock)
+                if unscored(spec, variant, seed):  # not scored by another process meanwhile
+                    dirs.append(str(run_dir(spec, variant, seed)))
+        if dirs:
+            print(f"sweep: scoring {len(dirs)} finished run(s) on the whole validation and test splits", flush=True)
+            if run_child([sys.executable, "-m", "tools.rescore", *dirs]) != 0:
+                print("sweep: some runs could not be scored (the error above); the report pairs the seeds that have "
+                      "scores (python -m tools.rescore RUN_DIR to try again)", flush=True)
     finally:
-        with suppress(OSError):
-            tmp.unlink()
-
-
-def report(spec):
-    """The tables (printed, and in results.md), results.json, results.csv and the plots, from the runs;
-    returns the rows. A diverged run is marked in the tables and left out of the statistics. Files that
-    cannot be written are one `warning:` line after the printed tables."""
-    out = Path(spec["out_dir"])
-    runs, diverged = collect(spec), collect_diverged(spec)
-    reference, second, controls = spec["reference"], spec.get("second_reference"), spec.get("controls", {})
-    if not any(r["variant"] == reference for r in runs):
-        bad = ", ".join(str(d["seed"]) for d in diverged if d["variant"] == reference)
-        fail(f"no finished run of the reference {reference!r} in {out} (looked for {reference}/seed<s>/summary.json "
-             f"there{f'; seed {bad} diverged' if bad else ''}): run the sweep first, or pass the --out_dir that holds "
-             f"its runs (a relative out_dir in a sweep file is relative to {ROOT})")
-    rows = summarize(runs, reference, second, controls)
-    by = {r["variant"]: r for r in rows}
-    for d in diverged:
-        by.setdefault(d["variant"], {"variant": d["variant"], "seeds": 0}).setdefault("diverged_seeds", []).append(d["seed"])
-    rows = [by[v] for v in spec["variants"] if v in by]
-    gaps = gap_over_training(runs, reference, spec["variants"])
-    second_gaps = gap_over_training(runs, second, spec["variants"]) if second else {}
-    sections = [table(rows, reference, compact=True), table(rows, reference), seed_table(rows, reference)]
-    if any("control" in r for r in rows):
-        sections.append(control_table(rows))
-    sections += [gap_table(gaps, reference)] + ([gap_table(second_gaps, second)] if second_gaps else [])
-    if diverged:
-        sections.append(diverged_table(diverged))
-    text = "\n\n".join(sections)
-    print(text, flush=True)
-
-    csv_text = io.StringIO()
-    w = csv.writer(csv_text)
-    w.writerow(["variant", "seed", "val_loss", "test_loss", "delta_vs_reference", "params", "tokens_per_s",
-                "peak_memory_bytes", "status"])
-    ref = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == reference}
-    for r in runs:
-        delta = r["val_loss"] - ref[r["seed"]] if r["seed"] in ref else ""
-        w.writerow([r["variant"], r["seed"], r["val_loss"], r.get("test_loss"), delta, r.get("params"),
-                    r.get("tokens_per_s"), r.get("peak_memory_bytes"), "finished"])
-    for d in diverged:
-        w.writerow([d["variant"], d["seed"], "", "", "", "", "", "", "diverged"])
-    results = dict(reference=reference, second_reference=second, controls=controls, rows=rows,
-                   gaps={v: {str(k): x for k, x in g.items()} for v, g in gaps.items()}, runs=runs, diverged=diverged)
-    results_json = json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n"
-    finished = {v: [run_dir(spec, v, r["seed"]) for r in runs if r["variant"] == v] for v in spec["variants"]}
-    outputs = {
-        "results.md": lambda p: p.write_text(text + "\n"),
-        "results.json": lambda p: p.write_text(results_json),
-        "results.csv": lambda p: p.write_text(csv_text.getvalue()),
-        "curves.png": lambda p: plot_curves({v: d for v, d in finished.items() if d}, p),
-        "forest.png": lambda p: plot_forest(rows, reference, controls, p),
-        "gap_over_training.png": lambda p: plot_gaps(gaps, reference, p),
-    }
-    if not out.is_dir():
-        problems = {name: "no such directory" for name in outputs}
-    else:
-        problems = {name: why for name, write in outputs.items() if (why := save_output(out / name, write))}
-    if problems:
-        reasons = sorted(set(problems.values()))
-        print(f"warning: could not write {', '.join(problems)} in {out} ({'; '.join(reasons)}); the tables above are "
-              "complete", file=sys.stderr, flush=True)
-    return rows
+        for lock in claims:
+            lock.release()
 
 
 def main(argv=None):
@@ -835,6 +496,8 @@ def main(argv=None):
     p.add_argument("--table_only", action="store_true", help="skip training; tabulate the finished runs")
     p.add_argument("--out_dir", help="override the sweep file's out_dir (relative: to the working directory)")
     p.add_argument("--reference", help="override the sweep file's reference variant")
+    p.add_argument("--score", choices=list(SCORES), help="override the sweep file's score: the split the tests use "
+                                                         "(val, test: whole splits; val_prefix, test_prefix: eval_tokens)")
     p.add_argument("--base", help="override the sweep file's base config, e.g. another model size (relative: to the "
                                    "working directory)")
     p.add_argument("--wandb", action="store_true", help="log every run to W&B, one group per sweep (pip install wandb)")
@@ -847,11 +510,16 @@ def main(argv=None):
             spec[key] = str(Path(getattr(args, key)).absolute())
     if args.wandb:
         spec["wandb"] = True
+    if args.score:
+        spec["score"] = args.score
     if not args.table_only:
         check_runs(spec)
         run_all(spec, args.launcher)
-    report(spec)
-    return EXIT_DIVERGED if collect_diverged(spec) else 0
+    report(spec, rescore_hint=f"python -m tools.rescore --sweep {args.sweep}" + (
+        f" --out_dir {args.out_dir}" if args.out_dir else "") + " (the sweep scores each run it finishes)")
+    diverged = any(read_summary(run_dir(spec, v, s)) is None and divergence(run_dir(spec, v, s))
+                   for v in spec["variants"] for s in spec["seeds"])
+    return EXIT_DIVERGED if diverged else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,256 @@
+"""tools/report.py: the declared family (selection, Holm, the gate of the controls), exploratory
+and twin comparisons, whole-split scores, the tables and plots, on runs with known numbers."""
+
+import json
+import math
+
+import pytest
+
+from tools import report, stats, sweep
+
+from sweeps import finished_run, strict_json, sweep_file, sweep_spec
+
+
+def fake_runs():
+    """Two variants x three seeds; the whole-split scores are the prefix ones plus a shift per variant."""
+    val = {("base", 0): 3.00, ("base", 1): 3.10, ("base", 2): 2.90,
+           ("new", 0): 2.95, ("new", 1): 3.12, ("new", 2): 2.80}
+    return [dict(variant=v, seed=s, val_loss=loss, test_loss=loss + 0.5, whole={"val": loss + (v == "new") * 0.01},
+                 tokens_per_s=1000.0 if v == "base" else 900.0, peak_memory_bytes=100 if v == "base" else 120,
+                 params=1000 if v == "base" else 1012, curve={}) for (v, s), loss in val.items()]
+
+
+def runs_of(deltas, base=3.0):
+    """Runs of "ref" and of each variant in deltas {variant: [Δ per seed]}, the same Δ on every score."""
+    out = []
+    for seed in range(len(next(iter(deltas.values())))):
+        loss = base + 0.1 * seed
+        out.append(dict(variant="ref", seed=seed, val_loss=loss, test_loss=loss, whole={"val": loss, "test": loss}))
+        for v, d in deltas.items():
+            x = loss + d[seed]
+            out.append(dict(variant=v, seed=seed, val_loss=x, test_loss=x, whole={"val": x, "test": x}))
+    return out
+
+
+# --- the comparisons ----------------------------------------------------------------------------------
+
+def test_a_comparison_s_arithmetic_on_each_score():
+    by = report.by_variant(fake_runs())
+    c = report.compare(by["new"], by["base"], "val_prefix")
+    assert c["deltas"] == pytest.approx({"0": -0.05, "1": 0.02, "2": -0.10})
+    t = stats.paired_t([-0.05, 0.02, -0.10])
+    assert (c["delta_mean"], c["delta_std"], c["p"]) == (pytest.approx(t["mean"]), pytest.approx(t["sd"]), pytest.approx(t["p"]))
+    assert c["ci95"] == pytest.approx([t["lo"], t["hi"]]) and c["wins"] == 2 and c["paired_seeds"] == 3
+    assert c["sign_flip_p"] == stats.sign_flip_p(list(c["deltas"].values()))
+    assert c["detectable"] == pytest.approx(stats.detectable(t["sd"], 3))
+    assert c["ppl_change_pct"] == pytest.approx(100 * (math.exp(-0.13 / 3) - 1))
+    whole = report.compare(by["new"], by["base"], "val")  # the whole split: the variant's shift of +0.01
+    assert whole["delta_mean"] == pytest.approx(-0.13 / 3 + 0.01)
+    assert report.compare(by["new"], by["base"], "test")["paired_seeds"] == 0  # no run has it: nothing paired
+    assert report.compare(by["new"], by["base"], "test_prefix")["delta_mean"] == pytest.approx(-0.13 / 3)
+
+
+def test_only_seeds_both_have_are_paired():
+    runs = [r for r in fake_runs() if not (r["variant"] == "base" and r["seed"] == 2)]
+    runs[0]["whole"] = {}  # base seed 0 not scored on the whole split yet
+    by = report.by_variant(runs)
+    assert report.compare(by["new"], by["base"], "val_prefix")["paired_seeds"] == 2
+    assert report.compare(by["new"], by["base"], "val")["deltas"] == pytest.approx({"1": 0.02 + 0.01})
+
+
+def test_the_variant_rows():
+    rows = {r["variant"]: r for r in report.describe(fake_runs(), "base", "val")}
+    new = rows["new"]
+    assert new["params_vs_reference_pct"] == pytest.approx(1.2)
+    assert new["scores"]["val_prefix"]["mean"] == pytest.approx((2.95 + 3.12 + 2.80) / 3)
+    assert new["scores"]["val"]["mean"] == pytest.approx((2.95 + 3.12 + 2.80) / 3 + 0.01)
+    assert new["scores"]["test"] == dict(n=0, mean=None, sd=None)
+    assert new["tokens_per_s_ratio"] == pytest.approx(0.9) and new["memory_ratio"] == pytest.approx(1.2)
+
+
+# --- the family -----------------------------------------------------------------------------------------
+
+def test_gated_holm_on_hand_computed_cases():
+    # two primaries at 0.025 each; the first rejects (0.01 <= 0.025) and passes its 0.025 to its control
+    # (0.02 <= 0.025: rejects), which passes it on to the second primary (0.04 <= 0.05)
+    adjusted, local = stats.gated_holm([0.01, 0.04], {0: 0.02})
+    assert adjusted["primary"] == pytest.approx([0.02, 0.04]) and adjusted["gated"] == pytest.approx({0: 0.04})
+    assert local["primary"] == pytest.approx([0.5, 1.0]) and local["gated"] == pytest.approx({0: 0.5})
+    # the gate stays shut: the control's tiny p counts for nothing until its variant's test rejects
+    adjusted, local = stats.gated_holm([0.6, 0.08], {0: 0.001})
+    assert adjusted["primary"] == pytest.approx([0.6, 0.16]) and adjusted["gated"] == pytest.approx({0: 0.6})
+    assert local["gated"] == {0: 0.0}
+    # without gated tests it is Holm's procedure, nan left out as holm() leaves it
+    for ps in ([0.01, 0.04, 0.03, 0.005], [0.5, 0.9], [0.02, math.nan, 0.04], [0.2]):
+        got = stats.gated_holm(ps, {})[0]["primary"]
+        assert all(a == pytest.approx(b) or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, stats.holm(ps)))
+
+
+def test_graph_procedure_rejects_exactly_where_the_local_level_is_met():
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        m = rng.randint(1, 6)
+        ps = [rng.random() ** 3 for _ in range(m)]
+        gated = {i: rng.random() ** 3 for i in range(m) if rng.random() < 0.5}
+        adjusted, local = stats.gated_holm(ps, gated, alpha=0.05)
+        for a, w, p in [(adjusted["primary"][i], local["primary"][i], ps[i]) for i in range(m)] + \
+                [(adjusted["gated"][i], local["gated"][i], gated[i]) for i in gated]:
+            assert (a <= 0.05) == (w > 0 and p <= w * 0.05)
+
+
+def test_the_family_of_the_cpu_sweep_is_the_declared_one():
+    spec = sweep.load_sweep("configs/sweep_cpu.py")
+    kinds = {}
+    for kind, v, b in report.plan(spec, spec["variants"]):
+        kinds.setdefault(kind, []).append((v, b))
+    assert kinds["primary"] == [tuple(p) for p in spec["primary"]] and len(kinds["primary"]) == 8
+    assert kinds["control"] == [("muddformer", "standard_mlp549"), ("mhc", "standard_mlp608")]
+    assert kinds["twin"] == [("rd_tied", "block_attnres")]
+    assert not any("rd_tied" in pair for pair in kinds["exploratory"])  # a twin is in no family
+    assert ("standard", "block_attnres") not in kinds["exploratory"]  # the reference is no variant of the second
+    assert ("standard_mlp549", "block_attnres") not in kinds["exploratory"]
+    assert ("rd_average", "block_attnres") in kinds["exploratory"] and ("rd_attnres", "standard") in kinds["exploratory"]
+    every = [pair for pairs in kinds.values() for pair in pairs]
+    assert len(every) == len(set(every))  # no comparison twice
+
+
+def test_a_control_is_tested_only_once_its_variant_rejects():
+    runs = runs_of({"strong": [-0.05, -0.06, -0.055, -0.052, -0.058], "weak": [0.01, -0.02, 0.03, -0.01, 0.0],
+                    "ctrl_s": [-0.01, -0.012, -0.008, -0.011, -0.009], "ctrl_w": [-0.03, -0.03, -0.031, -0.029, -0.03]})
+    spec = sweep_spec(None, variants=("ref", "strong", "weak", "ctrl_s", "ctrl_w"), out_dir="unused",
+                      primary=[("strong", "ref"), ("weak", "ref")], controls={"strong": "ctrl_s", "weak": "ctrl_w"})
+    ts = {(c["kind"], c["variant"]): c for c in report.tests(spec, runs)}
+    strong, weak = ts[("primary", "strong")], ts[("primary", "weak")]
+    assert strong["rejected"] and not weak["rejected"]
+    ps = [strong["p"], weak["p"]]
+    adjusted, local = stats.gated_holm(ps, {0: ts[("control", "strong")]["p"], 1: ts[("control", "weak")]["p"]})
+    assert [strong["p_adj"], weak["p_adj"]] == pytest.approx(adjusted["primary"])
+    assert ts[("control", "strong")]["rejected"] is True and ts[("control", "strong")]["level"] == pytest.approx(0.025)
+    shut = ts[("control", "weak")]  # strong against ctrl_w would reject, but weak did not: never tested
+    assert shut["rejected"] is None and shut["level"] == 0 and shut["p"] < 0.05
+    assert strong["detectable"] == pytest.approx(stats.detectable(strong["delta_std"], 5, 0.05 / 2))
+    explore = [c for c in report.tests(spec, runs) if c["kind"] == "exploratory"]
+    assert {(c["variant"], c["baseline"]) for c in explore} == {("ctrl_s", "ref"), ("ctrl_w", "ref")}  # does width help?
+    assert not any("p_adj" in c for c in explore)  # uncorrected: no claim
+
+
+def test_without_a_declared_family_everything_is_exploratory(tmp_path, capsys):
+    spec = sweep_spec(tmp_path, controls={"b": "a"})
+    for v, d in (("a", 0.0), ("b", -0.01)):
+        for s in (0, 1):
+            finished_run(tmp_path / "runs" / v / f"seed{s}", 3.0 + d + 0.003 * s * (v == "b"))
+    ts = report.report(spec)
+    assert [c["kind"] for c in ts] == ["exploratory"] and "p_adj" not in ts[0]
+    out = capsys.readouterr().out
+    assert out.startswith("No primary family is declared in the sweep file (`primary`): every comparison below is "
+                          "exploratory.")
+    assert "| `b` − `a` | -0.0085 [" in out  # (-0.010 and -0.007 on the whole val split)
+
+
+def test_the_forest_interval_excludes_zero_exactly_where_the_marker_is_filled():
+    runs = runs_of({"a": [-0.02, -0.021, -0.019], "b": [-0.01, 0.002, -0.012], "c": [-0.03, -0.02, -0.035],
+                    "d": [0.001, -0.001, 0.0005]})
+    spec = sweep_spec(None, variants=("ref", "a", "b", "c", "d"), out_dir="unused",
+                      primary=[("a", "ref"), ("b", "ref"), ("c", "ref")])
+    for c in report.tests(spec, runs):
+        lo, hi, filled = report.forest_interval(c)
+        if c["kind"] == "primary":
+            assert filled == c["rejected"] == (lo > 0 or hi < 0)
+        else:  # exploratory: the uncorrected 95% interval
+            assert (lo, hi) == pytest.approx(tuple(c["ci95"])) and filled == (c["p"] < 0.05)
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+def test_the_report_uses_whole_split_scores_and_keeps_no_machine_paths(tmp_path, capsys):
+    spec = sweep_spec(tmp_path, variants=("a", "b", "twin"), seeds=(0, 1, 2), primary=[("b", "a")], twins={"twin": "a"})
+    for s in (0, 1, 2):
+        finished_run(tmp_path / "runs" / "a" / f"seed{s}", 3.0 + 0.1 * s)
+        finished_run(tmp_path / "runs" / "twin" / f"seed{s}", 3.0 + 0.1 * s)
+        finished_run(tmp_path / "runs" / "b" / f"seed{s}", 2.98 + 0.1 * s + 0.001 * s)
+    stale = tmp_path / "runs" / "b" / "seed2" / "scores.json"  # scored at another checkpoint: not this run's
+    stale.write_text(stale.read_text().replace('"step": 4', '"step": 2'))
+    report.report(spec)
+    out, err = capsys.readouterr()
+    assert "note: 1 of 9 finished runs have no score on the whole validation split" in err
+    assert "Primary family (1 tests, declared before the runs), on the whole validation split" in out
+    assert "| `b` − `a` | -0.0195 [" in out and "| 2/2 |" in out  # seeds 0 and 1: -0.020, -0.019
+    assert "| `twin` | `a` | 3 | 0.0e+00 | 0.0e+00 | 0.0e+00 | 0.0e+00 | yes, bit for bit |" in out
+    assert "The same family on every score (Δ, Holm p; the tests use val (whole)):" in out
+    results = strict_json(tmp_path / "runs" / "results.json")
+    assert {r["run_dir"] for r in results["runs"]} == {f"{v}/seed{s}" for v in ("a", "b", "twin") for s in (0, 1, 2)}
+    assert str(tmp_path) not in (tmp_path / "runs" / "results.json").read_text()
+    assert [(t["kind"], t["variant"]) for t in results["tests"]] == [("primary", "b"), ("twin", "twin")]
+    lines = (tmp_path / "runs" / "results.csv").read_text().splitlines()
+    assert lines[0].startswith("variant,seed,val_loss,test_loss,val_whole,test_whole,") and len(lines) == 10
+
+
+def test_one_seed_gives_strict_json_and_tables_that_say_so(tmp_path, capsys):
+    spec = sweep_spec(tmp_path, seeds=(0,))
+    finished_run(tmp_path / "runs" / "a" / "seed0", 3.0)
+    finished_run(tmp_path / "runs" / "b" / "seed0", 3.01)
+    report.report(spec)
+    out = capsys.readouterr().out
+    assert "± 0.0000" not in out and "3.0010 (1 seed)" in out
+    assert "| `b` − `a` | +0.0100 [needs 2 seeds] | 0/1 | n/a | 1.000 | - |" in out
+    tests = strict_json(tmp_path / "runs" / "results.json")["tests"]
+    assert tests[0]["ci95"] == [None, None] and tests[0]["p"] is None and tests[0]["delta_std"] is None
+
+
+def test_the_tables_of_a_sweep_where_only_the_reference_finished(tmp_path, capsys):
+    spec = sweep_spec(tmp_path, primary=[("b", "a")])
+    finished_run(tmp_path / "runs" / "a" / "seed0", 3.0)
+    finished_run(tmp_path / "runs" / "a" / "seed1", 3.1)
+    report.report(spec)
+    out = capsys.readouterr().out
+    for block in out.strip().split("\n\n"):  # every table well formed: as many cells in each line as columns
+        lines = block.splitlines()
+        if lines[0].startswith("|"):
+            assert len({line.count("|") for line in lines}) == 1 and len(lines) > 2, block
+        else:
+            assert len(lines) == 1, block
+    assert "Each seed's difference to `a`: none yet (no other variant has finished a run)." in out
+    strict_json(tmp_path / "runs" / "results.json")
+
+
+def test_gap_over_training_pairs_each_evaluation_with_its_band():
+    curves = {("base", 0): {"100": 3.0, "200": 2.5}, ("base", 1): {"100": 3.2, "200": 2.7},
+              ("new", 0): {"100": 2.9, "200": 2.45}, ("new", 1): {"100": 3.3, "200": 2.6}}
+    runs = [dict(variant=v, seed=s, curve=c) for (v, s), c in curves.items()]
+    gaps = report.gap_over_training(runs, "base", ["base", "new"])
+    assert list(gaps) == ["new"] and list(gaps["new"]) == [100, 200]
+    t = stats.paired_t([-0.05, -0.1])
+    assert gaps["new"][200] == (pytest.approx(-0.075), 2, 2, pytest.approx(t["lo"]), pytest.approx(t["hi"]))
+    assert gaps["new"][100][:3] == (pytest.approx(0.0), 1, 2)
+    assert report.gap_over_training(runs, "second", ["base", "second"]) == {}  # no run of that reference yet
+
+
+def test_plots_of_a_sweep_that_has_barely_started(tmp_path):
+    runs = [dict(variant="base", seed=0, val_loss=3.0, whole={}, curve={"2": 3.0})]
+    spec = sweep_spec(tmp_path, variants=("base",))
+    assert report.plot_forest(report.tests(spec, runs), "val", tmp_path / "forest.png") is None  # nothing to compare
+    assert report.plot_gaps({"base": ({}, [])}, tmp_path / "gaps.png") is None
+
+
+def test_a_sweep_file_declares_its_family_and_the_sweep_scores_its_runs(tmp_path, monkeypatch, capsys):
+    path = sweep_file(tmp_path, variants=("a", "b", "c"), seeds=(0,), extra='primary = [("b", "a")]\ntwins = {"c": "a"}\n')
+    spec = sweep.load_sweep(str(path))
+    assert (spec["primary"], spec["twins"], spec["score"], spec["alpha"]) == ([("b", "a")], {"c": "a"}, "val", 0.05)
+    finished_run(tmp_path / "runs" / "a" / "seed0", 3.0, whole=False)  # finished, not scored: with its checkpoint
+    (tmp_path / "runs" / "a" / "seed0" / "ckpt.pt").write_bytes(b"")
+    finished_run(tmp_path / "runs" / "c" / "seed0", 3.0, whole=False)  # no single-file checkpoint: nothing to score
+    ran = []
+
+    def child(cmd):
+        ran.append(cmd[1:])
+        if cmd[1:3] != ["-m", "tools.rescore"]:
+            finished_run(tmp_path / "runs" / "b" / "seed0", 2.9)
+        return 0
+    monkeypatch.setattr(sweep, "run_child", child)
+    assert sweep.main([str(path)]) == 0
+    assert ran[1:] == [["-m", "tools.rescore", str(tmp_path / "runs" / "a" / "seed0")]]  # one child, after the runs
+    err = capsys.readouterr().err
+    assert f"note: 2 of 3 finished runs have no score on the whole validation split (the tests pair only the seeds that " \
+           f"have it): python -m tools.rescore --sweep {path}" in err
+    assert json.loads((tmp_path / "runs" / "results.json").read_text())["primary"] == [["b", "a"]]

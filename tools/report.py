@@ -1,0 +1,663 @@
+"""
+A sweep's report: what its finished runs say, with the statistics a reviewer asks for. The sweep
+prints it after its runs; `python -m tools.sweep SWEEP_FILE --table_only` prints it alone.
+
+The protocol is declared in the sweep file, before any run (tools/sweep.py checks it):
+    primary   [(variant, baseline), ...]: the claims under test, one family: each a paired t-test on
+              the declared score, Holm-adjusted within the family (family-wise error rate alpha)
+    controls  {variant: its parameter-matched control}: a gate. "variant - control" is tested only once
+              the variant's primary test rejects, at the level that rejection frees (stats.gated_holm;
+              Holm exactly where no variant has a control)
+    twins     {variant: twin}: a variant that trains bit for bit as its twin (rd_tied is Block AttnRes):
+              checked for equality, in no family
+    score     the split the tests use: "val" (default) the whole validation split, "test" the whole test
+              split (both from each run's scores.json, tools/rescore.py), "val_prefix"/"test_prefix" the
+              fixed eval_tokens prefix each run scored itself (its summary.json)
+    alpha     the family-wise error rate (default 0.05)
+Every other comparison (each variant against the reference, and against the second reference) is
+exploratory: its p-value is uncorrected, labelled so, and claims nothing. A sweep file without
+`primary` has only exploratory comparisons.
+
+Each comparison gives the mean paired difference over seeds (< 0: the variant is better) with its 95%
+t-interval, the wins, the t-test's p (adjusted in the family), the exact sign-flip p (no normality;
+never below 2 / 2^n), and the smallest difference the design detects with 80% power at its level
+(alpha / m in the family, where Holm makes its first test; alpha outside it).
+
+Outputs, in out_dir, each written whole or not at all: results.md (the printed tables), results.json
+(strict JSON; run paths relative to out_dir), results.csv (one line per run), forest.png, curves.png
+and gap_over_training.png (with matplotlib).
+"""
+
+import csv
+import io
+import json
+import math
+import os
+import statistics
+import sys
+from contextlib import suppress
+from pathlib import Path
+
+from tools.diagnose import plot_curves, pyplot
+from tools.stats import detectable, gated_holm, paired_t, sign_flip_p, t_quantile
+
+SCORES = {  # score -> what it is, as the tables say
+    "val": "the whole validation split",
+    "test": "the whole test split",
+    "val_prefix": "the fixed validation prefix each run scores (eval_tokens)",
+    "test_prefix": "the fixed test prefix each run scores (eval_tokens)",
+}
+SHORT = {"val": "val (whole)", "test": "test (whole)", "val_prefix": "val prefix", "test_prefix": "test prefix"}
+
+
+# --- reading the runs --------------------------------------------------------------------------------
+
+def run_dir(spec, variant, seed):
+    return Path(spec["out_dir"]) / variant / f"seed{seed}"
+
+
+def read_json(path):
+    """A JSON object from a file, or None: not there, torn, or not an object."""
+    try:
+        x = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return x if isinstance(x, dict) else None
+
+
+def read_summary(d):
+    """A run directory's summary.json as a dict, or None: not there, or not a JSON object (a torn or
+    damaged file is an unfinished run: resumed at its last checkpoint, the run writes it again)."""
+    return read_json(Path(d) / "summary.json")
+
+
+def finite(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def tabulable(summary):
+    return summary is not None and finite(summary.get("val_loss"))
+
+
+def whole_split_scores(d, step):
+    """{"val": loss, "test": loss} of a run's scores.json (tools/rescore.py) when it scored the whole
+    splits of the checkpoint at `step`; {} otherwise (not scored yet, or an older checkpoint's)."""
+    scores = read_json(Path(d) / "scores.json")
+    if scores is None or scores.get("max_tokens") is not None or (step is not None and scores.get("step") != step):
+        return {}
+    return {s: scores[s]["loss"] for s in ("val", "test") if isinstance(scores.get(s), dict)
+            and finite(scores[s].get("loss"))}
+
+
+def log_records(d):
+    """The JSON records of a run's log.jsonl (a torn or foreign line skipped; none without the file)."""
+    try:
+        lines = (Path(d) / "log.jsonl").read_bytes().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        with suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def divergence(d):
+    """The "diverged" record train.py left in a run's log.jsonl (its step and error), or None."""
+    return next((r for r in reversed(log_records(d)) if r.get("kind") == "diverged"), None)
+
+
+def val_curve(d):
+    """[(step, val loss)] of a run's log.jsonl."""
+    return [(r["step"], r["loss"]) for r in log_records(d)
+            if r.get("kind") == "eval" and r.get("split") == "val" and isinstance(r.get("step"), int)
+            and isinstance(r.get("loss"), (int, float))]
+
+
+def collect(spec):
+    """The finished runs: each summary.json with its variant, seed, whole-split scores ("whole") and
+    validation curve. A summary.json that cannot be read is a run not finished, with a note."""
+    runs = []
+    for variant in spec["variants"]:
+        for seed in spec["seeds"]:
+            d = run_dir(spec, variant, seed)
+            summary = read_summary(d)
+            if summary is None and (d / "summary.json").exists():
+                print(f"note: {d / 'summary.json'} is not a readable summary (torn or damaged): {variant} seed {seed} "
+                      "counts as unfinished; the sweep resumes it to write it again", file=sys.stderr)
+            elif summary is not None and not tabulable(summary):
+                print(f"note: {d / 'summary.json'} holds no finite val_loss: {variant} seed {seed} is left out of the "
+                      "tables (delete the file to run it again)", file=sys.stderr)
+            if tabulable(summary):
+                runs.append({"variant": variant, "seed": seed,
+                             **{k: v for k, v in summary.items() if k not in ("variant", "seed", "curve", "whole")},
+                             "run_dir": f"{variant}/seed{seed}",  # relative to out_dir: no machine's paths
+                             "whole": whole_split_scores(d, summary.get("step")),
+                             "curve": {str(step): loss for step, loss in val_curve(d)}})
+    return runs
+
+
+def collect_diverged(spec):
+    """The runs that diverged: variant, seed, and the step and error of train.py's record."""
+    out = []
+    for variant in spec["variants"]:
+        for seed in spec["seeds"]:
+            d = run_dir(spec, variant, seed)
+            if read_summary(d) is None and (record := divergence(d)) is not None:
+                out.append(dict(variant=variant, seed=seed, step=record.get("step"), error=record.get("error")))
+    return out
+
+
+# --- the statistics ----------------------------------------------------------------------------------
+
+def score_of(run, score):
+    """A run's loss on a score (SCORES), or None where it has none (a run not rescored yet)."""
+    x = run.get("val_loss") if score == "val_prefix" else run.get("test_loss") if score == "test_prefix" \
+        else run.get("whole", {}).get(score)
+    return x if finite(x) else None
+
+
+def compare(mine, theirs, score="val_prefix", alpha=0.05):
+    """The paired comparison of two variants' runs ({seed: run}) on the seeds where both have the score:
+    each seed's difference (negative: `mine` is better), the paired t-test with its 95% interval, the
+    exact sign-flip p, the wins, and the difference detectable with 80% power at level alpha."""
+    deltas = {s: a - b for s in sorted(mine) if s in theirs
+              and (a := score_of(mine[s], score)) is not None and (b := score_of(theirs[s], score)) is not None}
+    d = list(deltas.values())
+    t = paired_t(d)  # with one seed: no sd, t, p or interval (nan; null in results.json)
+    return dict(score=score, deltas={str(s): x for s, x in deltas.items()}, paired_seeds=len(d),
+                wins=sum(x < 0 for x in d), delta_mean=t["mean"], delta_std=t["sd"], t=t["t"], p=t["p"],
+                ci95=[t["lo"], t["hi"]], sign_flip_p=sign_flip_p(d), detectable=detectable(t["sd"], len(d), alpha),
+                ppl_change_pct=100 * (math.exp(t["mean"]) - 1) if d else math.nan)
+
+
+def by_variant(runs):
+    by = {}
+    for r in runs:
+        by.setdefault(r["variant"], {})[r["seed"]] = r
+    return by
+
+
+def describe(runs, reference, score):
+    """Per variant: its seeds, parameters (and against the reference's), mean ± sd of each score, and the
+    tokens/s and peak-memory ratios against the reference (over the seeds both finished)."""
+    by = by_variant(runs)
+    ref = by[reference]
+    rows = []
+    for variant, seeds in by.items():
+        def ratio(key):
+            both = [s for s in seeds if s in ref and seeds[s].get(key) and ref[s].get(key)]
+            return statistics.fmean(seeds[s][key] for s in both) / statistics.fmean(ref[s][key] for s in both) \
+                if both else None
+
+        params, ref_params = next(iter(seeds.values())).get("params"), ref[min(ref)].get("params")
+        means = {}
+        for sc in SCORES:
+            xs = [x for s in sorted(seeds) if (x := score_of(seeds[s], sc)) is not None]
+            means[sc] = dict(n=len(xs), mean=statistics.fmean(xs) if xs else None,
+                             sd=statistics.stdev(xs) if len(xs) > 1 else None)
+        rows.append(dict(variant=variant, seeds=len(seeds), params=params,
+                         params_vs_reference_pct=100 * (params / ref_params - 1) if params and ref_params else None,
+                         scores=means, val_loss_mean=means["val_prefix"]["mean"],
+                         tokens_per_s_ratio=ratio("tokens_per_s"), memory_ratio=ratio("peak_memory_bytes")))
+    return rows
+
+
+def plan(spec, present):
+    """The comparisons a sweep makes, in the order the tables give them: (kind, variant, baseline) with
+    kind "primary" (declared), "control" (gated by its variant's primary test; exploratory where no
+    primary family is declared), "twin" (must be equal) or "exploratory" (every other variant against
+    the reference and the second reference; a twin is in none, a control not against the second)."""
+    primary = [tuple(p) for p in spec.get("primary", [])]
+    controls, twins = spec.get("controls", {}), spec.get("twins", {})
+    gated = {v for v, _ in primary}
+    out = [("primary", v, b) for v, b in primary]
+    out += [("control" if v in gated else "exploratory", v, c) for v, c in controls.items()]
+    out += [("twin", v, t) for v, t in twins.items()]
+    seen = {(v, b) for _, v, b in out}
+    for base, others in ((spec["reference"], spec["variants"]),
+                         (spec.get("second_reference"), [v for v in spec["variants"] if v not in controls.values()
+                                                          and v != spec["reference"]])):
+        if base is None:
+            continue
+        out += [("exploratory", v, base) for v in others
+                if v != base and v not in twins and base not in twins and (v, base) not in seen]
+    return [(k, v, b) for k, v, b in out if v in present and b in present]
+
+
+def tests(spec, runs, score=None):
+    """Every comparison of plan() on `score` (default: the sweep's), as dicts: compare()'s fields with
+    kind, variant, baseline, and for the family (primary and control) the adjusted p ("p_adj"), the level
+    it was finally tested at ("level": weight x alpha), "rejected" (or None: a gate that stayed shut) and
+    the detectable difference at alpha / m. Each test also holds every other score's paired comparison
+    ("on": {score: {delta_mean, ci95, p, wins, paired_seeds}})."""
+    score, alpha = score or spec.get("score", "val"), spec.get("alpha", 0.05)
+    by = by_variant(runs)
+    out = []
+    for kind, variant, baseline in plan(spec, by):
+        c = dict(kind=kind, variant=variant, baseline=baseline, **compare(by[variant], by[baseline], score, alpha))
+        c["on"] = {sc: {k: x[k] for k in ("delta_mean", "ci95", "p", "wins", "paired_seeds")}
+                   for sc in SCORES if sc != score and (x := compare(by[variant], by[baseline], sc))["paired_seeds"]}
+        out.append(c)
+    primary = [c for c in out if c["kind"] == "primary"]
+    index = {c["variant"]: i for i, c in enumerate(primary)}
+    gates = {index[c["variant"]]: c for c in out if c["kind"] == "control"}
+    adjusted, local = gated_holm([c["p"] for c in primary], {i: c["p"] for i, c in gates.items()}, alpha)
+    m = sum(not math.isnan(c["p"]) for c in primary)
+    for c, a, w in [(c, adjusted["primary"][i], local["primary"][i]) for i, c in enumerate(primary)] + \
+            [(c, adjusted["gated"].get(i, math.nan), local["gated"].get(i, math.nan)) for i, c in gates.items()]:
+        c.update(p_adj=a, level=w * alpha, detectable=detectable(c["delta_std"], c["paired_seeds"], alpha / max(m, 1)))
+        c["rejected"] = None if not w > 0 and c["kind"] == "control" else bool(a <= alpha)
+    return out
+
+
+def gap_over_training(runs, reference, variants):
+    """{variant: {step: (mean paired difference of val loss against the reference, wins, seeds, 95% lo,
+    95% hi)}} at every evaluation the paired runs share (the prefix each run evaluates)."""
+    by = {}
+    for r in runs:
+        by.setdefault(r["variant"], {})[r["seed"]] = r["curve"]
+    gaps = {}
+    if reference not in by:  # not one finished run of it yet
+        return gaps
+    for variant in variants:
+        if variant == reference or variant not in by:
+            continue
+        mine = {s: c for s, c in by[variant].items() if s in by[reference]}
+        steps = sorted(set.intersection(*(set(c) & set(by[reference][s]) for s, c in mine.items())), key=int) \
+            if mine else []
+        gaps[variant] = {}
+        for step in steps:
+            d = [c[step] - by[reference][s][step] for s, c in mine.items()]
+            t = paired_t(d)
+            gaps[variant][int(step)] = (t["mean"], sum(x < 0 for x in d), len(d), t["lo"], t["hi"])
+    return gaps
+
+
+# --- the tables --------------------------------------------------------------------------------------
+
+def _num(x, fmt, none="-"):
+    return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _undefined(x):
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def _pval(p):
+    """A p-value as the tables print it: three decimals, "<0.001" below them, "n/a" without a test."""
+    return "n/a" if _undefined(p) else "<0.001" if p < 0.0005 else f"{p:.3f}"
+
+
+def _interval(c):
+    """A comparison's mean difference and its 95% interval, or why there is none."""
+    if not c["paired_seeds"]:
+        return "n/a (no paired seed)"
+    if _undefined(c["ci95"][0]):
+        return f"{c['delta_mean']:+.4f} [needs 2 seeds]"
+    return f"{c['delta_mean']:+.4f} [{_num(c['ci95'][0], '+.4f')}, {_num(c['ci95'][1], '+.4f')}]"
+
+
+def _name(c):
+    return f"`{c['variant']}` − `{c['baseline']}`"
+
+
+def _verdict(c):
+    if c["rejected"] is None:
+        return "not tested: its primary test did not reject"
+    if _undefined(c["p_adj"]):
+        return "n/a"
+    return "**rejects**" if c["rejected"] else "does not reject"
+
+
+def family_table(ts, spec, score):
+    """The declared family: each primary test, and each control test under its variant."""
+    fam = [c for c in ts if c["kind"] in ("primary", "control")]
+    if not fam:
+        return ("No primary family is declared in the sweep file (`primary`): every comparison below is "
+                "exploratory.")
+    m = sum(c["kind"] == "primary" and not _undefined(c["p"]) for c in fam)
+    alpha = spec.get("alpha", 0.05)
+    head = (f"Primary family ({m} tests, declared before the runs), on {SCORES[score]}: paired t-tests, Holm within "
+            f"the family at α = {alpha:g}; a control is tested only once its variant's primary test rejects. "
+            f"Detectable: the difference found with 80% power at α/m = {alpha / max(m, 1):.4f}.")
+    out = [head, "", "| hypothesis | Δ [95% CI] | wins | p | p (Holm) | sign-flip p | detectable | verdict |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    order = [c for c in fam if c["kind"] == "primary"]
+    order = [x for c in order for x in [c] + [g for g in fam if g["kind"] == "control" and g["variant"] == c["variant"]]]
+    for c in order:
+        label = _name(c) + (" (its control)" if c["kind"] == "control" else "")
+        out.append(f"| {label} | {_interval(c)} | {c['wins']}/{c['paired_seeds']} | {_pval(c['p'])} | "
+                   f"{_pval(c['p_adj'])} | {_pval(c['sign_flip_p'])} | {_num(c['detectable'], '.4f')} | {_verdict(c)} |")
+    return "\n".join(out)
+
+
+def family_on_every_score(spec, runs, score):
+    """The primary family's Δ and Holm p on every score the runs have: how much the verdict depends on
+    which tokens are scored."""
+    scores = [sc for sc in SCORES if any(score_of(r, sc) is not None for r in runs)]
+    per = {sc: {(c["kind"], c["variant"], c["baseline"]): c for c in tests(spec, runs, sc)} for sc in scores}
+    fam = [c for c in per.get(score, {}).values() if c["kind"] in ("primary", "control")]
+    keys = [(x["kind"], x["variant"], x["baseline"]) for c in fam if c["kind"] == "primary"
+            for x in [c] + [g for g in fam if g["kind"] == "control" and g["variant"] == c["variant"]]]
+    if not keys or len(scores) < 2:
+        return None
+    out = ["The same family on every score (Δ, Holm p; the tests use " + SHORT[score] + "):", "",
+           "| hypothesis | " + " | ".join(SHORT[sc] for sc in scores) + " |", "|" + " --- |" * (len(scores) + 1)]
+    for key in keys:
+        cells = []
+        for sc in scores:
+            c = per[sc][key]
+            cells.append("n/a" if not c["paired_seeds"] else
+                         f"{c['delta_mean']:+.4f}, " + ("not tested" if c["rejected"] is None else _pval(c["p_adj"])))
+        out.append(f"| {_name(per[score][key])}{' (control)' if key[0] == 'control' else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def exploratory_table(ts, spec, score):
+    rows = [c for c in ts if c["kind"] == "exploratory"]
+    if not rows:
+        return None
+    alpha = spec.get("alpha", 0.05)
+    out = [f"Exploratory, on {SCORES[score]}: uncorrected p-values, no claim (not in the declared family). "
+           f"Detectable: with 80% power at α = {alpha:g}.", "",
+           "| comparison | Δ [95% CI] | wins | p (uncorrected) | sign-flip p | detectable |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for c in rows:
+        out.append(f"| {_name(c)} | {_interval(c)} | {c['wins']}/{c['paired_seeds']} | {_pval(c['p'])} | "
+                   f"{_pval(c['sign_flip_p'])} | {_num(c['detectable'], '.4f')} |")
+    return "\n".join(out)
+
+
+def twin_table(ts, runs):
+    rows = [c for c in ts if c["kind"] == "twin"]
+    if not rows:
+        return None
+    out = ["Twins (trained bit for bit as their twin; in no family): the largest |Δ| over seeds on each score.", "",
+           "| variant | twin | seeds | " + " | ".join(SHORT.values()) + " | equal |", "|" + " --- |" * (len(SCORES) + 4)]
+    by = by_variant(runs)
+    for c in rows:
+        diffs = {sc: [abs(a - b) for s in by[c["variant"]] if s in by[c["baseline"]]
+                      and (a := score_of(by[c["variant"]][s], sc)) is not None
+                      and (b := score_of(by[c["baseline"]][s], sc)) is not None] for sc in SCORES}
+        cells = [_num(max(d), ".1e") if d else "-" for d in diffs.values()]
+        equal = "yes, bit for bit" if all(x == 0 for d in diffs.values() for x in d) else "**no**"
+        seeds = sum(s in by[c["baseline"]] for s in by[c["variant"]])
+        out.append(f"| `{c['variant']}` | `{c['baseline']}` | {seeds} | " + " | ".join(cells) + f" | {equal} |")
+    return "\n".join(out)
+
+
+def _label(r):
+    """A variant's cell: its name, and the seeds of its runs that diverged."""
+    bad = r.get("diverged_seeds")
+    return f"`{r['variant']}`" + (f" (diverged: seed {', '.join(map(str, bad))})" if bad else "")
+
+
+def _mean_sd(m):
+    if not m["n"]:
+        return "-"
+    return f"{m['mean']:.4f} ± {m['sd']:.4f}" if m["n"] > 1 else f"{m['mean']:.4f} (1 seed)"
+
+
+def variant_table(rows, reference):
+    """Per variant: parameters against the reference, each score's mean ± sd over seeds, the speed and
+    memory ratios of its runs. A variant whose every run diverged has "diverged" in every cell."""
+    scores = [sc for sc in SCORES if any(r.get("scores", {}).get(sc, {}).get("n") for r in rows)] or ["val_prefix"]
+    cols = ["variant", f"params vs `{reference}`"] + [f"{SHORT[sc]} NLL" for sc in scores] + ["tokens/s", "peak memory"]
+    out = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for r in rows:
+        if "scores" not in r:
+            out.append("| " + " | ".join([_label(r)] + ["diverged"] * (len(cols) - 1)) + " |")
+            continue
+        cells = [_label(r), _num(r["params_vs_reference_pct"], "+.1f") + "%"]
+        cells += [_mean_sd(r["scores"][sc]) for sc in scores]
+        cells += [_num(r["tokens_per_s_ratio"], ".3f"), _num(r["memory_ratio"], ".3f")]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def seed_table(ts, rows, reference, score):
+    """Each seed's paired difference with the reference on the score, per variant ("diverged" where the
+    run did)."""
+    mine = [c for c in ts if c["baseline"] == reference and c["kind"] != "twin"]
+    diverged = {r["variant"]: r.get("diverged_seeds", []) for r in rows}
+    seeds = sorted({int(s) for c in mine for s in c["deltas"]} | {s for d in diverged.values() for s in d})
+    if not mine or not seeds:
+        return f"Each seed's difference to `{reference}`: none yet (no other variant has finished a run)."
+    out = [f"Each seed's difference to `{reference}` ({SHORT[score]}):", "",
+           "| variant | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|" + " --- |" * (len(seeds) + 1)]
+    for c in mine:
+        cells = ["diverged" if s in diverged.get(c["variant"], []) else _num(c["deltas"].get(str(s)), "+.4f")
+                 for s in seeds]
+        out.append(f"| `{c['variant']}` | " + " | ".join(cells) + " |")
+    out += [f"| `{v}` | " + " | ".join("diverged" if s in d else "-" for s in seeds) + " |"
+            for v, d in diverged.items() if d and v not in {c["variant"] for c in mine} and v != reference]
+    return "\n".join(out)
+
+
+def gap_table(gaps, reference):
+    """The paired gap to the reference at every evaluation: mean Δ (wins/seeds)."""
+    steps = sorted({step for g in gaps.values() for step in g})
+    if not steps:
+        return f"The gap to `{reference}` over training: none yet (no other variant has an evaluation paired with it)."
+    out = [f"| Δ vs `{reference}` at step (val prefix) | " + " | ".join(str(s) for s in steps) + " |",
+           "|" + " --- |" * (len(steps) + 1)]
+    for variant, g in gaps.items():
+        out.append(f"| `{variant}` | " + " | ".join(f"{g[s][0]:+.4f} ({g[s][1]}/{g[s][2]})" if s in g else "-"
+                                                    for s in steps) + " |")
+    return "\n".join(out)
+
+
+def diverged_table(diverged):
+    """The runs that diverged (not in any statistic)."""
+    out = ["| diverged run | seed | at step |", "| --- | --- | --- |"]
+    out += [f"| `{d['variant']}` | {d['seed']} | {_num(d['step'], 'd')} |" for d in diverged]
+    return "\n".join(out)
+
+
+# --- the plots ---------------------------------------------------------------------------------------
+
+def forest_interval(c):
+    """A comparison's interval in the forest plot and whether its marker is filled, one meaning for both:
+    a family test's interval is at the level the procedure finally tested it at (1 - c["level"]), so it
+    excludes 0 exactly when the test rejects; an exploratory one's is the uncorrected 95% interval. The
+    marker is filled when the interval excludes 0. (lo, hi, filled); None for a gate that stayed shut."""
+    if c["kind"] in ("primary", "control") and c["rejected"] is None:
+        return None
+    n, sd = c["paired_seeds"], c["delta_std"]
+    if c["kind"] == "exploratory" or _undefined(sd):
+        lo, hi = c["ci95"]
+    else:
+        half = sd / math.sqrt(n) * t_quantile(1 - c["level"] / 2, n - 1) if c["level"] > 0 else math.inf
+        lo, hi = c["delta_mean"] - half, c["delta_mean"] + half
+    return lo, hi, not _undefined(lo) and (lo > 0 or hi < 0)
+
+
+def plot_forest(ts, score, path):
+    """Each comparison's paired Δ with its interval (forest_interval), the family first (in declared
+    order, each control under its variant) in colour, then the exploratory ones in grey; a gate that
+    stayed shut is a hollow grey marker without an interval."""
+    rows = [c for c in ts if c["kind"] in ("primary", "control")]
+    rows = [x for c in rows if c["kind"] == "primary" for x in [c] + [g for g in rows if g["kind"] == "control"
+                                                                      and g["variant"] == c["variant"]]]
+    rows += [c for c in ts if c["kind"] == "exploratory"]
+    rows = [c for c in rows if c["paired_seeds"]]
+    if not rows:
+        return None
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 0.3 * len(rows) + 1.5))
+    for y, c in enumerate(rows):
+        color = {"primary": "tab:blue", "control": "tab:orange"}.get(c["kind"], "0.55")
+        if (interval := forest_interval(c)) is None:
+            ax.plot(c["delta_mean"], y, "o", color="0.55", mfc="white")
+            continue
+        lo, hi, filled = interval
+        if not _undefined(lo):
+            ax.plot([lo, hi], [y, y], color=color, lw=1.5)
+        ax.plot(c["delta_mean"], y, "o", color=color, mfc=color if filled else "white")
+    ax.axvline(0, color="grey", lw=0.8)
+    labels = [f"{c['variant']} − {c['baseline']}" + {"control": " (control)", "exploratory": " (exploratory)"}.get(c["kind"], "")
+              for c in rows]
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"paired Δ NLL on {SHORT[score]} (nats; < 0: the first is better), mean over seeds\n"
+                  "blue/orange: the primary family and its controls, interval at the level Holm tested it at;\n"
+                  "grey: exploratory, uncorrected 95%; filled: the interval excludes 0", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_gaps(panels, path):
+    """The mean paired gap over training, one panel per baseline ({baseline: (gaps, highlighted variants)}):
+    the highlighted variants (the primary family's) in their own colours with their paired 95% band, the
+    rest thin grey lines."""
+    panels = {b: (g, hi) for b, (g, hi) in panels.items() if any(g.values())}
+    if not panels:
+        return None
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    palette = plt.get_cmap("tab10").colors
+    for ax, (baseline, (gaps, highlight)) in zip(axes[0], panels.items()):
+        for variant, g in gaps.items():
+            steps = sorted(g)
+            if variant not in highlight:
+                ax.plot(steps, [g[s][0] for s in steps], color="0.7", lw=0.8, zorder=1)
+        for i, variant in enumerate(v for v in highlight if gaps.get(v)):
+            g, color = gaps[variant], palette[i % len(palette)]
+            steps = sorted(g)
+            ax.plot(steps, [g[s][0] for s in steps], color=color, marker=".", label=variant, zorder=3)
+            band = [s for s in steps if not _undefined(g[s][3])]
+            ax.fill_between(band, [g[s][3] for s in band], [g[s][4] for s in band], color=color, alpha=0.15, lw=0)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"paired Δ val NLL vs {baseline} (nats, val prefix)")
+        ax.set_title(f"vs {baseline}: coloured with paired 95% bands; grey: the rest", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --- the report --------------------------------------------------------------------------------------
+
+def strict_json(x):
+    """x with every non-finite float as None: results.json is strict JSON (null where a number is undefined,
+    such as the interval of one seed, or an infinite t where every seed differs by the same amount)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    return x
+
+
+def save_output(path, write):
+    """Write one output whole or not at all: write(a temporary path beside `path`) (None from it: nothing
+    to write, such as a plot without matplotlib), then a rename over `path`. Returns None, or why it
+    could not (a read-only or full disk, or a plot that failed), so the other outputs still go out."""
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        if write(tmp) is None:
+            return None
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return None
+    except OSError as e:  # the OS's words; a plot's own one-line error ends with them ("cannot write P: why")
+        return (e.strerror or str(e).rsplit(": ", 1)[-1]).lower()
+    except Exception as e:  # a plot is an extra: the tables and the files that could be written stand
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    finally:
+        with suppress(OSError):
+            tmp.unlink()
+
+
+def report(spec, rescore_hint=None):
+    """The tables (printed, and in results.md), results.json, results.csv and the plots, from the runs;
+    returns the tests. A diverged run is marked in the tables and left out of the statistics. Files that
+    cannot be written are one `warning:` line after the printed tables. rescore_hint: the command that
+    scores the runs that have no whole-split scores yet (for the note that says so)."""
+    out = Path(spec["out_dir"])
+    runs, diverged = collect(spec), collect_diverged(spec)
+    reference, second, score = spec["reference"], spec.get("second_reference"), spec.get("score", "val")
+    if not any(r["variant"] == reference for r in runs):
+        bad = ", ".join(str(d["seed"]) for d in diverged if d["variant"] == reference)
+        raise SystemExit(
+            f"error: no finished run of the reference {reference!r} in {out} (looked for {reference}/seed<s>/summary.json"
+            f" there{f'; seed {bad} diverged' if bad else ''}): run the sweep first, or pass the --out_dir that holds "
+            f"its runs (a relative out_dir in a sweep file is relative to {Path(__file__).resolve().parent.parent})")
+    unscored = [r for r in runs if score_of(r, score) is None]
+    if unscored:
+        print(f"note: {len(unscored)} of {len(runs)} finished runs have no score on {SCORES[score]} (the tests pair "
+              f"only the seeds that have it){f': {rescore_hint}' if rescore_hint else ''}", file=sys.stderr)
+    rows = describe(runs, reference, score)
+    by = {r["variant"]: r for r in rows}
+    for d in diverged:
+        by.setdefault(d["variant"], {"variant": d["variant"], "seeds": 0}).setdefault("diverged_seeds", []).append(d["seed"])
+    rows = [by[v] for v in spec["variants"] if v in by]
+    ts = tests(spec, runs, score)
+    baselines = [reference] + [b for _, b in spec.get("primary", []) if b != reference]
+    baselines += [second] if second and second not in baselines else []
+    twins = spec.get("twins", {})
+    shown = [v for v in spec["variants"] if v not in twins]
+    gaps = {b: gap_over_training(runs, b, shown if b in (reference, second) else
+                                 [v for v, base in spec.get("primary", []) if base == b]) for b in baselines}
+    sections = [family_table(ts, spec, score), family_on_every_score(spec, runs, score),
+                exploratory_table(ts, spec, score), twin_table(ts, runs), variant_table(rows, reference),
+                seed_table(ts, rows, reference, score)]
+    sections += [gap_table(g, b) for b, g in gaps.items() if g or b == reference]
+    if diverged:
+        sections.append(diverged_table(diverged))
+    text = "\n\n".join(s for s in sections if s)
+    print(text, flush=True)
+
+    csv_text = io.StringIO()
+    w = csv.writer(csv_text)
+    w.writerow(["variant", "seed", "val_loss", "test_loss", "val_whole", "test_whole", "delta_vs_reference", "params",
+                "tokens_per_s", "peak_memory_bytes", "status"])
+    ref = {r["seed"]: r for r in runs if r["variant"] == reference}
+    for r in runs:
+        mine, theirs = score_of(r, score), score_of(ref[r["seed"]], score) if r["seed"] in ref else None
+        w.writerow([r["variant"], r["seed"], r["val_loss"], r.get("test_loss"), score_of(r, "val"), score_of(r, "test"),
+                    mine - theirs if mine is not None and theirs is not None else "", r.get("params"),
+                    r.get("tokens_per_s"), r.get("peak_memory_bytes"), "finished"])
+    for d in diverged:
+        w.writerow([d["variant"], d["seed"]] + [""] * 8 + ["diverged"])
+    results = dict(reference=reference, second_reference=second, score=score, alpha=spec.get("alpha", 0.05),
+                   primary=[list(p) for p in spec.get("primary", [])], controls=spec.get("controls", {}), twins=twins,
+                   tests=ts, rows=rows, gaps={b: {v: {str(k): x for k, x in g.items()} for v, g in gs.items()}
+                                              for b, gs in gaps.items()}, runs=runs, diverged=diverged)
+    results_json = json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n"
+    finished = {v: [run_dir(spec, v, r["seed"]) for r in runs if r["variant"] == v] for v in shown}
+    highlight = {b: [v for v, base in spec.get("primary", []) if base == b] for b in gaps}
+    if not spec.get("primary"):  # nothing declared: the first ten variants in colour
+        highlight[reference] = [v for v in gaps.get(reference, {})][:10]
+    outputs = {
+        "results.md": lambda p: p.write_text(text + "\n"),
+        "results.json": lambda p: p.write_text(results_json),
+        "results.csv": lambda p: p.write_text(csv_text.getvalue()),
+        "curves.png": lambda p: plot_curves({v: d for v, d in finished.items() if d}, p),
+        "forest.png": lambda p: plot_forest(ts, score, p),
+        "gap_over_training.png": lambda p: plot_gaps({b: (gaps[b], highlight[b]) for b in gaps}, p),
+    }
+    if not out.is_dir():
+        problems = {name: "no such directory" for name in outputs}
+    else:
+        problems = {name: why for name, write in outputs.items() if (why := save_output(out / name, write))}
+    if problems:
+        reasons = sorted(set(problems.values()))
+        print(f"warning: could not write {', '.join(problems)} in {out} ({'; '.join(reasons)}); the tables above are "
+              "complete", file=sys.stderr, flush=True)
+    return ts
