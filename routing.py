@@ -444,17 +444,22 @@ def matmul32(a, b):
 def _rms_norm(h):
     """(RMSNorm(h) in h's dtype, 1 / rms(h) [..., 1] in the compute dtype): F.rms_norm without a gain and
     with its default eps, by the same operations in the same order (on CPU: the same bits)."""
-    dt = compute_dtype(h)
-    hf = h.to(dt)
-    rinv = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True).add_(torch.finfo(dt).eps))
+    hf = h.to(compute_dtype(h))
+    rinv = _reciprocal_rms(hf)
     return (hf * rinv).to(h.dtype), rinv
 
 
+def _reciprocal_rms(hf):
+    """1 / rms over the last dimension, with F.rms_norm's default eps ([..., 1], hf's dtype)."""
+    return torch.rsqrt(hf.pow(2).mean(-1, keepdim=True).add_(torch.finfo(hf.dtype).eps))
+
+
 class _NormProject(Function):
-    """y = RMSNorm(h) @ W.T, as F.linear(F.rms_norm(h), W) computes it, saving h (a reference: the routing
-    keeps it anyway), W and the reciprocal RMS rinv (one float per token), never RMSNorm(h). The
-    backward rebuilds x = RMSNorm(h) = h * rinv elementwise for dW = g^T x, and takes RMSNorm's
-    backward with the saved rinv: dh = rinv (gx - x mean(gx * x)), gx = g W.
+    """y = RMSNorm(h) @ W.T, as F.linear(F.rms_norm(h), W) computes it, saving only references: h (the
+    routing keeps it anyway) and W (a parameter), never RMSNorm(h). The backward recomputes the
+    reciprocal RMS rinv from h (the same ops as the forward: the same bits; one pass over h), rebuilds
+    x = RMSNorm(h) = h * rinv elementwise for dW = g^T x, and takes RMSNorm's backward:
+    dh = rinv (gx - x mean(gx * x)), gx = g W.
     The projection runs in the dtype autocast gives F.linear in the forward (bf16 under bf16
     autocast, as the plain ops; else the inputs'), and the backward's two matmuls in that same dtype,
     explicitly, with autocast off wherever the backward is traced or run; the norm and its backward
@@ -465,15 +470,17 @@ class _NormProject(Function):
         x, rinv = _rms_norm(h)
         y = F.linear(x, W)
         ctx.mm_dtype = y.dtype
-        ctx.save_for_backward(h, W, rinv)
+        ctx.save_for_backward(h, W)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        h, W, rinv = ctx.saved_tensors
+        h, W = ctx.saved_tensors
         with autocast_off(h):
-            mm, dt = ctx.mm_dtype, rinv.dtype
-            x = h.to(dt) * rinv  # RMSNorm(h), rebuilt
+            mm, dt = ctx.mm_dtype, compute_dtype(h)
+            hf = h.to(dt)
+            rinv = _reciprocal_rms(hf)  # as the forward computed it: the same bits
+            x = hf * rinv  # RMSNorm(h), rebuilt
             g = g.to(mm)
             g_W = g.reshape(-1, g.size(-1)).T @ x.to(mm).reshape(-1, x.size(-1)) if ctx.needs_input_grad[1] else None
             g_h = None
@@ -484,9 +491,8 @@ class _NormProject(Function):
 
 
 def norm_project(h, W):
-    """F.linear(RMSNorm(h), W) (RMSNorm without a gain, F.rms_norm's default eps), keeping h, W and one
-    float per token for backward instead of RMSNorm(h): see _NormProject. The same forward as the
-    plain ops."""
+    """F.linear(RMSNorm(h), W) (RMSNorm without a gain, F.rms_norm's default eps), keeping references to
+    h and W for backward instead of RMSNorm(h): see _NormProject. The same forward as the plain ops."""
     if _needs_grad(h, W):
         return _NormProject.apply(h, W)
     return F.linear(_rms_norm(h)[0], W)

@@ -56,12 +56,12 @@ def test_norm_project_gradcheck():
     torch.autograd.gradcheck(norm_project, (h.detach()[:1].mul(1e-3).requires_grad_(), W))  # tiny inputs: eps matters
 
 
-def test_norm_project_saves_h_the_weight_and_one_float_per_token():
+def test_norm_project_saves_only_references_to_h_and_the_weight():
     h, W, _ = inputs(dtype=torch.float32)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         norm_project(h, W)
-    assert [tuple(t.shape) for t in saved] == [(B, T, d), (n, d), (B, T, 1)]
+    assert [tuple(t.shape) for t in saved] == [(B, T, d), (n, d)]
     assert saved[0] is h and saved[1] is W  # references, not copies
 
 
@@ -128,14 +128,14 @@ IDX = torch.randint(0, 61, (Bm, Tm), generator=torch.Generator().manual_seed(0))
 
 
 def run(m):
-    """(logits, every gradient, saved activation bytes) of one step."""
-    m.zero_grad()
+    """(logits, every gradient, saved bytes of one step: every storage, and without the parameters)."""
     out = {}
 
     def step():
+        m.zero_grad()
         out["logits"], loss = m(IDX, IDX.roll(-1, 1))
         loss.backward()
-    saved = bench.saved_activation_bytes(step)
+    saved = bench.saved_activation_bytes(step), bench.saved_activation_bytes(step, exclude=list(m.parameters()))
     return out["logits"].detach(), {k: p.grad for k, p in m.named_parameters() if p.grad is not None}, saved
 
 
@@ -150,13 +150,13 @@ USES = {"rd_attnres": n_layer, "muddformer": 2 * (n_layer - 1)}  # MUDDFormer's 
 @pytest.mark.parametrize("residual", USES)
 def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypatch):
     """The same logits bit for bit and every gradient to float64 rounding as the plain ops and as the
-    checkpoint; saved for backward, per separate input: the plain ops' normalised copy less (a
-    [B, T, d] activation), and against the checkpoint one float per token more (1 / rms) and a
-    reference to the projection's weight (a parameter, resident anyway; the checkpoint hid it)."""
+    checkpoint; saved for backward, per separate input: the plain ops' normalised copy and its 1 / rms
+    less (a [B, T, d] activation and one float per token), and against the checkpoint a reference to the projection's weight (a
+    parameter, resident anyway; the checkpoint hid it), and no activation more."""
     calls = []
     monkeypatch.setattr(model_module, "norm_project", lambda h, W: calls.append(1) or norm_project(h, W))
     logits, grads, saved = run(tiny(residual))
-    assert len(calls) == USES[residual]
+    assert len(calls) == 2 * USES[residual]  # run() steps twice: counting with and without the parameters
     for path, normed in PATHS.items():
         with monkeypatch.context() as mp:
             mp.setattr(model_module.CausalSelfAttention, "normed", normed)
@@ -167,10 +167,11 @@ def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypat
             torch.testing.assert_close(grads[k], grads_p[k], rtol=0, atol=1e-12, msg=f"{path}: {k}")
         uses, token, weight = USES[residual], Bm * Tm * 8, dm * dm * 8
         weights = n_layer if residual == "rd_attnres" else uses  # c_v of every layer; c_k and c_v of layers 1..
+        (saved_all, saved_act), (saved_all_p, saved_act_p) = saved, saved_p
         if path == "plain":
-            assert saved_p - saved == uses * token * dm
-        else:
-            assert saved - saved_p == uses * token + weights * weight
+            assert saved_all_p - saved_all == saved_act_p - saved_act == uses * token * (dm + 1)  # RMSNorm(h), 1 / rms
+        else:  # the weights' references (parameters) more, and not one activation byte
+            assert saved_all - saved_all_p == weights * weight and saved_act == saved_act_p
 
 
 def test_activation_checkpointing_steps_aside(monkeypatch):

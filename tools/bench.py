@@ -168,8 +168,10 @@ class Runner:
         self.times.append(time.perf_counter() - t0)
 
     def memory(self):
-        """(saved activations of an eager step, the CUDA peak a compiled-or-not step adds, or None)."""
-        saved = saved_activation_bytes(lambda: self.step(self.model))
+        """(saved for backward in an eager step: every storage, and the activations alone (no parameter);
+        the CUDA peak a compiled-or-not step adds, or None)."""
+        saved = (saved_activation_bytes(lambda: self.step(self.model)),
+                 saved_activation_bytes(lambda: self.step(self.model), exclude=list(self.model.parameters())))
         if self.device.type != "cuda":
             return saved, None
         torch.cuda.reset_peak_memory_stats()
@@ -178,11 +180,13 @@ class Runner:
         return saved, torch.cuda.max_memory_allocated() - base
 
 
-def saved_activation_bytes(fn):
+def saved_activation_bytes(fn, exclude=()):
     """Run fn(); return the bytes autograd saved for backward meanwhile, each storage counted once
-    (several ops often save the same tensor). With activation checkpointing, a checkpointed region
-    saves its inputs (counted) and recomputes its internals in backward (not saved, not counted)."""
-    storages = {}
+    (several ops often save the same tensor), leaving out the storages of the tensors in `exclude`
+    (pass the parameters to count activations alone: a saved weight is a reference to memory the
+    model holds anyway). With activation checkpointing, a checkpointed region saves its inputs
+    (counted) and recomputes its internals in backward (not saved, not counted)."""
+    storages, skip = {}, {t.untyped_storage().data_ptr() for t in exclude}
 
     def pack(t):
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -190,7 +194,7 @@ def saved_activation_bytes(fn):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    return sum(storages.values())
+    return sum(n for ptr, n in storages.items() if ptr not in skip)
 
 
 def quartiles(xs):
@@ -295,11 +299,13 @@ def main(argv=None):
         ms = statistics.median(r.times)
         results.append(dict(variant=r.spec, params=r.model.num_params(), ms=1e3 * ms,
                             tokens_per_s=args.batch_size * args.seq_len / ms, speed_ratio=mid,
-                            speed_ratio_quartiles=(lo, hi), saved_activation_bytes=saved, cuda_peak_bytes=peak,
+                            speed_ratio_quartiles=(lo, hi), saved_activation_bytes=saved[0],
+                            saved_without_parameters_bytes=saved[1], cuda_peak_bytes=peak,
                             step_s=r.times))  # every timed step, in round order: ratios of any two variants
     base = results[specs.index("standard")]
     for row in results:
         row["memory_ratio"] = row["saved_activation_bytes"] / base["saved_activation_bytes"]
+        row["activation_ratio"] = row["saved_without_parameters_bytes"] / base["saved_without_parameters_bytes"]
         if row["cuda_peak_bytes"] is not None:
             row["peak_ratio"] = row["cuda_peak_bytes"] / base["cuda_peak_bytes"]
     cuda = device.type == "cuda"
@@ -309,15 +315,16 @@ def main(argv=None):
         if peak:
             base["mfu"] = ref.model.flops_per_token() * base["tokens_per_s"] / peak
             print(f"standard: MFU {100 * base['mfu']:.1f}% of {peak / 1e12:.0f} TFLOP/s bf16")
-    print("\n| variant | params | ms/step | tokens/s | vs standard (quartiles) | saved activations MiB | vs standard |"
-          + (" CUDA step peak MiB | vs standard |" if cuda else ""))
-    print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if cuda else ""))
+    print("\n| variant | params | ms/step | tokens/s | vs standard (quartiles) | saved activations MiB | vs standard | "
+          "without parameters | vs standard |" + (" CUDA step peak MiB | vs standard |" if cuda else ""))
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if cuda else ""))
     for r in results:
         peak = f" {r['cuda_peak_bytes'] / 2**20:.0f} | {r['peak_ratio']:.3f} |" if cuda else ""
         lo, hi = r["speed_ratio_quartiles"]
         print(f"| `{r['variant']}` | {r['params'] / 1e6:.2f}M | {r['ms']:.0f} | {r['tokens_per_s']:,.0f} | "
               f"{r['speed_ratio']:.3f} ({lo:.3f}-{hi:.3f}) | {r['saved_activation_bytes'] / 2**20:.1f} | "
-              f"{r['memory_ratio']:.3f} |{peak}")
+              f"{r['memory_ratio']:.3f} | {r['saved_without_parameters_bytes'] / 2**20:.1f} | {r['activation_ratio']:.3f} |"
+              f"{peak}")
 
     routing, bandwidth = [], None
     if args.routing_blocks:
