@@ -16,4 +16,7 @@ variants = {
 }
 seeds = [0, 1, 2]
 reference = "standard"
+# the paper's headline, against the standard residual (tools/report.py); the routings, Block AttnRes and
+# mHC-2 against it are exploratory
+primary = [("dar", "standard")]
 out_dir = "runs/sweep_dar_s"

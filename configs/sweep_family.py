@@ -21,4 +21,15 @@ variants = {
 }
 seeds = [0, 1, 2]
 reference = "standard"
+# the declared family (tools/report.py): each paper's claim against the baseline it is proposed over, Holm
+# within it, on the whole validation split; each variant against both references otherwise is exploratory
+primary = [
+    ("block_attnres", "standard"),
+    ("rd_attnres", "block_attnres"),
+    ("dar", "block_attnres"),
+    ("denseformer", "standard"),
+    ("muddformer", "standard"),
+    ("delta_attnres", "standard"),
+]
+second_reference = "block_attnres"
 out_dir = "runs/sweep_family_s"

@@ -11,4 +11,5 @@ variants = {
 }
 seeds = [0, 1, 2, 3, 4]
 reference = "block_attnres"
+primary = [("rd_attnres", "block_attnres")]  # the paper's one claim (tools/report.py)
 out_dir = "runs/sweep_rd_s"
