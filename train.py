@@ -17,8 +17,9 @@ batches, so runs that differ only in `residual` start from the same shared weigh
 batches, whatever their number of ranks.
 The run directory out_dir/run_name (depthres/checkpoint.py) receives config.json (the resolved config),
 log.jsonl (depthres/runlog.py: one JSON record per logged step and per evaluation), ckpt.pt and, once the
-run has finished, summary.json (final val and test loss, median tokens/s, peak memory). A fresh run
-refuses a directory that holds another run unless overwrite=true. The first SIGINT or SIGTERM
+run has finished, summary.json (final val and test loss, median tokens/s, peak memory); a run that
+starts or continues drops the summary.json and scores.json (tools/rescore.py) of what it replaces. A fresh
+run refuses a directory that holds another run unless overwrite=true. The first SIGINT or SIGTERM
 stops the run after the current step, with a checkpoint.
 """
 
@@ -358,7 +359,8 @@ def start_log(run):
                 "tokenizer": meta["tokenizer"], "world_size": dist.world_size, "grad_accum": run.accum,
                 "max_steps": run.max_steps}
     if dist.master:
-        for name in ("summary.json",) if claim.continuing else ("summary.json", "ckpt.pt", "wandb_id.txt"):
+        dropped = ("summary.json", "scores.json") + (() if claim.continuing else ("ckpt.pt", "wandb_id.txt"))
+        for name in dropped:
             with writing(run_dir / name, RunDirError):
                 (run_dir / name).unlink(missing_ok=True)
         if not claim.continuing:

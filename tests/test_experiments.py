@@ -168,6 +168,9 @@ BAD_SWEEPS = {
                         "controls gives 'c' a control, but 'c' has no primary test"),
     "twin_in_family": (ABC + 'primary = [("b", "a")]\ntwins = {"b": "c"}\n', "twin 'b' is in a family"),
     "twin_unknown": (ABC + 'twins = {"b": "zz"}\n', "twins must be a dict {variant: the variant it trains bit for bit as}"),
+    "twin_baseline": (ABC + 'primary = [("b", "c")]\ntwins = {"c": "b"}\n', "twin 'c' is in a family"),
+    "control_self": (ABC + 'primary = [("b", "a")]\ncontrols = {"b": "b"}\n', "the control of 'b' is 'b', itself"),
+    "control_baseline": (ABC + 'primary = [("b", "a")]\ncontrols = {"b": "a"}\n', "the control of 'b' is 'a', its baseline"),
     "score": (ABC + 'score = "validation"\n', "score must be one of val, test, val_prefix, test_prefix, got 'validation'"),
     "alpha": (ABC + 'alpha = 5\n', "alpha must be a number between 0 and 1, got 5"),
 }

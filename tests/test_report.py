@@ -80,10 +80,15 @@ def test_gated_holm_on_hand_computed_cases():
     adjusted, local = stats.gated_holm([0.6, 0.08], {0: 0.001})
     assert adjusted["primary"] == pytest.approx([0.6, 0.16]) and adjusted["gated"] == pytest.approx({0: 0.6})
     assert local["gated"] == {0: 0.0}
-    # without gated tests it is Holm's procedure, nan left out as holm() leaves it
-    for ps in ([0.01, 0.04, 0.03, 0.005], [0.5, 0.9], [0.02, math.nan, 0.04], [0.2]):
+    # without gated tests it is Holm's procedure to the bit (exact weights), nan left out as holm() leaves it;
+    # also on the boundary, where float weights (1/7 + 1/7 ...) would miss a rejection
+    for ps in ([0.01, 0.04, 0.03, 0.005], [0.5, 0.9], [0.02, math.nan, 0.04], [0.2], [0.05 / (7 - i) for i in range(7)]):
         got = stats.gated_holm(ps, {})[0]["primary"]
-        assert all(a == pytest.approx(b) or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, stats.holm(ps)))
+        assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, stats.holm(ps)))
+    assert stats.gated_holm([0.05 / (7 - i) for i in range(7)], {})[0]["primary"] == [0.05] * 7
+    # a gated primary that rejects keeps its level for its control: the other primaries are tested at
+    # less than Holm's level when the control does not reject (the price of the gate)
+    assert stats.gated_holm([0.001, 0.04], {0: 0.5})[0]["primary"] == pytest.approx([0.002, 0.08])
 
 
 def test_graph_procedure_rejects_exactly_where_the_local_level_is_met():
@@ -177,7 +182,7 @@ def test_the_report_uses_whole_split_scores_and_keeps_no_machine_paths(tmp_path,
     assert "Primary family (1 tests, declared before the runs), on the whole validation split" in out
     assert "| `b` − `a` | -0.0195 [" in out and "| 2/2 |" in out  # seeds 0 and 1: -0.020, -0.019
     assert "| `twin` | `a` | 3 | 0.0e+00 | 0.0e+00 | 0.0e+00 | 0.0e+00 | yes, bit for bit |" in out
-    assert "The same family on every score (Δ, Holm p; the tests use val (whole)):" in out
+    assert "The same family on every score (Δ, adjusted p; the tests use val (whole)):" in out
     results = strict_json(tmp_path / "runs" / "results.json")
     assert {r["run_dir"] for r in results["runs"]} == {f"{v}/seed{s}" for v in ("a", "b", "twin") for s in (0, 1, 2)}
     assert str(tmp_path) not in (tmp_path / "runs" / "results.json").read_text()
@@ -254,3 +259,23 @@ def test_a_sweep_file_declares_its_family_and_the_sweep_scores_its_runs(tmp_path
     assert f"note: 2 of 3 finished runs have no score on the whole validation split (the tests pair only the seeds that " \
            f"have it): python -m tools.rescore --sweep {path}" in err
     assert json.loads((tmp_path / "runs" / "results.json").read_text())["primary"] == [["b", "a"]]
+
+
+def test_a_declared_test_without_runs_stays_in_the_family_and_never_rejects(tmp_path, capsys):
+    """A primary whose baseline has not run yet, and a control with one paired seed: each keeps its
+    share of alpha (m counts every declared test), says why it has no test, and the report does not
+    stop on it."""
+    runs = runs_of({"v": [-0.05, -0.051, -0.049], "w": [-0.05, -0.06, -0.055]})
+    runs += [dict(variant="ctrl", seed=0, val_loss=3.0, test_loss=3.0, whole={"val": 3.0, "test": 3.0})]
+    spec = sweep_spec(None, variants=("ref", "v", "w", "ctrl", "late"), out_dir="unused",
+                      primary=[("v", "ref"), ("w", "late")], controls={"v": "ctrl", "w": "ctrl"})
+    ts = {(c["kind"], c["variant"]): c for c in report.tests(spec, runs)}
+    late, gate = ts[("primary", "w")], ts[("control", "v")]
+    assert late["paired_seeds"] == 0 and late["rejected"] is False
+    assert ts[("primary", "v")]["rejected"] and ts[("primary", "v")]["level"] == pytest.approx(0.025)  # alpha / 2
+    assert gate["paired_seeds"] == 1 and gate["rejected"] is False and gate["level"] == pytest.approx(0.025)
+    table = report.family_table(list(ts.values()), spec, "val")
+    assert "Primary family (2 tests, declared before the runs)" in table
+    assert "| `w` − `late` | n/a (no paired seed) | 0/0 | n/a | 1.000 | n/a | - | no test: 0 paired seeds (counts in the " \
+           "family) |" in table
+    assert "no test: 1 paired seed (counts in the family) |" in table

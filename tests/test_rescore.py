@@ -45,3 +45,15 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == "error: give run directories or --sweep SWEEP_FILE\n"
     assert rescore.main([str(tmp_path), "--splits", "dev"]) == 2
     assert "--splits takes train, val and test" in capsys.readouterr().err
+
+
+def test_a_run_that_starts_over_or_continues_drops_its_scores(finished, data_dir, tmp_path):
+    """scores.json describes one checkpoint: a run started over in the same directory (or continued
+    past it) removes it, so a report never pairs a new run with the old one's scores."""
+    import shutil
+    d = tmp_path / "done"
+    shutil.copytree(finished, d)
+    rescore.rescore(d, force=True)
+    assert json.loads((d / "scores.json").read_text())["device"] == "cpu"
+    run(data_dir, tmp_path, "--run_name=done", "--overwrite=true", "--max_steps=2")
+    assert not (d / "scores.json").exists() and (d / "summary.json").exists()

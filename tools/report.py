@@ -209,22 +209,26 @@ def plan(spec, present):
     """The comparisons a sweep makes, in the order the tables give them: (kind, variant, baseline) with
     kind "primary" (declared), "control" (gated by its variant's primary test; exploratory where no
     primary family is declared), "twin" (must be equal) or "exploratory" (every other variant against
-    the reference and the second reference; a twin is in none, a control not against the second)."""
+    the reference and the second reference; a twin is in none, a control not against the second). The
+    declared family is kept whole whatever has run (a test without runs counts in it and never rejects);
+    the rest only where both sides have runs. No pair is compared twice, in either order."""
     primary = [tuple(p) for p in spec.get("primary", [])]
     controls, twins = spec.get("controls", {}), spec.get("twins", {})
     gated = {v for v, _ in primary}
     out = [("primary", v, b) for v, b in primary]
     out += [("control" if v in gated else "exploratory", v, c) for v, c in controls.items()]
     out += [("twin", v, t) for v, t in twins.items()]
-    seen = {(v, b) for _, v, b in out}
+    seen = {frozenset((v, b)) for _, v, b in out}
     for base, others in ((spec["reference"], spec["variants"]),
                          (spec.get("second_reference"), [v for v in spec["variants"] if v not in controls.values()
                                                           and v != spec["reference"]])):
         if base is None:
             continue
-        out += [("exploratory", v, base) for v in others
-                if v != base and v not in twins and base not in twins and (v, base) not in seen]
-    return [(k, v, b) for k, v, b in out if v in present and b in present]
+        for v in others:
+            if v != base and v not in twins and base not in twins and frozenset((v, base)) not in seen:
+                out.append(("exploratory", v, base))
+                seen.add(frozenset((v, base)))
+    return [(k, v, b) for k, v, b in out if k in ("primary", "control") or (v in present and b in present)]
 
 
 def tests(spec, runs, score=None):
@@ -237,19 +241,23 @@ def tests(spec, runs, score=None):
     by = by_variant(runs)
     out = []
     for kind, variant, baseline in plan(spec, by):
-        c = dict(kind=kind, variant=variant, baseline=baseline, **compare(by[variant], by[baseline], score, alpha))
+        mine, theirs = by.get(variant, {}), by.get(baseline, {})
+        c = dict(kind=kind, variant=variant, baseline=baseline, **compare(mine, theirs, score, alpha))
         c["on"] = {sc: {k: x[k] for k in ("delta_mean", "ci95", "p", "wins", "paired_seeds")}
-                   for sc in SCORES if sc != score and (x := compare(by[variant], by[baseline], sc))["paired_seeds"]}
+                   for sc in SCORES if sc != score and (x := compare(mine, theirs, sc))["paired_seeds"]}
         out.append(c)
     primary = [c for c in out if c["kind"] == "primary"]
     index = {c["variant"]: i for i, c in enumerate(primary)}
     gates = {index[c["variant"]]: c for c in out if c["kind"] == "control"}
-    adjusted, local = gated_holm([c["p"] for c in primary], {i: c["p"] for i, c in gates.items()}, alpha)
-    m = sum(not math.isnan(c["p"]) for c in primary)
+
+    def p(c):  # a declared test without a p (fewer than 2 paired seeds) keeps its share and never rejects
+        return 1.0 if math.isnan(c["p"]) else c["p"]
+    adjusted, local = gated_holm([p(c) for c in primary], {i: p(c) for i, c in gates.items()}, alpha)
+    m = len(primary)
     for c, a, w in [(c, adjusted["primary"][i], local["primary"][i]) for i, c in enumerate(primary)] + \
             [(c, adjusted["gated"].get(i, math.nan), local["gated"].get(i, math.nan)) for i, c in gates.items()]:
         c.update(p_adj=a, level=w * alpha, detectable=detectable(c["delta_std"], c["paired_seeds"], alpha / max(m, 1)))
-        c["rejected"] = None if not w > 0 and c["kind"] == "control" else bool(a <= alpha)
+        c["rejected"] = None if not w > 0 and c["kind"] == "control" else bool(a <= alpha and not math.isnan(c["p"]))
     return out
 
 
@@ -307,8 +315,8 @@ def _name(c):
 def _verdict(c):
     if c["rejected"] is None:
         return "not tested: its primary test did not reject"
-    if _undefined(c["p_adj"]):
-        return "n/a"
+    if _undefined(c["p"]):
+        return f"no test: {c['paired_seeds']} paired seed{'s' * (c['paired_seeds'] != 1)} (counts in the family)"
     return "**rejects**" if c["rejected"] else "does not reject"
 
 
@@ -318,19 +326,22 @@ def family_table(ts, spec, score):
     if not fam:
         return ("No primary family is declared in the sweep file (`primary`): every comparison below is "
                 "exploratory.")
-    m = sum(c["kind"] == "primary" and not _undefined(c["p"]) for c in fam)
+    m = sum(c["kind"] == "primary" for c in fam)
     alpha = spec.get("alpha", 0.05)
-    head = (f"Primary family ({m} tests, declared before the runs), on {SCORES[score]}: paired t-tests, Holm within "
-            f"the family at α = {alpha:g}; a control is tested only once its variant's primary test rejects. "
-            f"Detectable: the difference found with 80% power at α/m = {alpha / max(m, 1):.4f}.")
-    out = [head, "", "| hypothesis | Δ [95% CI] | wins | p | p (Holm) | sign-flip p | detectable | verdict |",
+    head = (f"Primary family ({m} tests, declared before the runs), on {SCORES[score]}: paired t-tests; p (adj.): "
+            f"Holm's procedure at α = {alpha:g} with each control as a gate, tested only once its variant's primary "
+            "test rejects, on the level that frees (the graphical procedure of Bretz et al. 2009; without controls "
+            f"exactly Holm). Detectable: the difference found with about 80% power at α/m = {alpha / max(m, 1):.4f} "
+            "(a normal approximation with the seeds' own sd: optimistic at few seeds).")
+    out = [head, "", "| hypothesis | Δ [95% CI] | wins | p | p (adj.) | sign-flip p | detectable | verdict |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     order = [c for c in fam if c["kind"] == "primary"]
     order = [x for c in order for x in [c] + [g for g in fam if g["kind"] == "control" and g["variant"] == c["variant"]]]
     for c in order:
         label = _name(c) + (" (its control)" if c["kind"] == "control" else "")
         out.append(f"| {label} | {_interval(c)} | {c['wins']}/{c['paired_seeds']} | {_pval(c['p'])} | "
-                   f"{_pval(c['p_adj'])} | {_pval(c['sign_flip_p'])} | {_num(c['detectable'], '.4f')} | {_verdict(c)} |")
+                   f"{'-' if c['rejected'] is None else _pval(c['p_adj'])} | {_pval(c['sign_flip_p'])} | "
+                   f"{_num(c['detectable'], '.4f')} | {_verdict(c)} |")
     return "\n".join(out)
 
 
@@ -344,7 +355,7 @@ def family_on_every_score(spec, runs, score):
             for x in [c] + [g for g in fam if g["kind"] == "control" and g["variant"] == c["variant"]]]
     if not keys or len(scores) < 2:
         return None
-    out = ["The same family on every score (Δ, Holm p; the tests use " + SHORT[score] + "):", "",
+    out = ["The same family on every score (Δ, adjusted p; the tests use " + SHORT[score] + "):", "",
            "| hypothesis | " + " | ".join(SHORT[sc] for sc in scores) + " |", "|" + " --- |" * (len(scores) + 1)]
     for key in keys:
         cells = []
@@ -362,7 +373,7 @@ def exploratory_table(ts, spec, score):
         return None
     alpha = spec.get("alpha", 0.05)
     out = [f"Exploratory, on {SCORES[score]}: uncorrected p-values, no claim (not in the declared family). "
-           f"Detectable: with 80% power at α = {alpha:g}.", "",
+           f"Detectable: with about 80% power at α = {alpha:g}.", "",
            "| comparison | Δ [95% CI] | wins | p (uncorrected) | sign-flip p | detectable |",
            "| --- | --- | --- | --- | --- | --- |"]
     for c in rows:
@@ -462,7 +473,8 @@ def diverged_table(diverged):
 def forest_interval(c):
     """A comparison's interval in the forest plot and whether its marker is filled, one meaning for both:
     a family test's interval is at the level the procedure finally tested it at (1 - c["level"]), so it
-    excludes 0 exactly when the test rejects; an exploratory one's is the uncorrected 95% interval. The
+    excludes 0 exactly when the test rejects (an acceptance region, not a simultaneous confidence
+    interval for a stepwise procedure); an exploratory one's is the uncorrected 95% interval. The
     marker is filled when the interval excludes 0. (lo, hi, filled); None for a gate that stayed shut."""
     if c["kind"] in ("primary", "control") and c["rejected"] is None:
         return None
@@ -505,8 +517,9 @@ def plot_forest(ts, score, path):
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(f"paired Δ NLL on {SHORT[score]} (nats; < 0: the first is better), mean over seeds\n"
-                  "blue/orange: the primary family and its controls, interval at the level Holm tested it at;\n"
-                  "grey: exploratory, uncorrected 95%; filled: the interval excludes 0", fontsize=8)
+                  "blue/orange: the family and its controls, interval at the level the procedure tested it at\n"
+                  "(the test's acceptance region, not a simultaneous interval); grey: exploratory, uncorrected 95%;\n"
+                  "filled: the interval excludes 0", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -540,7 +553,7 @@ def plot_gaps(panels, path):
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xlabel("step")
         ax.set_ylabel(f"paired Δ val NLL vs {baseline} (nats, val prefix)")
-        ax.set_title(f"vs {baseline}: coloured with paired 95% bands; grey: the rest", fontsize=9)
+        ax.set_title(f"vs {baseline}: coloured with pointwise paired 95% bands; grey: the rest", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -8,7 +8,8 @@ test splits, not the fixed prefix (eval_tokens) the run itself evaluates.
     python -m tools.rescore RUN_DIR --tokens 65536 --splits val      # as the run scored it (a check)
 
 Writes scores.json into each run directory (atomically): {"step", "val": {"loss", "tokens"}, "test":
-{...}, "max_tokens"}. A run whose scores.json is of its checkpoint's step is skipped unless --force.
+{...}, "max_tokens", "device", "autocast"}; train.py drops it when the run starts over or continues.
+A run whose scores.json is of its checkpoint's step is skipped unless --force.
 The numbers are those train.py's evaluation computes (the same windows of seq_len, the same batches,
 float64 sums), so with --tokens set to the run's eval_tokens they equal its logged losses. On a CUDA
 machine the model runs there, under bfloat16 autocast as train.py evaluates; elsewhere on the CPU in
@@ -71,7 +72,8 @@ def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir
     model.load_state_dict(ckpt["model"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
-    scores = {"step": ckpt["step"], "max_tokens": max_tokens}
+    scores = {"step": ckpt["step"], "max_tokens": max_tokens, "device": device,
+              "autocast": "bfloat16" if device == "cuda" else None}
     for split in splits:
         loss, tokens = split_loss(model, data_dir or tc["data_dir"], split, tc["batch_size"], tc["seq_len"], max_tokens,
                                   device)

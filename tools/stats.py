@@ -18,6 +18,7 @@ cancels in them.
 
 import math
 import statistics
+from fractions import Fraction
 
 
 def _betacf(a, b, x):
@@ -112,14 +113,20 @@ def graph_procedure(ps, weights, graph, alpha=0.05):
       adjusted[i]  the smallest alpha at which i is rejected (the adjusted p-value, Bretz et al. 2011:
                    reject i at alpha exactly where adjusted[i] <= alpha);
       local[i]     the weight i is finally tested with at this alpha: the weight it was rejected at, or
-                   the one it holds when the procedure stops; i is rejected iff ps[i] <= local[i] * alpha,
-                   so an interval at level 1 - local[i] * alpha excludes 0 exactly when i is rejected."""
+                   the one it holds when the procedure stops; i is rejected iff local[i] > 0 and
+                   ps[i] / local[i] <= alpha, so an interval at level 1 - local[i] * alpha excludes 0
+                   exactly when i is rejected.
+    No p may be nan (leave a missing test out, or give it p = 1). Weights and graph may be Fractions:
+    then p / w is p times an exact 1 / w, and the procedure with equal weights is Holm's to the bit."""
+    def ratio(p, w):
+        return p * (1 / w) if w > 0 else math.inf
+
     def run(level):
         """(the order of the rejections with each one's weight, the weights when no more rejects)."""
         w, g, left, steps = list(weights), [list(row) for row in graph], set(range(len(ps))), []
         while left:
-            j = min(left, key=lambda i: ps[i] / w[i] if w[i] > 0 else math.inf)
-            if level is not None and not (w[j] > 0 and ps[j] <= w[j] * level):
+            j = min(left, key=lambda i: ratio(ps[i], w[i]))
+            if level is not None and not ratio(ps[j], w[j]) <= level:
                 break
             steps.append((j, w[j]))
             left.discard(j)
@@ -132,13 +139,13 @@ def graph_procedure(ps, weights, graph, alpha=0.05):
 
     adjusted, running = [math.nan] * len(ps), 0.0
     for j, wj in run(None)[0]:  # every hypothesis, in the order the procedure would reject them
-        running = max(running, min(1.0, ps[j] / wj) if wj > 0 else 1.0)
+        running = max(running, min(1.0, ratio(ps[j], wj)))
         adjusted[j] = running
     steps, w = run(alpha)
     local = list(w)
     for j, wj in steps:
         local[j] = wj
-    return adjusted, local
+    return adjusted, [float(x) for x in local]
 
 
 def gated_holm(ps, gated, alpha=0.05):
@@ -159,17 +166,17 @@ def gated_holm(ps, gated, alpha=0.05):
     out_local = {"primary": [math.nan] * len(ps), "gated": {}}
     if not m:
         return out_adj, out_local
-    weights = [1 / m] * m + [0.0] * len(gates)
-    graph = [[0.0] * len(nodes) for _ in nodes]
+    weights = [Fraction(1, m)] * m + [Fraction(0)] * len(gates)  # exact: equal weights give Holm to the bit
+    graph = [[Fraction(0)] * len(nodes) for _ in nodes]
     for i in live:
         others = [at[k] for k in live if k != i]
         if i in gates:
-            graph[at[i]][at[("gate", i)]] = 1.0
+            graph[at[i]][at[("gate", i)]] = Fraction(1)
         for k in others:
             if i not in gates:
-                graph[at[i]][k] = 1 / len(others)
+                graph[at[i]][k] = Fraction(1, len(others))
             if i in gates:
-                graph[at[("gate", i)]][k] = 1 / len(others)
+                graph[at[("gate", i)]][k] = Fraction(1, len(others))
     flat = [ps[i] for i in live] + list(gates.values())
     adjusted, local = graph_procedure(flat, weights, graph, alpha)
     for node, a, w in zip(nodes, adjusted, local):
@@ -197,8 +204,9 @@ def detectable(sd, n, alpha=0.05, power=0.8):
     """The smallest true mean difference that a two-sided paired t-test at level `alpha` detects
     with probability `power`, given the differences' sd over n seeds: (t_{1-alpha/2} + t_{power})
     sd / sqrt(n), both quantiles with n - 1 degrees of freedom (the usual approximation of the
-    noncentral t, slightly optimistic at small n). A family corrected by Holm tests its first
-    hypothesis at alpha / m: pass that level for a corrected design."""
+    noncentral t, optimistic at few seeds: at n = 5 the power at this difference is 0.79 at alpha 0.05
+    and 0.74 at 0.05 / 8, by simulation; and sd is itself estimated from those few seeds). A family
+    corrected by Holm tests its first hypothesis at alpha / m: pass that level for a corrected design."""
     if n < 2 or not math.isfinite(sd):
         return math.nan
     return (t_quantile(1 - alpha / 2, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)

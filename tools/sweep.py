@@ -186,9 +186,15 @@ def check_protocol(spec, fail):
     twins = spec.setdefault("twins", {})
     if not isinstance(twins, dict) or not all(k in names and v in names and k != v for k, v in twins.items()):
         fail(f"twins must be a dict {{variant: the variant it trains bit for bit as}}, both among the variants {names}")
+    in_family = {x for pair in primary for x in pair} | set(spec["controls"]) | set(spec["controls"].values())
     for variant in twins:
-        if variant in tested or variant in spec["controls"] or variant in spec["controls"].values():
+        if variant in in_family:
             fail(f"twin {variant!r} is in a family: a twin is only checked for equality with its twin, never tested")
+    baseline = dict(primary)
+    for variant, control in spec["controls"].items():
+        if control in (variant, baseline.get(variant)):
+            fail(f"the control of {variant!r} is {control!r}, {'itself' if control == variant else 'its baseline'}: a "
+                 "control is another variant, matched to it in parameters")
     spec.setdefault("score", "val")
     if spec["score"] not in SCORES:
         fail(f"score must be one of {', '.join(SCORES)}, got {spec['score']!r}")
