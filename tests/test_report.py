@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tools import report, stats, sweep
+from tools import plots, report, stats, sweep
 
 from sweeps import finished_run, strict_json, sweep_file, sweep_spec
 
@@ -159,7 +159,7 @@ def test_the_forest_interval_excludes_zero_exactly_where_the_marker_is_filled():
     spec = sweep_spec(None, variants=("ref", "a", "b", "c", "d"), out_dir="unused",
                       primary=[("a", "ref"), ("b", "ref"), ("c", "ref")])
     for c in report.tests(spec, runs):
-        lo, hi, filled = report.forest_interval(c)
+        lo, hi, filled = plots.forest_interval(c)
         if c["kind"] == "primary":
             assert filled == c["rejected"] == (lo > 0 or hi < 0)
         else:  # exploratory: the uncorrected 95% interval
@@ -234,8 +234,8 @@ def test_gap_over_training_pairs_each_evaluation_with_its_band():
 def test_plots_of_a_sweep_that_has_barely_started(tmp_path):
     runs = [dict(variant="base", seed=0, val_loss=3.0, whole={}, curve={"2": 3.0})]
     spec = sweep_spec(tmp_path, variants=("base",))
-    assert report.plot_forest(report.tests(spec, runs), "val", tmp_path / "forest.png") is None  # nothing to compare
-    assert report.plot_gaps({"base": ({}, [])}, tmp_path / "gaps.png") is None
+    assert plots.plot_forest(report.tests(spec, runs), "val", tmp_path / "forest.png") is None  # nothing to compare
+    assert plots.plot_gaps({"base": ({}, [])}, tmp_path / "gaps.png") is None
 
 
 def test_a_sweep_file_declares_its_family_and_the_sweep_scores_its_runs(tmp_path, monkeypatch, capsys):
