@@ -4,13 +4,15 @@ The run directory and its checkpoints.
     out_dir/run_name/   config.json, log.jsonl, ckpt.pt or ckpt/, summary.json, wandb_id.txt (RUN_FILES), .lock
     ckpt.pt             one dict (CKPT_KEYS): weights, optimizer, loader and RNG states, configs, and a
                         sha256 of it all; written atomically, verified on every load
-    ckpt/               an FSDP run's sharded checkpoint instead (depthres/sharded.py)
+    ckpt/               an FSDP run's sharded checkpoint instead: written and loaded by depthres/sharded.py;
+                        found (locate, holds_checkpoint) and its run state read (read_sharded) here
     claim_run_dir       a run's claim on its directory: the lock for its life, the checkpoint it
                         continues, what it keeps of the log; a fresh run never replaces a run unasked
 """
 
 import hashlib
 import json
+import os
 import random
 import sys
 from dataclasses import asdict, dataclass, fields
@@ -146,18 +148,121 @@ def _save(state, f):
         raise
 
 
+# --- what a run directory holds: ckpt.pt, or an FSDP run's sharded ckpt/ (written by depthres/sharded.py) ---
+
+SHARDED_FORMAT = "depthres-sharded-1"
+NAME, TMP, OLD = "ckpt", ".ckpt.tmp", ".ckpt.old"  # the sharded checkpoint's names in the run directory
+MANIFEST, STATE = "manifest.json", "state.pt"
+STATE_KEYS = ("format", "model_config", "tokenizer", "step", "train_config", "loader", "rng")
+EXPORT = "python -m tools.export_ckpt"
+
+
+def committed(run_dir):
+    """The run directory's sharded checkpoint: ckpt/, or .ckpt.old/ between a save's two renames; or None."""
+    for name in (NAME, OLD):
+        if (Path(run_dir) / name).is_dir():
+            return Path(run_dir) / name
+    return None
+
+
+def holds_checkpoint(run_dir):
+    return (Path(run_dir) / "ckpt.pt").exists() or committed(run_dir) is not None
+
+
+def locate(path, prefer_sharded):
+    """("file" or "sharded", its path): the checkpoint that `path` names. A file is a single-file checkpoint;
+    a directory with a manifest (or named ckpt) a sharded one; a run directory holds ckpt.pt, a sharded
+    checkpoint, or both (after an export, or a kill just after a save): the one at the later step, and at
+    the same step the sharded one if prefer_sharded (a resuming run), the file otherwise (a reader)."""
+    path = Path(path)
+    if not path.is_dir():
+        return "file", path
+    if (path / MANIFEST).exists() or path.name in (NAME, OLD):
+        return "sharded", path
+    sharded, file = committed(path), path / "ckpt.pt"
+    if sharded is None:
+        return "file", file
+    if not file.exists():
+        return "sharded", sharded
+    s, f = read_manifest(sharded)["step"], _file_step(file)
+    return ("sharded", sharded) if s > f or (s == f and prefer_sharded) else ("file", file)
+
+
+def _file_step(path):
+    try:  # mapped: only the step is read
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+    except Exception:
+        raise CheckpointError(f"{path} is not a readable checkpoint: it is truncated, corrupt or not a checkpoint; "
+                              "use an intact copy or another checkpoint") from None
+
+
+def export_advice(path):
+    run_dir = path.parent if path.name in (NAME, OLD) else path
+    return (f"{path} holds a sharded checkpoint (an FSDP run's {NAME}/): write it as one file with "
+            f"`{EXPORT} {run_dir}`, then use {run_dir / 'ckpt.pt'}")
+
+
+def read_manifest(path):
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        ok = manifest.get("format") == SHARDED_FORMAT and isinstance(manifest.get("files"), dict)
+    except (OSError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path} is not a whole sharded checkpoint (its {MANIFEST} is missing or unreadable, "
+                              f"or not of format {SHARDED_FORMAT!r}); use an intact copy or another checkpoint")
+    return manifest
+
+
+def file_digest(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
+
+
+def verify_files(path, names, files):
+    """Each of `names` has the bytes and sha256 the manifest gives it."""
+    for name in names:
+        try:
+            ok = file_digest(path / name) == files[name]
+        except OSError:
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{path / name} is missing or corrupt: its contents do not match the checksum in "
+                                  f"{path / MANIFEST} (damaged on disk or in a copy); use an intact copy or another "
+                                  "checkpoint")
+
+
+def read_sharded(path):
+    """The run state of a sharded checkpoint (checkpoint.CKPT_KEYS without model, optimizer and checksum),
+    with "sharded": its directory. Checks the manifest, that every file it lists is there at its size,
+    and state.pt's checksum; the shards' checksums are checked by load_sharded."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    short = [n for n, f in files.items() if not (path / n).is_file() or os.path.getsize(path / n) != f["bytes"]]
+    if short:
+        raise CheckpointError(f"{path} is incomplete: {', '.join(sorted(short))} missing or of the wrong size; "
+                              "use an intact copy or another checkpoint")
+    verify_files(path, [STATE], files)
+    state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+    if state.get("format") != CKPT_FORMAT or any(k not in state for k in STATE_KEYS):
+        raise CheckpointError(f"{path / STATE} is not a run state of format {CKPT_FORMAT!r}")
+    return {**state, "sharded": path}
+
+
 def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):
     """The checkpoint dict of a run directory (its ckpt.pt) or a checkpoint file, format and checksum checked.
     A sharded checkpoint (an FSDP run's ckpt/, or a run directory whose newest checkpoint it is): with
     sharded=True its run state, without weights and optimizer, and "sharded": its directory, from which
     each rank loads its part (depthres/sharded.py); otherwise refused, naming the export command."""
-    from depthres import sharded as sharded_ckpt  # (which imports this module)
-
-    kind, path = sharded_ckpt.locate(path_or_run_dir, prefer_sharded=sharded)
+    kind, path = locate(path_or_run_dir, prefer_sharded=sharded)
     if kind == "sharded":
         if not sharded:
-            raise CheckpointError(sharded_ckpt.export_advice(Path(path_or_run_dir)))
-        return sharded_ckpt.read_sharded(path)
+            raise CheckpointError(export_advice(Path(path_or_run_dir)))
+        return read_sharded(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
@@ -280,8 +385,6 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
     """Lock the run directory for this run's life and check what it holds against what this run
     would do with it; a Claim. Writes nothing in run_dir but its .lock."""
     source, last_step = resume_path(tc, run_dir), total_steps(tc)
-    from depthres.sharded import holds_checkpoint
-
     continuing = source is not None and source.resolve() in (run_dir.resolve(), (run_dir / "ckpt.pt").resolve(),
                                                              (run_dir / "ckpt").resolve())
     ckpt = None

@@ -27,7 +27,6 @@ sharded checkpoints.
     (tools/export_ckpt.py writes that file).
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -36,16 +35,27 @@ from pathlib import Path
 
 import torch
 
-from depthres.checkpoint import CKPT_FORMAT, CheckpointError, RunDirError, save_checkpoint
+from depthres.checkpoint import (
+    CKPT_FORMAT,
+    MANIFEST,
+    NAME,
+    OLD,
+    SHARDED_FORMAT,
+    STATE,
+    STATE_KEYS,
+    TMP,
+    CheckpointError,
+    RunDirError,
+    file_digest,
+    locate,
+    read_manifest,
+    read_sharded,
+    save_checkpoint,
+    verify_files,
+)
 from depthres.distributed import agreed, shard
 from depthres.files import DirLock, os_error_message, sync_dir, write_file, writing
 from model import GPT, GPTConfig, InitialWeights
-
-SHARDED_FORMAT = "depthres-sharded-1"
-NAME, TMP, OLD = "ckpt", ".ckpt.tmp", ".ckpt.old"  # in the run directory
-MANIFEST, STATE = "manifest.json", "state.pt"
-STATE_KEYS = ("format", "model_config", "tokenizer", "step", "train_config", "loader", "rng")
-EXPORT = "python -m tools.export_ckpt"
 
 
 def sharded_model(mc, seed, dist, weights=None, init=True):
@@ -73,104 +83,8 @@ def sharded_model(mc, seed, dist, weights=None, init=True):
 # Which checkpoint a path names.
 
 
-def committed(run_dir):
-    """The run directory's sharded checkpoint: ckpt/, or .ckpt.old/ between a save's two renames; or None."""
-    for name in (NAME, OLD):
-        if (Path(run_dir) / name).is_dir():
-            return Path(run_dir) / name
-    return None
-
-
-def holds_checkpoint(run_dir):
-    return (Path(run_dir) / "ckpt.pt").exists() or committed(run_dir) is not None
-
-
-def locate(path, prefer_sharded):
-    """("file" or "sharded", its path): the checkpoint that `path` names. A file is a single-file checkpoint;
-    a directory with a manifest (or named ckpt) a sharded one; a run directory holds ckpt.pt, a sharded
-    checkpoint, or both (after an export, or a kill just after a save): the one at the later step, and at
-    the same step the sharded one if prefer_sharded (a resuming run), the file otherwise (a reader)."""
-    path = Path(path)
-    if not path.is_dir():
-        return "file", path
-    if (path / MANIFEST).exists() or path.name in (NAME, OLD):
-        return "sharded", path
-    sharded, file = committed(path), path / "ckpt.pt"
-    if sharded is None:
-        return "file", file
-    if not file.exists():
-        return "sharded", sharded
-    s, f = _manifest(sharded)["step"], _file_step(file)
-    return ("sharded", sharded) if s > f or (s == f and prefer_sharded) else ("file", file)
-
-
-def _file_step(path):
-    try:  # mapped: only the step is read
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
-    except Exception:
-        raise CheckpointError(f"{path} is not a readable checkpoint: it is truncated, corrupt or not a checkpoint; "
-                              "use an intact copy or another checkpoint") from None
-
-
-def export_advice(path):
-    run_dir = path.parent if path.name in (NAME, OLD) else path
-    return (f"{path} holds a sharded checkpoint (an FSDP run's {NAME}/): write it as one file with "
-            f"`{EXPORT} {run_dir}`, then use {run_dir / 'ckpt.pt'}")
-
-
 # ----------------------------------------------------------------------------------------------
-# Reading and verifying.
-
-
-def _manifest(path):
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        ok = manifest.get("format") == SHARDED_FORMAT and isinstance(manifest.get("files"), dict)
-    except (OSError, ValueError, AttributeError):
-        ok = False
-    if not ok:
-        raise CheckpointError(f"{path} is not a whole sharded checkpoint (its {MANIFEST} is missing or unreadable, "
-                              f"or not of format {SHARDED_FORMAT!r}); use an intact copy or another checkpoint")
-    return manifest
-
-
-def _digest(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
-
-
-def _verify(path, names, files):
-    """Each of `names` has the bytes and sha256 the manifest gives it."""
-    for name in names:
-        try:
-            ok = _digest(path / name) == files[name]
-        except OSError:
-            ok = False
-        if not ok:
-            raise CheckpointError(f"{path / name} is missing or corrupt: its contents do not match the checksum in "
-                                  f"{path / MANIFEST} (damaged on disk or in a copy); use an intact copy or another "
-                                  "checkpoint")
-
-
-def read_sharded(path):
-    """The run state of a sharded checkpoint (checkpoint.CKPT_KEYS without model, optimizer and checksum),
-    with "sharded": its directory. Checks the manifest, that every file it lists is there at its size,
-    and state.pt's checksum; the shards' checksums are checked by load_sharded."""
-    path = Path(path)
-    manifest = _manifest(path)
-    files = manifest["files"]
-    short = [n for n, f in files.items() if not (path / n).is_file() or os.path.getsize(path / n) != f["bytes"]]
-    if short:
-        raise CheckpointError(f"{path} is incomplete: {', '.join(sorted(short))} missing or of the wrong size; "
-                              "use an intact copy or another checkpoint")
-    _verify(path, [STATE], files)
-    state = torch.load(path / STATE, map_location="cpu", weights_only=True)
-    if state.get("format") != CKPT_FORMAT or any(k not in state for k in STATE_KEYS):
-        raise CheckpointError(f"{path / STATE} is not a run state of format {CKPT_FORMAT!r}")
-    return {**state, "sharded": path}
+# Loading and saving (reading what a run directory holds: depthres/checkpoint.py).
 
 
 def load_sharded(path, model, optimizer, dist=None):
@@ -181,13 +95,13 @@ def load_sharded(path, model, optimizer, dist=None):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
-    files = _manifest(path)["files"]
+    files = read_manifest(path)["files"]
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     mine = sorted(files)[rank::world]
     if dist is not None:
-        agreed(dist, lambda: _verify(path, mine, files))
+        agreed(dist, lambda: verify_files(path, mine, files))
     else:
-        _verify(path, mine, files)
+        verify_files(path, mine, files)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's tensors, filled in place
     state = {"model": model_sd, "optim": optim_sd}
     alone = not torch.distributed.is_initialized()  # one process (no process group): said to DCP, which warns anyway
@@ -241,7 +155,7 @@ def save_sharded(run_dir, model, optimizer, state, dist):
 
     def hash_mine():  # the files this rank wrote (DCP names them __<rank>_<n>.distcp)
         with writing(tmp, RunDirError):
-            return {n: _digest(tmp / n) for n in os.listdir(tmp) if n.startswith(f"__{dist.rank}_")}
+            return {n: file_digest(tmp / n) for n in os.listdir(tmp) if n.startswith(f"__{dist.rank}_")}
     digests = agreed(dist, hash_mine)
     if dist.world_size > 1:
         gathered = [None] * dist.world_size
@@ -251,7 +165,7 @@ def save_sharded(run_dir, model, optimizer, state, dist):
     def commit():  # rank 0: the run state, the manifest last, then the renames
         write_file(tmp / STATE, _saved(state), RunDirError)
         with writing(tmp, RunDirError):
-            files = {n: digests.get(n) or _digest(tmp / n) for n in sorted(os.listdir(tmp))}  # .metadata, state.pt
+            files = {n: digests.get(n) or file_digest(tmp / n) for n in sorted(os.listdir(tmp))}  # .metadata, state.pt
         manifest = {"format": SHARDED_FORMAT, "step": state["step"], "world_size": dist.world_size, "files": files}
         write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode(), RunDirError)
         with writing(final, RunDirError):

@@ -77,9 +77,9 @@ from collections import Counter
 from contextlib import suppress
 from pathlib import Path
 
+from depthres.checkpoint import holds_checkpoint
 from depthres.config import build_model_config, control_character, parse_config
 from depthres.files import os_error_message
-from depthres.sharded import holds_checkpoint
 from tools.report import SCORES, divergence, read_summary, report, run_dir, whole_split_scores
 
 ROOT = Path(__file__).resolve().parent.parent
