@@ -67,6 +67,7 @@ from depthres.distributed import (
     launch_env,
     load_optimizer_state,
     local,
+    map_large_allocations,
     peak_memory,
     setup_distributed,
     state_bytes,
@@ -557,6 +558,8 @@ def main(argv=None):
         return None
     tc, model_settings = parse_config(argv)
     rank, world_size, local_rank = launch_env()  # a stray WORLD_SIZE without torchrun: one line
+    if tc.fsdp and world_size > 1 and not (tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())):
+        map_large_allocations()  # FSDP on CPUs: freed gathered weights and gradients leave the resident set
     meta = load_meta(tc.data_dir)
     mc = build_model_config(model_settings, tc, meta)
     grad_accum_steps(tc, world_size)  # a batch that does not split over the ranks: an error before any compute

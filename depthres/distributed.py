@@ -6,6 +6,8 @@ How the ranks of a torchrun job share one run: DDP (the default) or FSDP2 (fsdp=
     FSDP2   torch.distributed.fsdp.fully_shard: every sublayer's parameters, gradients and AdamW
             state are split across the N ranks (16 / N bytes per parameter), each sublayer's whole
             weights gathered just before it runs and freed after; gradients are reduce-scattered.
+            On CPUs, large allocations are then mapped on their own (map_large_allocations), so what
+            FSDP frees at every step leaves the resident set instead of staying in glibc's heap.
 
 Both compute the same training step in float32 parameters under the same autocast (no mixed-
 precision policy: the depth-routing parameters and math stay float32 exactly as under DDP). They
@@ -14,9 +16,12 @@ to float32 rounding, not bit for bit. A checkpoint holds the whole, unsharded st
 (full_state), so one process, DDP and FSDP runs resume from each other's checkpoints.
 """
 
+import ctypes
 import inspect
 import os
+import platform
 import resource
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -133,6 +138,27 @@ def per_rank(dist, value):
     values = [torch.zeros((), dtype=torch.int64, device=dist.device) for _ in range(dist.world_size)]
     torch_dist.all_gather(values, torch.tensor(int(value), dtype=torch.int64, device=dist.device))
     return [int(v) for v in values]
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept fixed
+
+
+def map_large_allocations():
+    """glibc only (elsewhere nothing): every allocation of MMAP_THRESHOLD bytes or more is mapped on its
+    own and returned to the system when freed, for the rest of the process. By default glibc raises its
+    threshold to the largest block freed (up to 32 MB), and freed blocks below it stay in the heap, part
+    of the resident set: FSDP frees each sublayer's gathered weights and gradients at every step, so its
+    peak resident set would be about twice its live memory (docs/training.md, the memory rule). Call it
+    before the large allocations; a MALLOC_MMAP_THRESHOLD_ in the environment is the user's choice, kept.
+    Returns whether the threshold was set."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc" \
+            or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        return ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    except (OSError, AttributeError):
+        return False
 
 
 def peak_memory(dist):
