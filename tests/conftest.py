@@ -32,9 +32,10 @@ def data_dir(tmp_path_factory):
     return tmp / "byte"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight(data_dir, tmp_path_factory):
-    """An uninterrupted run of configs/test.py: 6 steps, checkpoints at 3 and 6."""
+    """An uninterrupted run of configs/test.py: 6 steps, checkpoints at 3 and 6, shared by the test
+    files: tests read it (and see resumes of it refused), never change it."""
     out = tmp_path_factory.mktemp("straight")
     run(data_dir, out, "--run_name=straight")
     return out / "straight"
