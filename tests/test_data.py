@@ -660,7 +660,7 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path, kind):
     peaks = []
     for mb in (4, 16):
         src = tmp_path / f"c{mb}.{kind}"
-        text = lines_of_text(mb << 20, seed=mb)
+        text = lines_of_text(1 << 20, seed=mb) * mb  # 1 MiB of lines, repeated: the size is what matters here
         if kind == "txt":
             src.write_text(text)
         else:
