@@ -652,6 +652,7 @@ def peak_rss_mb(*args):
     return int(run.stdout) / 1024
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["txt", "jsonl"])
 def test_memory_does_not_grow_with_the_corpus(tmp_path, kind):
     """A lone text (the input.txt case) and many JSON documents, 4 MB and 16 MB: the default

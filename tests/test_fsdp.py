@@ -65,6 +65,7 @@ sys.exit(1 if differ else 0)
 """
 
 
+@pytest.mark.slow
 def test_fsdp_initial_weights_equal_one_process_for_every_family():
     """The paired-init promise under FSDP's meta-device start: no rank builds the whole model, and
     the shards gathered are bit for bit the weights one process initialises, for every variant."""
@@ -82,6 +83,7 @@ def assert_close_runs(a, b, atol=1e-5):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=atol)
 
 
+@pytest.mark.slow
 def test_fsdp_equals_one_process_for_dar(data_dir, tmp_path):
     # 9 evaluation windows: rank 0 gets 5 (2 batches of up to 4), rank 1 gets 4 (1 batch); under FSDP
     # every forward is collective, so both ranks must run 2 forwards or the evaluation hangs
@@ -104,6 +106,7 @@ LARGER = ["--n_layer=16", "--n_embd=512", "--n_head=8", "--max_steps=1", "--batc
           "--batch_tokens=32", "--eval_tokens=32"]
 
 
+@pytest.mark.slow
 def test_fsdp_peak_memory_on_every_rank_is_at_most_0_6_of_ddps(data_dir, tmp_path):
     """The memory rule (docs/training.md) as summary.json reports it: FSDP's peak resident set on every
     rank is at most 0.6 of DDP's (here 0.55). On CPUs that needs FSDP's freed gathered weights and
@@ -127,6 +130,9 @@ MODEL = ["--residual=rd_attnres", "--activation_checkpointing=true", "--batch_to
 def fsdp_args(data_dir, out_dir, *more):
     return [CONFIG, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *MODEL, "--fsdp=true", *more]
 
+
+# The three tests that share the runs of these fixtures are one xdist_group: one process runs them all
+# (make test: --dist loadgroup), so that it starts each run once.
 
 @pytest.fixture(scope="module")
 def fsdp_straight(data_dir, tmp_path_factory):
@@ -192,6 +198,8 @@ def fsdp_killed(data_dir, tmp_path_factory, fsdp_stopped):
     return run_dir, left
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("fsdp_runs")
 def test_fsdp_runs_stop_and_resume_bit_exact_and_their_checkpoints_load_anywhere(data_dir, tmp_path, fsdp_straight,
                                                                                  fsdp_stopped, fsdp_killed):
     """FSDP equals one process to float32 rounding (it sums gradients in another order); an FSDP run
@@ -225,6 +233,8 @@ def test_fsdp_runs_stop_and_resume_bit_exact_and_their_checkpoints_load_anywhere
     assert_close_runs(tmp_path / "one_10", tmp_path / "fsdp_more")
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("fsdp_runs")
 def test_kill_9_in_a_sharded_checkpoint_write_keeps_the_previous_one(tmp_path, fsdp_straight, fsdp_killed):
     run_dir, left = fsdp_killed
     assert left["in_a_checkpoint_write"] == dict(exit=(-signal.SIGKILL, -signal.SIGKILL), step=3, tmp=True)
@@ -237,6 +247,8 @@ def test_kill_9_in_a_sharded_checkpoint_write_keeps_the_previous_one(tmp_path, f
     assert load_checkpoint(moved, sharded=True)["sharded"] == moved / ".ckpt.old"
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("fsdp_runs")
 def test_a_2_rank_checkpoint_resumes_on_1_and_on_2_ranks_and_exports_to_a_file_that_samples(
         data_dir, tmp_path, monkeypatch, capsys, fsdp_straight, fsdp_stopped):
     """2 ranks -> 1 -> 2: the state is resumed exactly; the steps on 1 process sum the gradients in another

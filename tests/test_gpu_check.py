@@ -1,8 +1,11 @@
 """gpu_check.py, run at toy size on CPU (gloo), so that the GPU check cannot rot between GPU sessions."""
 
+import pytest
+
 from tools import gpu_check
 
 
+@pytest.mark.slow
 def test_the_gpu_check_passes_at_toy_size(tmp_path, capsys, monkeypatch):
     # the toy's training in 40 steps instead of 150 (about a fifth of the check's time): the SIGTERM, sent at
     # the first logged step, still stops the run far from its end

@@ -19,7 +19,8 @@ from train import DivergedError
 from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, losses, records, run, steps, two_ranks, untimed
 
 
-@pytest.mark.parametrize("ranks_args", [[], ["--activation_checkpointing=true"]], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("ranks_args", [[], pytest.param(["--activation_checkpointing=true"], marks=pytest.mark.slow)],
+                         ids=["plain", "checkpointing"])  # make test: two ranks once
 def test_two_ddp_ranks_reach_the_parameters_of_one_process(data_dir, tmp_path, ranks_args):
     # one process accumulates 2 micro-batches of 4 sequences; two ranks take one each (recomputing
     # their sublayers in backward, in the second case: the same numbers). The ranks start as torchrun
@@ -229,6 +230,7 @@ def test_float32_matmuls_stay_float32_on_cuda(monkeypatch):
         torch.set_float32_matmul_precision(precision)
 
 
+@pytest.mark.slow
 def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tmp_path, straight):
     base = [CONFIG, f"--data_dir={data_dir}", "--run_name=two"]
     mine = [f"--out_dir={tmp_path}"]
