@@ -1,9 +1,10 @@
 # Two commands for a fresh clone:  make demo  (train the CPU demo on the embedded corpus)  and  make test
+# (the linter and the fast tests, about 2 minutes); make test-all runs every test (CI, about 7 minutes)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test gpu-check clean
+.PHONY: demo test test-all gpu-check clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +22,13 @@ demo: $(VENV)/.installed
 	$(PY) train.py configs/demo.py --overwrite=true
 	$(PY) sample.py --ckpt runs/demo --prompt "ROMEO:" --max_new_tokens 100
 
-test: $(VENV)/.test-installed  # the linter, then one test process per core, one thread each
+test: $(VENV)/.test-installed  # the linter, then every test not marked slow: one process per core, one thread each
 	$(VENV)/bin/ruff check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto -m "not slow"
+
+test-all: $(VENV)/.test-installed  # the linter, then every test, the slow ones first (tests/conftest.py)
+	$(VENV)/bin/ruff check .
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadgroup
 
 gpu-check: $(VENV)/.installed  # on a CUDA machine: bench, torchrun stop/resume, sampling; one summary
 	$(PY) -m tools.gpu_check

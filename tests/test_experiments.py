@@ -435,6 +435,7 @@ def byte_data(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
     spec = tmp_path / "sweep.py"
     spec.write_text(f'base = "configs/test.py"\n'
@@ -463,6 +464,7 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
     assert again.returncode == 0 and "===" not in again.stdout and "sweep:" not in again.stdout
 
 
+@pytest.mark.slow
 def test_a_sweep_with_a_diverging_variant_end_to_end(tmp_path, byte_data):
     """train.py's log tells the sweep that a run diverged: the sweep tabulates it and exits 3, every time."""
     spec = tmp_path / "sweep.py"

@@ -65,6 +65,7 @@ sys.exit(1 if differ else 0)
 """
 
 
+@pytest.mark.slow
 def test_fsdp_initial_weights_equal_one_process_for_every_family():
     """The paired-init promise under FSDP's meta-device start: no rank builds the whole model, and
     the shards gathered are bit for bit the weights one process initialises, for every variant."""
@@ -82,6 +83,7 @@ def assert_close_runs(a, b, atol=1e-5):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=atol)
 
 
+@pytest.mark.slow
 def test_fsdp_equals_one_process_for_dar(data_dir, tmp_path):
     # 9 evaluation windows: rank 0 gets 5 (2 batches of up to 4), rank 1 gets 4 (1 batch); under FSDP
     # every forward is collective, so both ranks must run 2 forwards or the evaluation hangs
@@ -104,6 +106,7 @@ LARGER = ["--n_layer=16", "--n_embd=512", "--n_head=8", "--max_steps=1", "--batc
           "--batch_tokens=32", "--eval_tokens=32"]
 
 
+@pytest.mark.slow
 def test_fsdp_peak_memory_on_every_rank_is_at_most_0_6_of_ddps(data_dir, tmp_path):
     """The memory rule (docs/training.md) as summary.json reports it: FSDP's peak resident set on every
     rank is at most 0.6 of DDP's (here 0.55). On CPUs that needs FSDP's freed gathered weights and
@@ -128,6 +131,9 @@ def fsdp_args(data_dir, out_dir, *more):
     return [CONFIG, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *MODEL, "--fsdp=true", *more]
 
 
+# The three tests that share the runs of these fixtures are one xdist_group: one process runs them all
+# (make test: --dist loadgroup), so that it starts each run once.
+
 @pytest.fixture(scope="module")
 def fsdp_straight(data_dir, tmp_path_factory):
     """An uninterrupted 2-rank FSDP run: 6 steps, sharded checkpoints at 3 and 6."""
@@ -137,40 +143,20 @@ def fsdp_straight(data_dir, tmp_path_factory):
     return out / "straight"
 
 
-def test_fsdp_runs_stop_and_resume_bit_exact_and_their_checkpoints_load_anywhere(data_dir, tmp_path, fsdp_straight):
-    """FSDP equals one process to float32 rounding (it sums gradients in another order); an FSDP run
-    stopped by SIGTERM, resumed, killed by kill -9 and resumed again repeats the uninterrupted FSDP
-    run bit for bit; its sharded checkpoint resumes in one process and under DDP (DCP reshards it); a
-    DDP checkpoint (one file) resumes under FSDP."""
-    base = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *MODEL]
-    fsdp = base + ["--fsdp=true"]
-    run(data_dir, tmp_path, "--run_name=one", *MODEL)
-    assert_close_runs(tmp_path / "one", fsdp_straight)
-    assert sorted(p.name for p in fsdp_straight.iterdir()) == [".lock", "ckpt", "config.json", "log.jsonl",
-                                                               "summary.json"]  # no ckpt.pt, nothing left over
+@pytest.fixture(scope="module")
+def fsdp_stopped(data_dir, tmp_path_factory):
+    """The same run, stopped by a SIGTERM that reaches rank 1 only, in step 2: both ranks stop after
+    step 2 with a sharded checkpoint. Returns the run directory (tests resume copies of it) and each
+    rank's (exit status, stderr)."""
+    out = tmp_path_factory.mktemp("fsdp_stopped")
+    ranks = two_ranks(lambda rank: fsdp_args(data_dir, out, "--run_name=stopped"), (None, RANK1_SIGTERM_IN_STEP_2))
+    assert [rc for rc, _ in ranks] == [143, 143], ranks[0][1] + ranks[1][1]
+    return out / "stopped", ranks
 
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=broken"], (None, RANK1_SIGTERM_IN_STEP_2))
-    assert (rc0, rc1) == (143, 143) and load_checkpoint(tmp_path / "broken", sharded=True)["step"] == 2, err0 + err1
-    assert "checkpoint written to " + str(tmp_path / "broken" / "ckpt") in err0
-    (rc0, _), (rc1, _) = two_ranks(lambda rank: fsdp + ["--run_name=broken", "--resume=true"],
-                                   (KILL_9_IN_STEP_2, KILL_9_IN_STEP_2))  # step 4 dies; the checkpoint of 3 stays
-    assert (rc0, rc1) == (-signal.SIGKILL, -signal.SIGKILL)
-    assert load_checkpoint(tmp_path / "broken", sharded=True)["step"] == 3
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=broken", "--resume=true"])
-    assert (rc0, rc1) == (0, 0), err0 + err1
-    assert_same_run(tmp_path / "broken", fsdp_straight)
 
-    run(data_dir, tmp_path, "--run_name=one_more", f"--resume={fsdp_straight}", "--max_steps=8", *MODEL)
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + ["--run_name=ddp_more", f"--resume={fsdp_straight}",
-                                                              "--max_steps=8"])
-    assert (rc0, rc1) == (0, 0), err0 + err1
-    assert_close_runs(tmp_path / "one_more", tmp_path / "ddp_more")
-    ddp_ckpt = tmp_path / "ddp_more" / "ckpt.pt"
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=fsdp_more", f"--resume={ddp_ckpt}",
-                                                              "--max_steps=10"])
-    assert (rc0, rc1) == (0, 0), err0 + err1
-    run(data_dir, tmp_path, "--run_name=one_10", f"--resume={ddp_ckpt}", "--max_steps=10", *MODEL)
-    assert_close_runs(tmp_path / "one_10", tmp_path / "fsdp_more")
+def resumable_copy(run_dir, to):
+    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(".lock"))
+    return to
 
 
 # Each rank, in its second checkpoint (step 6): its shards written, then cut to half, then kill -9.
@@ -194,31 +180,83 @@ sys.exit(train.cli(sys.argv[1:]))
 """
 
 
-def test_kill_9_in_a_sharded_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path, fsdp_straight):
-    args = fsdp_args(data_dir, tmp_path, "--run_name=killed")
-    (rc0, _), (rc1, _) = two_ranks(lambda rank: args, (KILLED_IN_THE_SECOND_SHARDED_SAVE,) * 2)
-    assert (rc0, rc1) == (-signal.SIGKILL, -signal.SIGKILL)
-    run_dir = tmp_path / "killed"
-    assert (run_dir / ".ckpt.tmp").is_dir() and load_checkpoint(run_dir, sharded=True)["step"] == 3
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args + ["--resume=true"])
+@pytest.fixture(scope="module")
+def fsdp_killed(data_dir, tmp_path_factory, fsdp_stopped):
+    """The stopped run (a copy) resumed at step 2 and killed (kill -9, both ranks) in the middle of its
+    sharded checkpoint write of step 6; resumed at 3 and killed in its second step (step 5); resumed at
+    3 to the end. Returns the run directory and what each kill left: exit statuses, the checkpoint's
+    step, whether a half-written .ckpt.tmp/ is there."""
+    run_dir = resumable_copy(fsdp_stopped[0], tmp_path_factory.mktemp("fsdp_killed") / "killed")
+    args = fsdp_args(data_dir, run_dir.parent, "--run_name=killed", "--resume=true")
+    left = {}
+    for kill, code in (("in_a_checkpoint_write", KILLED_IN_THE_SECOND_SHARDED_SAVE), ("in_a_step", KILL_9_IN_STEP_2)):
+        (rc0, _), (rc1, _) = two_ranks(lambda rank: args, (code, code))
+        left[kill] = dict(exit=(rc0, rc1), step=load_checkpoint(run_dir, sharded=True)["step"],
+                          tmp=(run_dir / ".ckpt.tmp").is_dir())
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args)
     assert (rc0, rc1) == (0, 0), err0 + err1
+    return run_dir, left
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("fsdp_runs")
+def test_fsdp_runs_stop_and_resume_bit_exact_and_their_checkpoints_load_anywhere(data_dir, tmp_path, fsdp_straight,
+                                                                                 fsdp_stopped, fsdp_killed):
+    """FSDP equals one process to float32 rounding (it sums gradients in another order); an FSDP run
+    stopped by SIGTERM, resumed, killed by kill -9 and resumed again repeats the uninterrupted FSDP
+    run bit for bit; its sharded checkpoint resumes in one process and under DDP (DCP reshards it); a
+    DDP checkpoint (one file) resumes under FSDP."""
+    base = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *MODEL]
+    fsdp = base + ["--fsdp=true"]
+    run(data_dir, tmp_path, "--run_name=one", *MODEL)
+    assert_close_runs(tmp_path / "one", fsdp_straight)
+    assert sorted(p.name for p in fsdp_straight.iterdir()) == [".lock", "ckpt", "config.json", "log.jsonl",
+                                                               "summary.json"]  # no ckpt.pt, nothing left over
+
+    stopped, ((rc0, err0), (rc1, err1)) = fsdp_stopped
+    assert (rc0, rc1) == (143, 143) and load_checkpoint(stopped, sharded=True)["step"] == 2, err0 + err1
+    assert "checkpoint written to " + str(stopped / "ckpt") in err0
+    killed, left = fsdp_killed  # resumed, killed twice, resumed each time at the checkpoint of step 3
+    assert left["in_a_step"]["exit"] == (-signal.SIGKILL, -signal.SIGKILL) and left["in_a_step"]["step"] == 3
+    assert_same_run(killed, fsdp_straight)
+
+    run(data_dir, tmp_path, "--run_name=one_more", f"--resume={fsdp_straight}", "--max_steps=8", *MODEL)
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + ["--run_name=ddp_more", f"--resume={fsdp_straight}",
+                                                              "--max_steps=8"])
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert_close_runs(tmp_path / "one_more", tmp_path / "ddp_more")
+    ddp_ckpt = tmp_path / "ddp_more" / "ckpt.pt"
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp + ["--run_name=fsdp_more", f"--resume={ddp_ckpt}",
+                                                              "--max_steps=10"])
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    run(data_dir, tmp_path, "--run_name=one_10", f"--resume={ddp_ckpt}", "--max_steps=10", *MODEL)
+    assert_close_runs(tmp_path / "one_10", tmp_path / "fsdp_more")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("fsdp_runs")
+def test_kill_9_in_a_sharded_checkpoint_write_keeps_the_previous_one(tmp_path, fsdp_straight, fsdp_killed):
+    run_dir, left = fsdp_killed
+    assert left["in_a_checkpoint_write"] == dict(exit=(-signal.SIGKILL, -signal.SIGKILL), step=3, tmp=True)
     assert_same_run(run_dir, fsdp_straight)  # bit for bit: losses, evaluations, weights, AdamW state
     assert steps(run_dir) == [1, 2, 3, 4, 5, 6] and not (run_dir / ".ckpt.tmp").exists()
 
     # a kill between a save's two renames leaves the previous checkpoint as .ckpt.old/: it is the checkpoint
-    (run_dir / "ckpt").rename(run_dir / ".ckpt.old")
-    assert load_checkpoint(run_dir, sharded=True)["sharded"] == run_dir / ".ckpt.old"
+    moved = resumable_copy(run_dir, tmp_path / "moved")
+    (moved / "ckpt").rename(moved / ".ckpt.old")
+    assert load_checkpoint(moved, sharded=True)["sharded"] == moved / ".ckpt.old"
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("fsdp_runs")
 def test_a_2_rank_checkpoint_resumes_on_1_and_on_2_ranks_and_exports_to_a_file_that_samples(
-        data_dir, tmp_path, monkeypatch, capsys, fsdp_straight):
+        data_dir, tmp_path, monkeypatch, capsys, fsdp_straight, fsdp_stopped):
     """2 ranks -> 1 -> 2: the state is resumed exactly; the steps on 1 process sum the gradients in another
     order (float32 rounding apart: the data is the same). A sharded checkpoint is read by sample.py once
     exported to one file, bit for bit the state the shards hold; a damaged shard is refused."""
+    run_dir = resumable_copy(fsdp_stopped[0], tmp_path / "moved")
+    assert load_checkpoint(run_dir, sharded=True)["step"] == 2  # 2 ranks stopped after step 2, sharded
     args = fsdp_args(data_dir, tmp_path, "--run_name=moved")
-    run_dir = tmp_path / "moved"
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args, (None, RANK1_SIGTERM_IN_STEP_2))
-    assert (rc0, rc1) == (143, 143), err0 + err1  # stopped after step 2, sharded
     monkeypatch.setattr(train, "train_step", kill_in_step(2, signal.SIGTERM))
     with pytest.raises(train.Stopped):  # on one process: resumed at 2, stopped after step 4, one file
         train.main(args + ["--resume=true"])

@@ -93,6 +93,8 @@ def plain_compile():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("inductor")  # with test_perf's inductor tests: one process pays inductor's first-use warm-up
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_norm_project_under_plain_compile_equals_eager(plain_compile, backend):
     """fullgraph=True (no graph break), in float32 and under bf16 autocast with the backward traced

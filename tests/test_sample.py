@@ -35,8 +35,9 @@ def randomize_routing(model):
         p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
-def tiny(block_size=16, **kw):
-    """3 layers: 6 sublayers, so AttnRes block size 4 gives a full block and a short one."""
+def tiny(block_size=8, **kw):
+    """3 layers: 6 sublayers, so AttnRes block size 4 gives a full block and a short one. A context of
+    8: 20 generated tokens slide the window three or four times."""
     cfg = GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=3, n_head=2, n_embd=32, **kw)
     model = GPT(cfg).to(torch.float64)
     randomize_routing(model)
@@ -70,9 +71,9 @@ def test_window_crops_the_prompt_and_slides_to_half_the_context():
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_cached_logits_equal_a_full_forward_pass(variant):
     model = tiny(**variant)
-    seqs = [tokens(45, seed=0), tokens(45, seed=1)]  # a batch of two rows
+    seqs = [tokens(25, seed=0), tokens(25, seed=1)]  # a batch of two rows
     window, slides = Window(model, [s[:5] for s in seqs]), 0
-    for t in range(5, 45):  # 40 steps through a context of 16: the window slides four times
+    for t in range(5, 25):  # 20 steps through a context of 8: the window slides four times
         with torch.no_grad():
             full, _ = model(window.tokens)
         torch.testing.assert_close(window.next_logits(), full[:, -1], rtol=0, atol=1e-10)
@@ -85,8 +86,8 @@ def test_cached_logits_equal_a_full_forward_pass(variant):
 def test_greedy_gives_the_same_tokens_with_and_without_the_cache(variant):
     model = tiny(**variant)
     prompts = [tokens(3, seed=0), tokens(3, seed=1)]
-    cached = steps(model, prompts, 40, temperature=0)
-    assert cached == steps(model, prompts, 40, temperature=0, use_cache=False)
+    cached = steps(model, prompts, 20, temperature=0)
+    assert cached == steps(model, prompts, 20, temperature=0, use_cache=False)
 
 
 # --- batches -----------------------------------------------------------------------------------------
@@ -97,13 +98,13 @@ BATCH_VARIANTS = [dict(residual="standard"), dict(residual="rd_attnres"), dict(r
 
 @pytest.mark.parametrize("variant", BATCH_VARIANTS, ids=[v["residual"] for v in BATCH_VARIANTS])
 def test_a_greedy_batch_equals_its_rows_decoded_one_at_a_time(variant):
-    """Three prompts of one length: 40 tokens through a context of 16 slide the window four times."""
+    """Three prompts of one length: 20 tokens through a context of 8 slide the window four times."""
     model = tiny(**variant)
     prompts = [tokens(5, seed=s) for s in range(3)]
-    alone = [steps(model, [p], 40, temperature=0)[0] for p in prompts]
+    alone = [steps(model, [p], 20, temperature=0)[0] for p in prompts]
     assert len({tuple(row) for row in alone}) == 3  # the rows differ: a batch that mixed them would show
-    assert steps(model, prompts, 40, temperature=0) == alone
-    assert steps(model, prompts, 40, temperature=0, use_cache=False) == alone
+    assert steps(model, prompts, 20, temperature=0) == alone
+    assert steps(model, prompts, 20, temperature=0, use_cache=False) == alone
 
 
 @pytest.mark.parametrize("variant", BATCH_VARIANTS[1:], ids=[v["residual"] for v in BATCH_VARIANTS[1:]])
@@ -112,7 +113,7 @@ def test_a_seeded_batch_equals_its_samples_drawn_alone(variant):
 
     def draw(seed, rows, use_cache=True):
         gens = [torch.Generator().manual_seed(sample_seed(seed, i)) for i in rows]
-        return steps(model, [prompt] * len(gens), 40, temperature=1.0, top_k=20, top_p=0.9,
+        return steps(model, [prompt] * len(gens), 20, temperature=1.0, top_k=20, top_p=0.9,
                      generators=gens, use_cache=use_cache)
 
     batch = draw(5, range(4))
@@ -129,9 +130,9 @@ def test_a_batch_is_one_forward_pass_per_token(use_cache):
     model.register_forward_pre_hook(lambda module, args: calls.append(args[0].size(0)))
     for batch in (1, 8):
         calls.clear()
-        steps(model, [tokens(3)] * batch, 40, generators=[torch.Generator().manual_seed(i) for i in range(batch)],
-              use_cache=use_cache)  # the window slides four times: a slide replaces a step's forward
-        assert calls == [batch] * 40
+        steps(model, [tokens(3)] * batch, 20, generators=[torch.Generator().manual_seed(i) for i in range(batch)],
+              use_cache=use_cache)  # the window slides three times: a slide replaces a step's forward
+        assert calls == [batch] * 20
 
 
 def test_sample_seeds_are_stable_and_distinct():

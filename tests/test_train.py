@@ -3,11 +3,8 @@ the schedules; one synchronisation per step, prefetched batches, DDP buffers, TF
 
 import json
 import math
-import os
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,19 +16,19 @@ from depthres.config import ConfigError
 from depthres.shards import load_meta
 from train import DivergedError
 
-from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, ROOT, losses, records, run, steps, two_ranks, untimed
+from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, losses, records, run, steps, two_ranks, untimed
 
 
-@pytest.mark.parametrize("ranks_args", [[], ["--activation_checkpointing=true"]], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("ranks_args", [[], pytest.param(["--activation_checkpointing=true"], marks=pytest.mark.slow)],
+                         ids=["plain", "checkpointing"])  # make test: two ranks once
 def test_two_ddp_ranks_reach_the_parameters_of_one_process(data_dir, tmp_path, ranks_args):
     # one process accumulates 2 micro-batches of 4 sequences; two ranks take one each (recomputing
-    # their sublayers in backward, in the second case: the same numbers)
+    # their sublayers in backward, in the second case: the same numbers). The ranks start as torchrun
+    # starts them (tools/gpu_check.py's test runs torchrun itself)
     run(data_dir, tmp_path, "--run_name=one", "--max_steps=3")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=two", "--max_steps=3", *ranks_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=two", "--max_steps=3", *ranks_args]
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args)
+    assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
     one, two = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
     assert two["train_config"]["batch_tokens"] == one["train_config"]["batch_tokens"]
     for name, p in one["model"].items():
@@ -42,9 +39,7 @@ def test_two_ddp_ranks_reach_the_parameters_of_one_process(data_dir, tmp_path, r
     assert load_checkpoint(tmp_path / "two")["model_config"]["activation_checkpointing"] == bool(ranks_args)
 
 
-def test_resume_after_a_kill_repeats_the_uninterrupted_losses(data_dir, tmp_path, monkeypatch):
-    run(data_dir, tmp_path, "--run_name=straight")  # 6 steps, checkpoints at 3 and 6
-
+def test_resume_after_a_kill_repeats_the_uninterrupted_losses(data_dir, tmp_path, monkeypatch, straight):
     real_step, calls = train.train_step, []
 
     def killed_in_step_5(*args, **kwargs):
@@ -62,11 +57,11 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_losses(data_dir, tmp_path
     assert not (tmp_path / "killed" / "summary.json").exists()  # written by finished runs only
 
     run(data_dir, tmp_path, "--run_name=killed", "--resume=true")
-    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")  # bit for bit
-    assert untimed(tmp_path / "killed") == untimed(tmp_path / "straight")
-    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "killed")
+    assert losses(tmp_path / "killed") == losses(straight)  # bit for bit
+    assert untimed(tmp_path / "killed") == untimed(straight)
+    a, b = load_checkpoint(straight), load_checkpoint(tmp_path / "killed")
     assert a["step"] == b["step"] == 6
-    final_val = [r for r in records(tmp_path / "straight", "eval") if r["split"] == "val"][-1]
+    final_val = [r for r in records(straight, "eval") if r["split"] == "val"][-1]
     assert json.loads((tmp_path / "killed" / "summary.json").read_text())["val_loss"] == final_val["loss"]
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
@@ -131,7 +126,7 @@ def test_overrides_are_typed_and_checked(data_dir, tmp_path):
         run(data_dir, tmp_path, "--n_embd=33")
 
 
-def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(data_dir, tmp_path):
+def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(data_dir, tmp_path, capsys):
     args = ["--lr=1e12", "--min_lr=1e12", "--warmup_steps=0", "--grad_clip=0", "--max_steps=30", "--ckpt_interval=1"]
     with pytest.raises(DivergedError, match="non-finite") as failure:
         run(data_dir, tmp_path, *args)
@@ -140,11 +135,12 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(data_dir, tmp_
     assert 1 <= ckpt["step"] < 30 and all(torch.isfinite(p).all() for p in ckpt["model"].values())
     assert losses(tmp_path / "test")[-1][0] == ckpt["step"] and math.isfinite(losses(tmp_path / "test")[-1][1])
 
-    # from the command line: a one-line message and a non-zero exit status, no traceback
-    cmd = [sys.executable, "train.py", CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=cli",
-           *args]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and done.stderr.startswith("error: non-finite loss") and "Traceback" not in done.stderr
+    # from the command line (train.cli, which `python train.py` exits with): a one-line message and a
+    # non-zero exit status, no traceback
+    capsys.readouterr()
+    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=cli", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: non-finite loss") and "Traceback" not in err
 
 
 def test_runs_that_differ_only_in_residual_are_paired(data_dir):
@@ -234,8 +230,8 @@ def test_float32_matmuls_stay_float32_on_cuda(monkeypatch):
         torch.set_float32_matmul_precision(precision)
 
 
-def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tmp_path):
-    run(data_dir, tmp_path, "--run_name=one")  # one process, 6 steps
+@pytest.mark.slow
+def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tmp_path, straight):
     base = [CONFIG, f"--data_dir={data_dir}", "--run_name=two"]
     mine = [f"--out_dir={tmp_path}"]
 
@@ -251,11 +247,11 @@ def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tm
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + (mine if rank == 0 else elsewhere) + ["--resume=true"])
     assert (rc0, rc1) == (0, 0), err0 + err1
     assert not (tmp_path / "node1").exists()
-    one, two = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
+    one, two = load_checkpoint(straight), load_checkpoint(tmp_path / "two")  # one process, 6 steps
     assert two["step"] == 6 and steps(tmp_path / "two") == [1, 2, 3, 4, 5, 6]
     for name, p in one["model"].items():
         torch.testing.assert_close(two["model"][name], p, atol=1e-5, rtol=0, msg=name)
-    for (s1, l1), (s2, l2) in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
+    for (s1, l1), (s2, l2) in zip(losses(straight), losses(tmp_path / "two"), strict=True):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-5)
 
     # a checkpoint rank 0 cannot read: the same error on both ranks, no hang
