@@ -154,6 +154,10 @@ class ReferenceRouter:
     def read(self, q, recent=(), inv=()):
         return self.attend(q, recent)[0]
 
+    def read_rows(self, rows, recent=(), inv=()):
+        """h of each query row in rows (one site's)."""
+        return [self.read(q, recent) for q in rows]
+
     def read_fused(self, rows, alpha, recent=(), inv=()):
         """DAR: h = alpha_0 r_0 + alpha_1 r_1 for one site's query rows (target 0's, target 1's)."""
         return alpha[0] * self.read(rows[0], recent) + alpha[1] * self.read(rows[1], recent)
@@ -235,7 +239,7 @@ class _BlockHistory:
         """The open router's outputs for its query rows, recording their weights under site if asked."""
         recent, inv = self._recent(with_partial)
         if self.record is None:
-            return [self.router.read(q, recent, inv) for q in rows]
+            return self.router.read_rows(rows, recent, inv)
         h, a = zip(*[self.router.attend(q, recent) for q in rows])
         self.record[site] = (a[0] if len(a) == 1 else torch.stack(a, 1)).detach()  # [n, B, T] or [n, 2, B, T]
         return h

@@ -19,6 +19,8 @@ gradient arrives in one piece per chunk instead of two per site. Memory: phase 1
 the sources (never copies) and [n, N, Q] statistics; the merge saves h, which the sublayer's pre-norm
 keeps anyway, because the gradient of lse_q needs g . o_q only through g . h:
     g . h = c_o (g . o_q) + sum_k c_k (g . s_k)   =>   dL/dlse_q = sum_k c_k (g . h - g . s_k).
+A site that reads several rows (RD-AttnRes: w_QK and w_V) merges them together (merge_rows): each
+recent source is read once for every row's logits and its gradient written once, summed over the rows.
 DAR fuses two targets into one h (h = sum_t alpha_t r_t), where g . h no longer separates them; its
 merge recomputes g . o_t = sum_r a_rt (g . v_r) from the completed sources instead of saving o_t.
 
@@ -248,6 +250,72 @@ def merge(o, lse, w, keys, values, inv):
         return _merge(o.to(inv.dtype), lse, w.to(inv.dtype), keys, values, inv)[0]
 
 
+
+def _merge_rows(O, lse, W, sources, inv):
+    """Phase 2 for R query rows of one site over the same K recent sources, keys = values (RD-AttnRes:
+    w_QK and w_V). O R x [N, d], lse [N, R], W [R, d], sources K x [N, d], inv [K, N] -> H R x [N, d],
+    c [K+1, N, R], dk [K, N, R]. One matmul per source gives every row's logits (each source read once)."""
+    dt = inv.dtype
+    dk = torch.stack([s.to(dt) @ W.T for s in sources])  # w_r . k_k
+    c = _softmax0(torch.cat([lse.unsqueeze(0), dk * inv.unsqueeze(-1)]))[0]
+    H = []
+    for r, o in enumerate(O):
+        h = c[0, :, r].unsqueeze(-1) * o
+        for c_k, s in zip(c[1:], sources):
+            h.addcmul_(c_k[:, r].unsqueeze(-1), s.to(dt))
+        H.append(h)
+    return H, c, dk
+
+
+class _MergeRows(Function):
+    """_Merge for R rows that share their sources: h_r = c_o,r o_r + sum_k c_k,r s_k. The backward reads
+    each source once for every row's logit gradient and writes each source's gradient once, summed over
+    the rows (separate merges would each read it, and autograd would add their gradients). Saves the
+    H, references to the sources, and [K+1, N, R] statistics."""
+
+    @staticmethod
+    def forward(ctx, lse, W, inv, R, *args):
+        O, sources = args[:R], args[R:]
+        dt = inv.dtype
+        H, c, dk = _merge_rows([o.to(dt) for o in O], lse, W.to(dt), sources, inv)
+        ctx.R, ctx.o_dtype = R, O[0].dtype
+        ctx.save_for_backward(W, inv, c, dk, *H, *sources)
+        return tuple(H)
+
+    @staticmethod
+    def backward(ctx, *G):
+        W, inv, c, dk, *rest = ctx.saved_tensors
+        H, sources = rest[:ctx.R], rest[ctx.R:]
+        with autocast_off(inv):
+            dt = inv.dtype
+            Wf = W.to(dt)
+            G = [torch.zeros_like(h) if g is None else g.to(dt) for g, h in zip(G, H)]
+            gh = torch.stack([(g * h).sum(-1) for g, h in zip(G, H)], -1)  # g_r . h_r, [N, R]
+            S = [s.to(dt) for s in sources]
+            E = torch.stack([torch.stack([(g * s).sum(-1) for g in G], -1) for s in S])  # g_r . s_k, [K, N, R]
+            dl = c[1:] * (E - gh)  # dL/dl_kr = c_kr (g_r . s_k - g_r . h_r)
+            C = dl * inv.unsqueeze(-1)  # dL/d(w_r . k_k)
+            g_src = []
+            for c_k, C_k in zip(c[1:], C):  # dL/ds_k = sum_r c_kr g_r + C_kr w_r: one write per source
+                g_s = C_k @ Wf
+                for r, g in enumerate(G):
+                    g_s.addcmul_(c_k[:, r].unsqueeze(-1), g)
+                g_src.append(g_s)
+            gW = sum(C_k.T @ s for C_k, s in zip(C, S))
+            g_o = [(c[0, :, r].unsqueeze(-1) * g).to(ctx.o_dtype) for r, g in enumerate(G)]
+        return (-dl.sum(0), gW.to(W.dtype), (dl * dk).sum(-1), None, *g_o,
+                *[g.to(s.dtype) for g, s in zip(g_src, sources)])
+
+
+def merge_rows(O, lse, W, sources, inv):
+    """Phase 2 for R query rows of one site (o_r in O, lse [N, R], W [R, d]) over the same K recent
+    sources (keys = values) with norm factors inv: the list of h_r, as R merges would give them."""
+    with float32_routing(W):
+        inv = torch.stack(inv)
+        if _needs_grad(*O, lse, W, inv, *sources):
+            return list(_MergeRows.apply(lse, W, inv, len(O), *O, *sources))
+        return _merge_rows([o.to(inv.dtype) for o in O], lse, W.to(inv.dtype), sources, inv)[0]
+
 def _fused_merge(o, lse, alpha, W, streams, recent, inv):
     """DAR's two targets fused: h = sum_t alpha_t (c_o,t o_t + sum_k c_k,t R_k[value stream of t]).
     o: o_0, o_1 [N, d], lse [2, N], alpha [2], W [2, d], recent K x [M, N, d], inv [K, M, N].
@@ -356,6 +424,15 @@ class TwoPhaseRouter:
             keys, values, inv = [R[ks] for R in recent], [R[vs] for R in recent], [i[ks] for i in inv]
             return merge(o, lse, self.W[q], keys, values, inv).view(self.shape)
         return merge(o, lse, self.W[q], recent, recent, inv).view(self.shape)
+
+    def read_rows(self, rows, recent=(), inv=()):
+        """h of each query row in rows (one site's: RD-AttnRes reads two), in one merge where they share
+        their sources."""
+        if len(rows) == 1 or not recent or self.streams is not None:
+            return [self.read(q, recent, inv) for q in rows]
+        flat, flat_inv = self._flat(recent, inv)
+        H = merge_rows([self.o[q] for q in rows], self.lse[:, list(rows)], self.W[list(rows)], flat, flat_inv)
+        return [h.view(self.shape) for h in H]
 
     def read_fused(self, rows, alpha, recent=(), inv=()):
         """DAR: h = alpha_0 r_0 + alpha_1 r_1 for the query rows (target 0's, target 1's)."""

@@ -20,17 +20,20 @@ def sources(n, streams=None, dtype=torch.float64, seed=0):
 
 
 def route(Router, W, completed, recent, reads, streams=None, alpha=None):
-    """Open a router over `completed` and read each query row in `reads` with `recent`; with alpha,
-    read_fused the (target 0, target 1) row pairs."""
+    """Open a router over `completed` and read each query row in `reads` with `recent`; a tuple of rows
+    is one site's (read_rows: RD-AttnRes's two routes); with alpha, read_fused the (target 0, target 1)
+    row pairs."""
     inv = lambda srcs: [rms_inv(s) for s in srcs]  # noqa: E731, the streams' way: norm factors made outside
     router = Router(W, completed, inv(completed), streams)
     if alpha is None:
-        return [router.read(q, recent, inv(recent)) for q in reads]
+        return [h for q in reads for h in (router.read_rows(q, recent, inv(recent)) if isinstance(q, tuple)
+                                           else [router.read(q, recent, inv(recent))])]
     return [router.read_fused(rows, alpha, recent, inv(recent)) for rows in reads]
 
 
 CASES = {  # name: (streams, number of query rows, reads, fused)
     "one-stream": (None, 3, [0, 1, 2], False),
+    "one-stream-rows": (None, 4, [(0, 2), (1, 3, 0)], False),  # sites that read several rows at once
     **{f"dar-{r}": (DAR_STREAMS[r], 4, [(0, 2), (1, 3)], True) for r in ("cross", "self_kv", "cross_v", "fixed_kv")},
     "dar-cross-per-target": (DAR_STREAMS["cross"], 4, [0, 1, 2, 3], False),
 }
@@ -61,24 +64,36 @@ def test_router_equals_reference(case, K):
     torch.autograd.gradcheck(outputs, leaves, fast_mode=True)
 
 
-def test_router_without_grad_equals_with_grad():
+def test_a_row_without_gradient_leaves_the_others_exact():
+    """read_rows where only one route's output reaches the loss (the other's gradient is None)."""
+    completed, recent = sources(2), sources(2, seed=1)
+    W = (0.5 * torch.randn(2, d, generator=torch.Generator().manual_seed(2), dtype=torch.float64)).requires_grad_()
+    grads = [torch.autograd.grad(route(Router, W, completed, recent, [(0, 1)])[1].square().sum(), [W, *completed, *recent])
+             for Router in (TwoPhaseRouter, ReferenceRouter)]
+    for fast, ref in zip(*grads, strict=True):
+        torch.testing.assert_close(fast, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("reads", [[0, 1], [(0, 1)]], ids=["read", "read_rows"])
+def test_router_without_grad_equals_with_grad(reads):
     completed, recent = sources(3), sources(1, seed=1)
     W = torch.randn(2, d, dtype=torch.float64)
-    with_grad = route(TwoPhaseRouter, W, completed, recent, [0, 1])
+    with_grad = route(TwoPhaseRouter, W, completed, recent, reads)
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
-            without = route(TwoPhaseRouter, W, completed, recent, [0, 1])
+            without = route(TwoPhaseRouter, W, completed, recent, reads)
         for a, b in zip(with_grad, without):
             assert torch.equal(a.detach(), b)
 
 
+@pytest.mark.parametrize("reads", [[0, 1], [(0, 1)]], ids=["read", "read_rows"])
 @pytest.mark.parametrize("Router", [TwoPhaseRouter, ReferenceRouter], ids=lambda R: R.__name__)
-def test_routing_stays_float32_under_bf16_autocast(Router):
+def test_routing_stays_float32_under_bf16_autocast(Router, reads):
     completed, recent = sources(3, dtype=torch.float32), sources(1, dtype=torch.float32, seed=1)
     W = torch.randn(2, d)
-    plain = route(Router, W, completed, recent, [0, 1])
+    plain = route(Router, W, completed, recent, reads)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mixed = route(Router, W, completed, recent, [0, 1])
+        mixed = route(Router, W, completed, recent, reads)
     for p, m in zip(plain, mixed):
         assert m.dtype == torch.float32
         torch.testing.assert_close(m, p, rtol=0, atol=0)
