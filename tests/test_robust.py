@@ -1,5 +1,6 @@
-"""tools/robust.py: the design's run names, its checks, the lr chosen on tuning seeds alone, the compute
-multiplier on synthetic power-law ladders (known answers), the bootstrap, and a tiny design end to end."""
+"""tools/robust.py (with robust_design, multiplier, robust_report): the design's run names, its checks, the lr
+chosen on tuning seeds alone, the compute multiplier on synthetic power-law ladders (known answers), the
+bootstrap, and a tiny design end to end."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import pytest
 
 import train
 from depthres import config
-from tools import rescore, robust, sweep
+from tools import multiplier, rescore, robust, robust_report, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,21 +175,21 @@ def test_a_power_law_ladder_recovers_its_exponent():
     C = [F_STD * BATCH * n for n in (400, 600, 800, 1200)]
     true = dict(E=1.3, A=25.0, alpha=0.27)
     L = [true["E"] + true["A"] * c ** -true["alpha"] for c in C]
-    fit = robust.fit_ladder(C, L, "power")
+    fit = multiplier.fit_ladder(C, L, "power")
     assert fit["alpha"] == pytest.approx(true["alpha"], rel=1e-6)
     assert fit["E"] == pytest.approx(true["E"], rel=1e-6) and fit["A"] == pytest.approx(true["A"], rel=1e-5)
     assert fit["rms"] < 1e-9
-    pure = robust.fit_ladder(C, [25.0 * c ** -0.27 for c in C], "loglinear")  # no floor: log-linear is exact
+    pure = multiplier.fit_ladder(C, [25.0 * c ** -0.27 for c in C], "loglinear")  # no floor: log-linear is exact
     assert (pure["alpha"], pure["A"], pure["E"]) == (pytest.approx(0.27, rel=1e-12), pytest.approx(25.0, rel=1e-9), 0)
     for f in (fit, pure):  # the inverse reads the compute back
-        assert robust.inverse(f, robust.predict(f, 1.7 * C[0])) == pytest.approx(1.7 * C[0], rel=1e-6)
+        assert multiplier.inverse(f, multiplier.predict(f, 1.7 * C[0])) == pytest.approx(1.7 * C[0], rel=1e-6)
 
 
 def test_inverse_beyond_the_floor_and_of_a_curve_that_does_not_fall():
-    fit = robust.fit_ladder([1.0, 2.0, 4.0, 8.0], [1.5 + 2 ** -k for k in range(4)], "power")
-    assert robust.inverse(fit, 1.4) == math.inf  # below the floor: never reached
-    rising = robust.fit_ladder([1.0, 2.0], [2.0, 2.1], "loglinear")
-    assert rising["alpha"] < 0 and robust.inverse(rising, 2.05) is None
+    fit = multiplier.fit_ladder([1.0, 2.0, 4.0, 8.0], [1.5 + 2 ** -k for k in range(4)], "power")
+    assert multiplier.inverse(fit, 1.4) == math.inf  # below the floor: never reached
+    rising = multiplier.fit_ladder([1.0, 2.0], [2.0, 2.1], "loglinear")
+    assert rising["alpha"] < 0 and multiplier.inverse(rising, 2.05) is None
 
 
 @pytest.mark.parametrize("kind,E", [("loglinear", 0.0), ("power", 1.0)])
@@ -251,18 +252,18 @@ def test_the_bootstrap_is_reproducible_and_pairs_the_seeds(tmp_path):
                   for s in d["seeds"]} for n in d["ladder"]}
     variant = {s: (F_MUDD * BATCH * 4, robust.read_run(d["out_dir"], "mudd", s)["val_loss"], F_STD * BATCH * 4)
                for s in d["seeds"]}
-    assert robust.bootstrap(ladder, variant, "loglinear", 2000, 0) == a["interval"]
+    assert multiplier.bootstrap(ladder, variant, "loglinear", 2000, 0) == a["interval"]
     # 3 seeds give 10 distinct resamples (multisets); the percentiles are values of them
     draws = [(i, j, k) for i in range(3) for j in range(i, 3) for k in range(j, 3)]
-    values = [robust.multiple({n: dict(enumerate(pts[s] for s in draw)) for n, pts in ladder.items()},
+    values = [multiplier.multiple({n: dict(enumerate(pts[s] for s in draw)) for n, pts in ladder.items()},
                               dict(enumerate(variant[s] for s in draw)), "loglinear")[0] for draw in draws]
     assert len(draws) == 10 and lo in values and hi in values
 
 
 def test_percentile_is_linear_between_order_statistics():
-    assert robust.percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.5
-    assert robust.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.025) == pytest.approx(1.1)
-    assert robust.percentile([1.0, math.inf], 1.0) == math.inf
+    assert multiplier.percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.5
+    assert multiplier.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.025) == pytest.approx(1.1)
+    assert multiplier.percentile([1.0, math.inf], 1.0) == math.inf
 
 
 # --- a. the lr: chosen on the tuning seeds, never on the comparison's ------------------------------------
@@ -387,7 +388,7 @@ def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
     for heading in ("## a. Learning rate", "## b. The gap", "## c. Compute", "## d. Wall-clock", "## Runs"):
         assert heading in text
     assert str(tmp_path) not in text
-    if robust.pyplot() is not None:
+    if robust_report.pyplot() is not None:
         assert (out / "loss_vs_flops.png").stat().st_size > 0
     ran.clear()
     robust.main([str(path)])  # everything finished and scored: nothing reruns

@@ -1,0 +1,212 @@
+"""
+Where prepare_data.py's documents come from: local files (JSON lines or a JSON array, parquet, text;
+.gz too) and hub datasets through `datasets`, each read as a stream of texts. Whatever a source does
+wrong (a missing or empty file, the same file twice, mixed formats, bytes that are not UTF-8, a record
+without the text field, a damaged file, a hub dataset that cannot be read) is one DataError that names
+the source, the line or record, and what to do.
+"""
+
+import glob
+import gzip
+import io
+import json
+import os
+import re
+import zlib
+from pathlib import Path
+
+from depthres.shards import DataError
+
+READ_CHARS = 1 << 16  # a .txt file is read in blocks of this many characters
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def local_files(patterns):
+    """Expand and check local source files; sorted, so the document order is the same everywhere."""
+    files, seen = [], {}
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern)))
+        if not matches:
+            raise DataError(f"source file {pattern} not found: check the path (a hub dataset goes in --dataset)")
+        for f in matches:
+            if not os.path.isfile(f):
+                raise DataError(f"source {f} is not a file: pass files or a pattern such as '{f}/*.parquet'")
+            if os.path.getsize(f) == 0:
+                raise DataError(f"source file {f} is empty: pass a file with documents")
+            st = os.stat(f)
+            if (st.st_dev, st.st_ino) in seen:  # the same file twice, by path, glob or link
+                first, by = seen[(st.st_dev, st.st_ino)]
+                raise DataError(f"source file {f} (from {pattern!r}) is also {first} (from {by!r}): pass each "
+                                "file once (its documents would be counted twice, some in val and in train)")
+            seen[(st.st_dev, st.st_ino)] = (f, pattern)
+            files.append(f)
+    return [str(Path(f).resolve()) for f in files]
+
+
+def format_of(files):
+    """The kind of local files (json, parquet or text), from their extension."""
+    builders = set()
+    for f in files:
+        stem = f[:-3] if f.endswith(".gz") else f
+        builder = BUILDERS.get(os.path.splitext(stem)[1])
+        if builder is None:
+            raise DataError(f"cannot tell the format of {f} from its extension "
+                            f"({', '.join(BUILDERS)}, optionally .gz): pass --dataset json, parquet or text")
+        builders.add(builder)
+    if len(builders) > 1:
+        raise DataError(f"source files mix formats ({', '.join(sorted(builders))}): prepare one format at a time")
+    return builders.pop()
+
+
+READ_ERRORS = (OSError, EOFError, zlib.error)  # what a damaged file (a corrupt or cut .gz) raises when read
+
+
+def _open_text(path):
+    """A local file as text: .gz decompressed, UTF-8 (strict), a leading byte order mark dropped, line
+    ends as "\\n"."""
+    raw = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None)
+
+
+def _not_utf8(path):
+    """DataError naming the first line of a local file that is not UTF-8 (the file read again, in blocks)."""
+    import codecs
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pos, line, line_start = 0, 1, 0  # the file offset of the block, its line, where that line starts
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            held = decoder.getstate()[0]  # the start of a character cut by the previous block
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                before = (held + block)[:e.start]
+                line += before.count(b"\n")
+                if b"\n" in before:
+                    line_start = pos - len(held) + before.rfind(b"\n") + 1
+                return DataError(f"{path} line {line} is not UTF-8 ({e.reason} at byte "
+                                 f"{pos - len(held) + e.start - line_start} of the line): convert the file to UTF-8 "
+                                 "(e.g. iconv -f latin1 -t utf-8)")
+            if not block:
+                return DataError(f"{path} is not UTF-8: convert the file to UTF-8")
+            line += block.count(b"\n")
+            if b"\n" in block:
+                line_start = pos + block.rfind(b"\n") + 1
+            pos += len(block)
+
+
+def _read_errors(path, where=lambda: ""):
+    """A context for reading a local file: what it raises becomes one DataError naming the file."""
+    class Context:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, e, tb):
+            if isinstance(e, UnicodeDecodeError):
+                raise _not_utf8(path) from None
+            if isinstance(e, READ_ERRORS):
+                reason = getattr(e, "strerror", None) or str(e)
+                raise DataError(f"{path} could not be read{where()} ({type(e).__name__}: {reason}): it is damaged "
+                                "or cut short; replace it") from None
+            return False
+    return Context()
+
+
+def text_blocks(path):
+    """A .txt file, as blocks of its text."""
+    with _read_errors(path), _open_text(path) as f:
+        while block := f.read(READ_CHARS):
+            yield block
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _record_text(record, where, text_column, first):
+    """The text of a JSON record; DataError if it is not one."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where} is a JSON {type(record).__name__}, not an object: one JSON object per document")
+    if text_column not in record and first:
+        raise DataError(f"{where} has no field {text_column!r} (its fields: {', '.join(map(str, record))}): "
+                        "pass --text_column naming the text field")
+    text = record.get(text_column)
+    if text is not None and not isinstance(text, str):
+        raise DataError(f"{where}: {text_column!r} holds {text!r:.40} ({type(text).__name__}), not text: fix it, "
+                        "or pass --text_column naming the text field")
+    if text and (bad := SURROGATE.search(text)):  # a "\ud800" escape that pairs with nothing: not Unicode text
+        raise DataError(f"{where}: {text_column!r} holds a lone surrogate ({bad.group()!r}) at character "
+                        f"{bad.start()}: not Unicode text; fix or remove it")
+    return text
+
+
+def json_texts(path, text_column):
+    """The texts of a JSON lines file (one object per line), or of a JSON array of objects."""
+    n, first = 0, True
+    with _read_errors(path, lambda: f" after line {n}" if n else ""), _open_text(path) as f:
+        for line in f:
+            n += 1
+            stripped = line.strip()
+            if not stripped:
+                continue
+            if first and stripped.startswith("["):  # one JSON array: read whole
+                text = line + f.read()
+                try:
+                    records = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): "
+                                    "fix it") from None
+                for i, record in enumerate(records):
+                    yield _record_text(record, f"{path} item {i}", text_column, i == 0)
+                return
+            try:
+                record = json.loads(stripped)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {n} is not valid JSON ({e.msg}, column {e.colno}): "
+                                "fix or remove that line") from None
+            yield _record_text(record, f"{path} line {n}", text_column, first)
+            first = False
+
+
+def parquet_texts(path, text_column):
+    """The texts of a parquet file's column, a batch of rows at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        f = pq.ParquetFile(path)
+        schema = f.schema_arrow
+        if text_column not in schema.names:
+            raise DataError(f"{path} has no column {text_column!r} (its columns: {', '.join(schema.names)}): "
+                            "pass --text_column")
+        typ = schema.field(text_column).type
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
+            raise DataError(f"{path}: column {text_column!r} has type {typ}, not text: pass --text_column")
+        for batch in f.iter_batches(batch_size=256, columns=[text_column]):
+            yield from batch.column(0).to_pylist()
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"{path} could not be read ({type(e).__name__}: {e}): replace it") from None
+
+
+def hub_texts(dataset, name, data_files, source_split, text_column, streaming):
+    """The texts of a hub dataset's column, through `datasets`. Whatever fails while reading is a
+    DataError naming the source."""
+    where = dataset + (f" ({name})" if name else "") + (f" {data_files}" if data_files else "")
+    try:
+        from datasets import load_dataset
+        ds = load_dataset(dataset, name, data_files=data_files, split=source_split, streaming=streaming)
+        try:
+            ds = ds.select_columns([text_column])
+        except ValueError as e:
+            raise DataError(f"source {where} has no column {text_column!r} ({e}): pass --text_column") from None
+        for index, row in enumerate(ds):
+            yield _record_text(row, f"source {where} document {index}", text_column, False)
+    except (DataError, GeneratorExit):
+        raise
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        reason = (str(cause).strip().splitlines() or [""])[0]
+        raise DataError(f"could not read source {where}: {type(cause).__name__}: {reason}: check the dataset's "
+                        "name, --name and --source_split, and the network") from None
