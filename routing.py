@@ -250,7 +250,6 @@ def merge(o, lse, w, keys, values, inv):
         return _merge(o.to(inv.dtype), lse, w.to(inv.dtype), keys, values, inv)[0]
 
 
-
 def _merge_rows(O, lse, W, sources, inv):
     """Phase 2 for R query rows of one site over the same K recent sources, keys = values (RD-AttnRes:
     w_QK and w_V). O R x [N, d], lse [N, R], W [R, d], sources K x [N, d], inv [K, N] -> H R x [N, d],
@@ -315,6 +314,7 @@ def merge_rows(O, lse, W, sources, inv):
         if _needs_grad(*O, lse, W, inv, *sources):
             return list(_MergeRows.apply(lse, W, inv, len(O), *O, *sources))
         return _merge_rows([o.to(inv.dtype) for o in O], lse, W.to(inv.dtype), sources, inv)[0]
+
 
 def _fused_merge(o, lse, alpha, W, streams, recent, inv):
     """DAR's two targets fused: h = sum_t alpha_t (c_o,t o_t + sum_k c_k,t R_k[value stream of t]).
