@@ -238,6 +238,16 @@ def test_plots_of_a_sweep_that_has_barely_started(tmp_path):
     assert plots.plot_gaps({"base": ({}, [])}, tmp_path / "gaps.png") is None
 
 
+def test_the_gap_plot_draws_one_panel_per_highlighted_comparison(tmp_path):
+    gaps = {"base": {"a": {100: (-0.01, 1, 2, -0.05, 0.03)}, "b": {100: (0.02, 1, 2, -0.1, 0.14)}, "c": {}},
+            "second": {"d": {100: (0.0, 2, 2, -0.02, 0.02)}}}
+    panels = {"base": (gaps["base"], ["b", "c", "a"]), "second": (gaps["second"], ["d"])}
+    assert [(b, v) for b, v, _ in plots.gap_cells(panels)] == [("base", "b"), ("base", "a"), ("second", "d")]
+    if plots.pyplot() is not None:
+        assert plots.plot_gaps(panels, tmp_path / "gaps.png") == tmp_path / "gaps.png"
+        assert (tmp_path / "gaps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_sweep_file_declares_its_family_and_the_sweep_scores_its_runs(tmp_path, monkeypatch, capsys):
     path = sweep_file(tmp_path, variants=("a", "b", "c"), seeds=(0,), extra='primary = [("b", "a")]\ntwins = {"c": "a"}\n')
     spec = sweep.load_sweep(str(path))

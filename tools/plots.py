@@ -63,9 +63,9 @@ def plot_forest(ts, score, path):
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(f"paired Δ NLL on {SHORT[score]} (nats; < 0: the first is better), mean over seeds\n"
-                  "blue/orange: the family and its controls, interval at the level the procedure tested it at\n"
-                  "(the test's acceptance region, not a simultaneous interval); grey: exploratory, uncorrected 95%;\n"
-                  "filled: the interval excludes 0", fontsize=8)
+                  "blue / orange: the family / its controls, interval at the level the procedure\n"
+                  "tested it at (the test's acceptance region, not a simultaneous interval)\n"
+                  "grey: exploratory, uncorrected 95% interval; filled: the interval excludes 0", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -73,35 +73,49 @@ def plot_forest(ts, score, path):
     return path
 
 
+def gap_cells(panels):
+    """The panels of the gap plot: (baseline, variant, that baseline's gaps) for each highlighted variant
+    with gaps, baselines in order and each baseline's variants in the order given."""
+    return [(b, v, gaps) for b, (gaps, highlight) in panels.items() for v in highlight if gaps.get(v)]
+
+
 def plot_gaps(panels, path):
-    """The mean paired gap over training, one panel per baseline ({baseline: (gaps, highlighted variants)}):
-    the highlighted variants (the primary family's) in their own colours with their paired 95% band, the
-    rest thin grey lines."""
-    panels = {b: (g, hi) for b, (g, hi) in panels.items() if any(g.values())}
-    if not panels:
+    """The mean paired gap over training as small multiples ({baseline: (gaps, highlighted variants)}):
+    one panel per highlighted comparison (the primary family's, in declared order) with its pointwise
+    paired 95% band, on one shared y axis; the same baseline's other comparisons as faint grey lines
+    behind it, for context."""
+    cells = gap_cells(panels)
+    if not cells:
         return None
     plt = pyplot()
     if plt is None:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
-    palette = plt.get_cmap("tab10").colors
-    for ax, (baseline, (gaps, highlight)) in zip(axes[0], panels.items()):
-        for variant, g in gaps.items():
-            steps = sorted(g)
-            if variant not in highlight:
-                ax.plot(steps, [g[s][0] for s in steps], color="0.7", lw=0.8, zorder=1)
-        for i, variant in enumerate(v for v in highlight if gaps.get(v)):
-            g, color = gaps[variant], palette[i % len(palette)]
-            steps = sorted(g)
-            ax.plot(steps, [g[s][0] for s in steps], color=color, marker=".", label=variant, zorder=3)
-            band = [s for s in steps if not undefined(g[s][3])]
-            ax.fill_between(band, [g[s][3] for s in band], [g[s][4] for s in band], color=color, alpha=0.15, lw=0)
+    ncols = min(4, len(cells))
+    nrows = math.ceil(len(cells) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.4 * ncols, 2.7 * nrows + 0.6), sharex=True, sharey=True,
+                             squeeze=False)
+    palette = [c for j, c in enumerate(plt.get_cmap("tab10").colors) if j != 7]  # tab10 without its grey
+    for i, (ax, (baseline, variant, gaps)) in enumerate(zip(axes.flat, cells)):
+        for other, g in gaps.items():
+            if other != variant:
+                steps = sorted(g)
+                ax.plot(steps, [g[s][0] for s in steps], color="0.8", lw=0.6, zorder=1)
+        g, color = gaps[variant], palette[i % len(palette)]
+        steps = sorted(g)
+        band = [s for s in steps if not undefined(g[s][3])]
+        ax.fill_between(band, [g[s][3] for s in band], [g[s][4] for s in band], color=color, alpha=0.2, lw=0, zorder=2)
+        ax.plot(steps, [g[s][0] for s in steps], color=color, marker=".", zorder=3)
         ax.axhline(0, color="black", lw=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"paired Δ val NLL vs {baseline} (nats, val prefix)")
-        ax.set_title(f"vs {baseline}: coloured with pointwise paired 95% bands; grey: the rest", fontsize=9)
-        ax.legend(fontsize=7)
+        ax.set_title(f"{variant} − {baseline}", fontsize=9)
         ax.grid(alpha=0.3)
+    for ax in axes.flat[len(cells):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("paired Δ NLL (nats)")
+    fig.suptitle("paired gap over training on the validation prefix each run evaluates (< 0: the first is better); "
+                 "band: pointwise paired 95% t interval; grey: the same baseline's other comparisons", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
