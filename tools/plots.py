@@ -110,8 +110,10 @@ def plot_gaps(panels, path):
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(cells):]:
         ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel("step")
+    for k, ax in enumerate(axes.flat[:len(cells)]):
+        if k + ncols >= len(cells):  # the lowest panel of its column: its steps and label show
+            ax.xaxis.set_tick_params(labelbottom=True)
+            ax.set_xlabel("step")
     for ax in axes[:, 0]:
         ax.set_ylabel("paired Δ NLL (nats)")
     fig.suptitle("paired gap over training on the validation prefix each run evaluates (< 0: the first is better); "
