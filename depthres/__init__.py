@@ -6,4 +6,7 @@
     checkpoint    the run directory, its claim and its checksummed checkpoints
     runlog        log lines, log.jsonl, W&B, progress and MFU
     distributed   how ranks share a run: DDP, FSDP2, agreed errors
+    sharded       FSDP from the meta device, and its sharded checkpoints
+    sources       where prepare_data.py's documents come from
+    run           a training run's machinery: opening it, its log, signals, divergence, evaluation, summary
 """

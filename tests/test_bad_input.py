@@ -11,8 +11,8 @@ import train
 from depthres import config
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
+from depthres.run import DivergedError
 from depthres.shards import DataError, load_meta
-from train import DivergedError
 
 from runs import CONFIG, run
 

@@ -11,6 +11,7 @@ import torch
 import sample
 import train
 from depthres.checkpoint import load_checkpoint
+from depthres.run import Stopped
 from tools import export_ckpt
 
 from runs import (
@@ -258,7 +259,7 @@ def test_a_2_rank_checkpoint_resumes_on_1_and_on_2_ranks_and_exports_to_a_file_t
     assert load_checkpoint(run_dir, sharded=True)["step"] == 2  # 2 ranks stopped after step 2, sharded
     args = fsdp_args(data_dir, tmp_path, "--run_name=moved")
     monkeypatch.setattr(train, "train_step", kill_in_step(2, signal.SIGTERM))
-    with pytest.raises(train.Stopped):  # on one process: resumed at 2, stopped after step 4, one file
+    with pytest.raises(Stopped):  # on one process: resumed at 2, stopped after step 4, one file
         train.main(args + ["--resume=true"])
     monkeypatch.undo()
     assert "resumed at step 2 from" in capsys.readouterr().out

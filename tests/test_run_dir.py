@@ -19,7 +19,7 @@ import train
 from depthres import checkpoint, runlog
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
-from train import DivergedError
+from depthres.run import DivergedError, Stopped
 
 from runs import CONFIG, ROOT, assert_same_run, kill_in_step, losses, poll, records, run, steps, untimed
 
@@ -135,7 +135,7 @@ def test_sigterm_or_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path,
     for name, signum in (("term", signal.SIGTERM), ("int", signal.SIGINT)):
         handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
         monkeypatch.setattr(train, "train_step", kill_in_step(4, signum))
-        with pytest.raises(train.Stopped, match=f"stopped by {signal.Signals(signum).name} after step 4") as e:
+        with pytest.raises(Stopped, match=f"stopped by {signal.Signals(signum).name} after step 4") as e:
             run(data_dir, tmp_path, f"--run_name={name}")
         monkeypatch.undo()
         assert e.value.signum == signum and [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
@@ -259,7 +259,7 @@ def test_a_finite_but_huge_loss_is_a_divergence_and_its_resume_says_so_again(dat
 
 
 def test_a_huge_val_loss_stops_before_the_checkpoint(data_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "evaluate", lambda *args: (800.0, 1024))
+    monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: (800.0, 1024))
     with pytest.raises(DivergedError, match=r"val loss 800 at step 3 is above 23.1 nats .* stopped before this "
                                             r"checkpoint; no checkpoint was written"):
         run(data_dir, tmp_path)
@@ -269,14 +269,14 @@ def test_a_huge_val_loss_stops_before_the_checkpoint(data_dir, tmp_path, monkeyp
 def test_sigterm_during_the_final_evaluations_stops_gracefully(data_dir, tmp_path, monkeypatch, straight):
     real, calls = train.evaluate, []
 
-    def evaluate(model, split, tc, dist, autocast):  # SIGTERM while the last step's val evaluation runs
+    def evaluate(model, data_dir, split, *args, **kwargs):  # SIGTERM while the last step's val evaluation runs
         calls.append(split)
-        out = real(model, split, tc, dist, autocast)
+        out = real(model, data_dir, split, *args, **kwargs)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return out
     monkeypatch.setattr(train, "evaluate", evaluate)
-    with pytest.raises(train.Stopped, match="stopped by SIGTERM after step 6; checkpoint written to"):
+    with pytest.raises(Stopped, match="stopped by SIGTERM after step 6; checkpoint written to"):
         run(data_dir, tmp_path, "--run_name=late")
     monkeypatch.undo()
     assert calls == ["val", "val"]  # the test evaluation did not start
@@ -288,7 +288,7 @@ def test_sigterm_during_the_final_evaluations_stops_gracefully(data_dir, tmp_pat
 
 def test_resume_true_without_a_checkpoint_starts_the_run(data_dir, tmp_path, monkeypatch, capsys, straight):
     monkeypatch.setattr(train, "train_step", kill_in_step(2, signal.SIGTERM))
-    with pytest.raises(train.Stopped):  # a SIGTERM before the first checkpoint writes one at step 2 ...
+    with pytest.raises(Stopped):  # a SIGTERM before the first checkpoint writes one at step 2 ...
         run(data_dir, tmp_path, "--run_name=early", "--ckpt_interval=0")
     monkeypatch.setattr(train, "train_step", kill_in_step(2))
     with pytest.raises(KeyboardInterrupt):  # ... a kill does not

@@ -13,8 +13,8 @@ import train
 from depthres import checkpoint, config, distributed
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
+from depthres.run import DeviceBatches, DivergedError, Run
 from depthres.shards import load_meta
-from train import DivergedError
 
 from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, losses, records, run, steps, two_ranks, untimed
 
@@ -174,7 +174,7 @@ def test_lr_schedules():
 def test_batches_read_ahead_checkpoint_the_state_of_the_batches_used(data_dir):
     from depthres.shards import TokenLoader
     plain, ahead = (TokenLoader(data_dir, "train", 4, 32, seed=3) for _ in range(2))
-    batches = train.DeviceBatches(ahead, torch.device("cpu"))
+    batches = DeviceBatches(ahead, torch.device("cpu"))
     for _ in range(5):
         state = plain.state_dict()
         assert batches.state_dict() == state  # not the loader's own: it is one batch ahead
@@ -201,7 +201,7 @@ def test_a_training_step_synchronises_with_the_device_once(data_dir, monkeypatch
         real_step()
         counting[0] = True
     monkeypatch.setattr(optimizer, "step", uncounted_step)
-    run = train.Run(tc, mc, {}, cpu, run_dir=None, train_model=model, optimizer=optimizer, batches=loader)
+    run = Run(tc, mc, {}, cpu, run_dir=None, train_model=model, optimizer=optimizer, batches=loader)
     train.train_step(run, 1e-3)
     assert syncs == ["tolist"]
 
