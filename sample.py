@@ -44,15 +44,16 @@ from pathlib import Path
 
 import torch
 
-from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres.checkpoint import CheckpointError, load_model
+from depthres.config import need
 from depthres.shards import DataError, get_tokenizer
-from model import GPT, GPTConfig, KVCache
+from model import KVCache
 
 DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)
 
 
 class UsageError(ValueError):
-    """Bad input (flags, prompt, a checkpoint that does not fit): `error: ...`, exit code 2."""
+    """Bad input (flags, prompt): `error: ...`, exit code 2 (as is a checkpoint that does not fit: CheckpointError)."""
 
 
 # -----------------------------------------------------------------------------
@@ -256,18 +257,14 @@ def parse_args(argv):
 
 
 def check_args(args):
-    def need(ok, msg):
-        if not ok:
-            raise UsageError(msg)
-
-    need(args.num_samples >= 1, f"--num_samples must be at least 1, got {args.num_samples}")
-    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}")
-    need(args.max_new_tokens >= 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    need(args.num_samples >= 1, f"--num_samples must be at least 1, got {args.num_samples}", UsageError)
+    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}", UsageError)
+    need(args.max_new_tokens >= 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}", UsageError)
     need(math.isfinite(args.temperature) and args.temperature >= 0,
-         f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
-    need(args.top_k is None or args.top_k >= 1, f"--top_k must be at least 1, got {args.top_k}")
-    need(args.top_p is None or 0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}")
-    need(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+         f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}", UsageError)
+    need(args.top_k is None or args.top_k >= 1, f"--top_k must be at least 1, got {args.top_k}", UsageError)
+    need(args.top_p is None or 0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}", UsageError)
+    need(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available", UsageError)
 
 
 def read_prompt(args):
@@ -295,22 +292,12 @@ def read_prompt(args):
     return args.prompt
 
 
-def load_model(ckpt_path, device):
-    """(model in eval mode on device, tokenizer) from a checkpoint file or run directory."""
-    ckpt = load_checkpoint(ckpt_path, map_location="cpu")
-    try:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise UsageError(f"{ckpt_path}: the checkpoint's model does not fit this model.py: {e}") from e
-    return model.to(device).eval(), get_tokenizer(ckpt["tokenizer"])
-
-
 def run(args):
     check_args(args)
     text = read_prompt(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    model, tokenizer = load_model(args.ckpt, device)
+    model, ckpt = load_model(args.ckpt, device)
+    tokenizer = get_tokenizer(ckpt["tokenizer"])
     prompt_ids = [tokenizer.eot] if text is None else tokenizer.encode(text)
     block_size = model.cfg.block_size
     if len(prompt_ids) > block_size:

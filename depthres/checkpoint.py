@@ -23,7 +23,7 @@ import torch
 
 from depthres.config import total_steps
 from depthres.files import DirLock, write_atomic, writing
-from model import GPTConfig
+from model import GPT, GPTConfig
 
 CKPT_FORMAT = "depthres-ckpt-2"
 CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng",
@@ -282,6 +282,20 @@ def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):
         raise CheckpointError(f"{path} is corrupt: its contents do not match the checksum written with it "
                               "(damaged on disk or in a copy); use an intact copy or another checkpoint")
     return ckpt if map_location in (None, "cpu") else moved(ckpt, map_location)
+
+
+def load_model(path_or_run_dir, device="cpu"):
+    """(the model of a checkpoint file or run directory, in eval mode on `device`; the checkpoint dict).
+    No readable checkpoint, or a model this model.py cannot build or load, is one CheckpointError line."""
+    ckpt = load_checkpoint(path_or_run_dir)
+    try:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError) as e:  # torch's load_state_dict: a line per mismatch, the first said
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        first = " ".join(lines[:2]) + (f" (and {len(lines) - 2} more)" if len(lines) > 2 else "")
+        raise CheckpointError(f"{path_or_run_dir}: the checkpoint's model does not fit this model.py: {first}") from None
+    return model.to(device).eval(), ckpt
 
 
 def resume_path(tc, run_dir):

@@ -42,6 +42,12 @@ def check_printable(name, text, error=None):
             "are printed or become paths may not hold newlines, escapes or other control characters")
 
 
+def need(ok, message, error=ConfigError):
+    """Raise error(message) unless ok: bad input is one line, said before any compute."""
+    if not ok:
+        raise error(message)
+
+
 def key(default, help):
     return field(default=default, metadata={"help": help})
 
@@ -85,10 +91,6 @@ class TrainConfig:
     wandb_tags: str = key("", "comma-separated W&B tags (sweep.py: the variant and seed<s>)")
 
     def __post_init__(self):
-        def need(ok, msg):
-            if not ok:
-                raise ConfigError(msg)
-
         for name, typ in TRAIN_TYPES.items():  # run_name, out_dir, data_dir, resume, the W&B names, ..
             if typ is str:
                 check_printable(name, getattr(self, name))

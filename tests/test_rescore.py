@@ -57,3 +57,20 @@ def test_a_run_that_starts_over_or_continues_drops_its_scores(finished, data_dir
     assert json.loads((d / "scores.json").read_text())["device"] == "cpu"
     run(data_dir, tmp_path, "--run_name=done", "--overwrite=true", "--max_steps=2")
     assert not (d / "scores.json").exists() and (d / "summary.json").exists()
+
+
+def test_a_checkpoint_that_does_not_fit_this_model_py_is_one_line_in_every_reader(finished, tmp_path, capsys):
+    """sample.py, tools/diagnose.py and tools/rescore.py read a checkpoint through one function
+    (depthres.checkpoint.load_model), with one error for a model this model.py cannot load."""
+    import sample
+    from depthres.checkpoint import load_checkpoint, save_checkpoint
+    from tools import diagnose
+    ckpt = load_checkpoint(finished)
+    ckpt["model_config"]["n_embd"] = 64  # its weights are of width 32
+    (tmp_path / "bad").mkdir()
+    save_checkpoint(tmp_path / "bad" / "ckpt.pt", {k: v for k, v in ckpt.items() if k != "checksum"})
+    for main in (rescore.main, lambda args: sample.main(["--ckpt", *args]), lambda args: diagnose.main(["--ckpt", *args])):
+        assert main([str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / 'bad'}: the checkpoint's model does not fit this model.py: ")
+        assert err.count("\n") == 1

@@ -38,6 +38,7 @@ import typing
 import torch
 import torch._dynamo
 
+from depthres.config import need
 from depthres.files import write_atomic
 from model import GPT, GPTConfig, ReferenceRouter, compile_model
 from routing import TwoPhaseRouter, rms_inv
@@ -93,16 +94,12 @@ def variant_config(spec, args):
 
 def check_args(args):
     """Every flag, variant and the output path, before any model is built; returns (device, specs)."""
-    def need(ok, msg):
-        if not ok:
-            raise BenchError(msg)
-
     for flag in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "batch_size", "repeats"):
-        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}")
+        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}", BenchError)
+    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}", BenchError)
     need(all(len(b) == 2 and min(b) >= 1 for b in args.routing_blocks),
          "--routing_blocks: each block is sources:sites, both at least 1 (e.g. 4:4,8:4), got "
-         + ",".join(":".join(map(str, b)) for b in args.routing_blocks))
+         + ",".join(":".join(map(str, b)) for b in args.routing_blocks), BenchError)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -110,10 +107,11 @@ def check_args(args):
             device = torch.device(args.device)
         except RuntimeError:
             raise BenchError(f"--device {args.device} is not a device: use auto, cpu, cuda or cuda:N") from None
-        need(device.type in ("cpu", "cuda"), f"--device {args.device}: use auto, cpu, cuda or cuda:N")
-        need(device.type != "cuda" or torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available")
+        need(device.type in ("cpu", "cuda"), f"--device {args.device}: use auto, cpu, cuda or cuda:N", BenchError)
+        need(device.type != "cuda" or torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available",
+             BenchError)
         need(device.type != "cuda" or device.index is None or device.index < torch.cuda.device_count(),
-             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", BenchError)
     try:
         GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                   n_embd=args.n_embd)
@@ -124,7 +122,7 @@ def check_args(args):
         specs.insert(0, "standard")
     for spec in specs:
         variant_config(spec, args)
-    need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write")
+    need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write", BenchError)
     probe = os.path.join(os.path.dirname(args.out) or ".", f".bench-probe-{os.getpid()}")
     try:
         with open(probe, "xb"):

@@ -29,11 +29,12 @@ from pathlib import Path
 
 import torch
 
-from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres.checkpoint import CheckpointError, load_model
+from depthres.config import need
 from depthres.files import os_error_message, write_atomic
 from depthres.runlog import perplexity
 from depthres.shards import DataError, eval_batches, load_meta
-from model import GPT, GPTConfig, _site_name
+from model import _site_name
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs
 
@@ -330,14 +331,8 @@ def find_data_dir(recorded, given=None):
 def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", data_dir=None):
     """Compute the diagnostics of a checkpoint and write them into out_dir (default: the run directory).
     Every check (the checkpoint, its data, the model) comes before the compute."""
-    ckpt = load_checkpoint(ckpt_path, map_location=device)
-    try:
-        cfg = GPTConfig(**ckpt["model_config"])
-        model = GPT(cfg).to(device)
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{ckpt_path}: the checkpoint's model does not fit this model.py: {e}") from None
-    model.eval()
+    model, ckpt = load_model(ckpt_path, device)
+    cfg = model.cfg
     data_dir, note = find_data_dir(ckpt["train_config"].get("data_dir", "data/shakespeare"), data_dir)
     meta = load_meta(data_dir)
     if meta["tokenizer"] != ckpt["tokenizer"] or meta["vocab_size"] > cfg.vocab_size:
@@ -413,31 +408,27 @@ def summary(d):
 
 def check_args(args):
     """Every flag, and where the results go, before any compute."""
-    def need(ok, msg):
-        if not ok:
-            raise UsageError(msg)
-
-    need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}")
-    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}")
+    need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}", UsageError)
+    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}", UsageError)
     try:
         device = torch.device(args.device)
     except RuntimeError:
         raise UsageError(f"--device {args.device} is not a device: use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
-        need(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available")
+        need(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available", UsageError)
         need(device.index is None or device.index < torch.cuda.device_count(),
-             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", UsageError)
     else:
-        need(device.type == "cpu", f"--device {args.device}: use cpu, cuda or cuda:N")
+        need(device.type == "cpu", f"--device {args.device}: use cpu, cuda or cuda:N", UsageError)
     for run in args.curves or []:
         need(os.path.isfile(os.path.join(run, "log.jsonl")),
-             f"--curves {run}: no log.jsonl there (not a train.py run directory)")
+             f"--curves {run}: no log.jsonl there (not a train.py run directory)", UsageError)
     if args.ckpt:
         need(args.out is None or not os.path.exists(args.out) or os.path.isdir(args.out),
-             f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory")
+             f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory", UsageError)
     elif args.out:
         need(not os.path.isdir(args.out),
-             f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write")
+             f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write", UsageError)
     if args.curves:
         png = curves_path(args)
         check_writable(os.path.dirname(png) or ".", "the curves")

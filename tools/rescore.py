@@ -10,16 +10,16 @@ test splits, not the fixed prefix (eval_tokens) the run itself evaluates.
 Writes scores.json into each run directory (atomically): {"step", "val": {"loss", "tokens"}, "test":
 {...}, "max_tokens", "device", "autocast"}; train.py drops it when the run starts over or continues.
 A run whose scores.json is of its checkpoint's step is skipped unless --force.
-The numbers are those train.py's evaluation computes (the same windows of seq_len, the same batches,
-float64 sums), so with --tokens set to the run's eval_tokens they equal its logged losses. On a CUDA
-machine the model runs there, under bfloat16 autocast as train.py evaluates; elsewhere on the CPU in
-float32. A sweep scores each run it finishes this way (tools/sweep.py); tools/report.py reads the scores.
+The numbers are those train.py's evaluation computes (the same function, depthres.run.evaluate: the
+same windows of seq_len, the same batches, float64 sums), so with --tokens set to the run's eval_tokens
+they equal its logged losses bit for bit. On a CUDA machine the model runs there, under bfloat16
+autocast as train.py evaluates; elsewhere on the CPU in float32. A sweep scores each run it finishes
+this way (tools/sweep.py); tools/report.py reads the scores.
 Exit status: 0 done; 2 with one `error:` line (no checkpoint, a corrupt one, missing data, a run
 directory that cannot be written).
 """
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres.checkpoint import CheckpointError, load_model
+from depthres.distributed import Dist
 from depthres.files import write_file
-from depthres.shards import DataError, eval_batches
-from model import GPT, GPTConfig
+from depthres.run import evaluate
+from depthres.shards import DataError
 from tools.report import run_dir
 from tools.sweep import load_sweep
 
@@ -39,25 +40,11 @@ class RescoreError(RuntimeError):
     """A run directory that cannot be scored or written."""
 
 
-@torch.no_grad()
-def split_loss(model, data_dir, split, batch_size, seq_len, max_tokens=None, device="cpu"):
-    """(mean loss, tokens) over the first max_tokens targets of a split (None: all of it)."""
-    total, tokens = 0.0, 0
-    cuda = torch.device(device).type == "cuda"
-    for x, y in eval_batches(data_dir, split, batch_size, seq_len, max_tokens):
-        x, y = x.to(device), y.to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
-            _, loss = model(x, y)
-        total += loss.double().item() * y.numel()
-        tokens += y.numel()
-    return total / tokens, tokens
-
-
 def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir=None):
     """Score one run directory's checkpoint; returns its scores (and writes scores.json), or None when
     an up-to-date scores.json is there already."""
     path = Path(path)
-    ckpt = load_checkpoint(path)
+    model, ckpt = load_model(path)
     out = path / "scores.json"
     if out.exists() and not force:
         try:
@@ -68,15 +55,14 @@ def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir
         except ValueError:
             pass  # a torn file: score again
     tc = ckpt["train_config"]
-    model = GPT(GPTConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    scores = {"step": ckpt["step"], "max_tokens": max_tokens, "device": device,
-              "autocast": "bfloat16" if device == "cuda" else None}
-    for split in splits:
-        loss, tokens = split_loss(model, data_dir or tc["data_dir"], split, tc["batch_size"], tc["seq_len"], max_tokens,
-                                  device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None  # as train.py
+    scores = {"step": ckpt["step"], "max_tokens": max_tokens, "device": device.type,
+              "autocast": "bfloat16" if autocast else None}
+    for split in splits:  # train.py's evaluation, on one process
+        loss, tokens = evaluate(model, data_dir or tc["data_dir"], split, tc["batch_size"], tc["seq_len"], max_tokens,
+                                Dist(rank=0, world_size=1, device=device), autocast)
         scores[split] = {"loss": loss, "tokens": tokens}
     write_file(out, (json.dumps(scores, indent=2) + "\n").encode(), RescoreError)
     return scores
