@@ -135,3 +135,12 @@ def test_the_reading_order_links_hold_what_they_name():
         now = [f"{path}#L{i + 1}" for i, text in enumerate(lines) if re.match(rf"(def|class) {name}\b", text)]
         assert re.match(rf"(def|class) {name}\b", held), \
             f"README links {path}#L{line} for {name}, but that line is {held!r}; {name} is at {now or 'no line'}"
+
+
+@pytest.mark.parametrize("package", ["tools", "depthres"])
+def test_a_package_s_docstring_lists_every_module(package):
+    """tools/__init__.py and depthres/__init__.py name each of their modules, one a line."""
+    listed = set(re.findall(r"^ {4}(\w+(?:, \w+)*)\s", (ROOT / package / "__init__.py").read_text(), re.M))
+    listed = {name for line in listed for name in line.split(", ")}
+    modules = {p.stem for p in (ROOT / package).glob("*.py")} - {"__init__"}
+    assert modules - listed == set(), f"{package}/__init__.py does not list {sorted(modules - listed)}"
