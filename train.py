@@ -150,7 +150,9 @@ def build(tc, mc, dist, ckpt):
     resuming; and the step. FSDP builds the model on the meta device and gives each rank its shards
     (depthres/sharded.py): no rank holds the whole model. A whole checkpoint: each rank keeps its shard.
     A sharded checkpoint (ckpt["sharded"]): each rank reads its part, whatever the number of ranks."""
-    random.seed(tc.seed), np.random.seed(tc.seed), torch.manual_seed(tc.seed)  # torch: CUDA too
+    random.seed(tc.seed)
+    np.random.seed(tc.seed)
+    torch.manual_seed(tc.seed)  # CUDA too
     weights = ckpt["model"] if ckpt is not None and "sharded" not in ckpt else None
     if tc.fsdp and dist.world_size > 1:
         model = sharded_model(mc, tc.seed, dist, weights, init=ckpt is None)
