@@ -1,5 +1,5 @@
 """
-Tokenize a text corpus into binary shards (their format: shards.py).
+Tokenize a text corpus into binary shards (their format: token_data.py).
 
     python prepare_data.py                              # embedded Shakespeare -> data/shakespeare/
     python prepare_data.py --tokenizer byte             # same corpus as bytes -> data/shakespeare_byte/
@@ -61,7 +61,8 @@ from pathlib import Path
 import numpy as np
 
 from depthres.files import DirLock, os_error_message, sync_dir
-from depthres.shards import (
+from depthres.sources import BUILDERS, READ_CHARS, format_of, hub_texts, json_texts, local_files, parquet_texts, text_blocks
+from depthres.token_data import (
     DATA_DIR,
     FORMAT_VERSION,
     SPLITS,
@@ -74,7 +75,6 @@ from depthres.shards import (
     write_meta,
     write_shard,
 )
-from depthres.sources import BUILDERS, READ_CHARS, format_of, hub_texts, json_texts, local_files, parquet_texts, text_blocks
 
 DEFAULT_CORPUS = DATA_DIR / "shakespeare.jsonl.gz"
 # the files a preparation owns in its out_dir (and their temporary names while being written)

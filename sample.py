@@ -46,7 +46,7 @@ import torch
 
 from depthres.checkpoint import CheckpointError, load_model
 from depthres.config import need
-from depthres.shards import DataError, get_tokenizer
+from depthres.token_data import DataError, get_tokenizer
 from model import KVCache
 
 DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)

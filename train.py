@@ -32,6 +32,7 @@ import torch.distributed as torch_dist
 
 from depthres.config import parse_config, usage
 from depthres.distributed import ddp, gradient_sync, whole
+from depthres.fsdp import sharded_model
 from depthres.run import (
     DeviceBatches,
     GracefulStop,
@@ -45,8 +46,7 @@ from depthres.run import (
     write_checkpoint,
 )
 from depthres.runlog import log_eval, log_train
-from depthres.sharded import sharded_model
-from depthres.shards import TokenLoader
+from depthres.token_data import TokenLoader
 from model import GPT, compile_model
 
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def lr_at(it, tc, max_steps):
 def build(tc, mc, dist, ckpt):
     """Model (sharded with fsdp=true), optimizer and training loader, restored from `ckpt` when
     resuming; and the step. FSDP builds the model on the meta device and gives each rank its shards
-    (depthres/sharded.py): no rank holds the whole model. A whole checkpoint: each rank keeps its shard.
+    (depthres/fsdp.py): no rank holds the whole model. A whole checkpoint: each rank keeps its shard.
     A sharded checkpoint (ckpt["sharded"]): each rank reads its part, whatever the number of ranks."""
     random.seed(tc.seed)
     np.random.seed(tc.seed)

@@ -4,7 +4,7 @@ The run directory and its checkpoints.
     out_dir/run_name/   config.json, log.jsonl, ckpt.pt or ckpt/, summary.json, wandb_id.txt (RUN_FILES), .lock
     ckpt.pt             one dict (CKPT_KEYS): weights, optimizer, loader and RNG states, configs, and a
                         sha256 of it all; written atomically, verified on every load
-    ckpt/               an FSDP run's sharded checkpoint instead: written and loaded by depthres/sharded.py;
+    ckpt/               an FSDP run's sharded checkpoint instead: written and loaded by depthres/fsdp.py;
                         found (locate, holds_checkpoint) and its run state read (read_sharded) here
     claim_run_dir       a run's claim on its directory: the lock for its life, the checkpoint it
                         continues, what it keeps of the log; a fresh run never replaces a run unasked
@@ -126,7 +126,7 @@ def save_checkpoint(path, state):
 
     The state is a dict with the keys CKPT_KEYS: "format" (CKPT_FORMAT), "model_config" (asdict of
     the GPTConfig), "model" (state_dict without wrapper prefixes), "tokenizer" (its name, for
-    shards.get_tokenizer), "step" (optimizer steps done), "train_config" (asdict of the
+    token_data.get_tokenizer), "step" (optimizer steps done), "train_config" (asdict of the
     TrainConfig), "optimizer", "loader" (TokenLoader.state_dict), "rng" (python, numpy, torch,
     cuda) and "checksum" (see checksum(); added here, verified by load_checkpoint); and since, the
     CKPT_OPTIONAL keys: "world_size" (the ranks that wrote it). It holds only tensors and plain Python
@@ -148,7 +148,7 @@ def _save(state, f):
         raise
 
 
-# --- what a run directory holds: ckpt.pt, or an FSDP run's sharded ckpt/ (written by depthres/sharded.py) ---
+# --- what a run directory holds: ckpt.pt, or an FSDP run's sharded ckpt/ (written by depthres/fsdp.py) ---
 
 SHARDED_FORMAT = "depthres-sharded-1"
 NAME, TMP, OLD = "ckpt", ".ckpt.tmp", ".ckpt.old"  # the sharded checkpoint's names in the run directory
@@ -257,7 +257,7 @@ def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):
     """The checkpoint dict of a run directory (its ckpt.pt) or a checkpoint file, format and checksum checked.
     A sharded checkpoint (an FSDP run's ckpt/, or a run directory whose newest checkpoint it is): with
     sharded=True its run state, without weights and optimizer, and "sharded": its directory, from which
-    each rank loads its part (depthres/sharded.py); otherwise refused, naming the export command."""
+    each rank loads its part (depthres/fsdp.py); otherwise refused, naming the export command."""
     kind, path = locate(path_or_run_dir, prefer_sharded=sharded)
     if kind == "sharded":
         if not sharded:

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from depthres.checkpoint import CheckpointError, RunDirError
 from depthres.config import ConfigError
-from depthres.shards import DataError
+from depthres.token_data import DataError
 
 SHARED_ERRORS = (ConfigError, CheckpointError, DataError, RunDirError)  # raised by one rank, said by all
 

@@ -8,7 +8,7 @@ Files that are never half-written, and directories that one process at a time wr
                                        one line naming the path
     DirLock(directory, owner, Error)   an exclusive lock on a directory for this process' life
 
-Used by the token shards (shards.py, prepare_data.py) and the run directory (checkpoint.py, runlog.py).
+Used by the token shards (token_data.py, prepare_data.py) and the run directory (checkpoint.py, runlog.py).
 """
 
 import errno

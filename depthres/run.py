@@ -56,9 +56,9 @@ from depthres.distributed import (
     state_bytes,
 )
 from depthres.files import write_file, writing
+from depthres.fsdp import load_sharded, remove_sharded, save_sharded
 from depthres.runlog import Progress, RunLog, peak_flops, require_wandb, start_wandb
-from depthres.sharded import load_sharded, remove_sharded, save_sharded
-from depthres.shards import DataError, TokenLoader, check_split, eval_batches, load_meta
+from depthres.token_data import DataError, TokenLoader, check_split, eval_batches, load_meta
 from model import GPT, GPTConfig
 
 
@@ -118,7 +118,7 @@ class Run:
 
     @property
     def sharded(self):
-        """FSDP: the model and optimizer are sharded, and so are the checkpoints (depthres/sharded.py)."""
+        """FSDP: the model and optimizer are sharded, and so are the checkpoints (depthres/fsdp.py)."""
         return self.tc.fsdp and self.dist.world_size > 1
 
     @property

@@ -15,7 +15,7 @@ import re
 import zlib
 from pathlib import Path
 
-from depthres.shards import DataError
+from depthres.token_data import DataError
 
 READ_CHARS = 1 << 16  # a .txt file is read in blocks of this many characters
 

@@ -12,7 +12,7 @@ import torch
 
 import train
 from depthres.checkpoint import load_checkpoint
-from depthres.sharded import whole_checkpoint
+from depthres.fsdp import whole_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "test.py")  # 2 layers of width 32, 6 steps of 256 byte tokens

@@ -12,7 +12,7 @@ from depthres import config
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
 from depthres.run import DivergedError
-from depthres.shards import DataError, load_meta
+from depthres.token_data import DataError, load_meta
 
 from runs import CONFIG, run
 
@@ -35,7 +35,7 @@ def truncate(name):
 
 
 def test_bad_data_is_found_before_step_1(data_dir, tmp_path, monkeypatch):
-    from depthres.shards import get_tokenizer, open_shard, write_shard
+    from depthres.token_data import get_tokenizer, open_shard, write_shard
 
     def id_300_in_val(d):
         tokens = open_shard(d / "val_000000.bin").copy()

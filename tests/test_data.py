@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import prepare_data
-from depthres import shards
+from depthres import token_data
 from depthres.files import write_atomic
-from depthres.shards import (
+from depthres.token_data import (
     SPLITS,
     DataError,
     GPT2Tokenizer,
@@ -95,7 +95,7 @@ def test_byte_tokenizer():
 
 def test_gpt2_vocabulary_checksum(tmp_path):
     bad = tmp_path / "gpt2.tiktoken"
-    bad.write_bytes(shards.GPT2_RANKS.read_bytes()[:-10])
+    bad.write_bytes(token_data.GPT2_RANKS.read_bytes()[:-10])
     with pytest.raises(DataError, match="sha256"):
         GPT2Tokenizer(bad)
     with pytest.raises(DataError, match="not found"):
@@ -383,7 +383,7 @@ def copy_dir(src, dst):
 
 
 def test_token_ids_outside_the_vocabulary_name_their_shard(data_dir, tmp_path):
-    assert shards.check_split(data_dir, "train") == load_meta(data_dir)["splits"]["train"]["tokens"]
+    assert token_data.check_split(data_dir, "train") == load_meta(data_dir)["splits"]["train"]["tokens"]
     tok = get_tokenizer("byte")
     for bad_id in (300, 256 + 64):  # inside the padded vocabulary (trains silently), and past it (IndexError)
         broken = copy_dir(data_dir, tmp_path / f"ids{bad_id}")
@@ -392,7 +392,7 @@ def test_token_ids_outside_the_vocabulary_name_their_shard(data_dir, tmp_path):
         write_shard(broken / "train_000001.bin", tokens, tok)  # a valid header: only the ids are wrong
         with pytest.raises(DataError, match=f"train_000001.bin holds token id {bad_id}, outside the byte "
                                             "tokenizer's ids 0..256"):
-            shards.check_split(broken, "train")
+            token_data.check_split(broken, "train")
 
 
 def test_meta_without_a_key_and_empty_shards_say_what_is_wrong(data_dir, tmp_path):
@@ -409,10 +409,10 @@ def test_meta_without_a_key_and_empty_shards_say_what_is_wrong(data_dir, tmp_pat
     (broken / "meta.json").write_text(json.dumps(meta))
     (broken / "val_000000.bin").write_bytes(b"")
     with pytest.raises(DataError, match=r"val_000000.bin is empty \(0 bytes"):
-        shards.check_split(broken, "val")
-    (broken / "val_000000.bin").write_bytes(shards.SHARD_MAGIC[:5])
+        token_data.check_split(broken, "val")
+    (broken / "val_000000.bin").write_bytes(token_data.SHARD_MAGIC[:5])
     with pytest.raises(DataError, match="val_000000.bin is truncated"):
-        shards.check_split(broken, "val")
+        token_data.check_split(broken, "val")
 
 
 def test_eval_advice_names_the_key_to_change(data_dir):

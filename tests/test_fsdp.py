@@ -39,7 +39,7 @@ INITIAL_WEIGHTS = """
 import sys, torch
 import torch.distributed as torch_dist
 from depthres.distributed import setup_distributed
-from depthres.sharded import sharded_model
+from depthres.fsdp import sharded_model
 from model import GPT, GPTConfig, RESIDUALS
 dist = setup_distributed("cpu")
 configs = [dict(residual=r) for r in RESIDUALS] + [dict(residual="dar", dar_routing="sep_v"),

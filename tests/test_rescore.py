@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from depthres.shards import load_meta
+from depthres.token_data import load_meta
 from tools import rescore
 
 from runs import records, run

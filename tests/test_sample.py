@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from depthres import checkpoint
-from depthres.shards import get_tokenizer
+from depthres.token_data import get_tokenizer
 from model import GPT, RD_MODES, RESIDUALS, GPTConfig
 from sample import SampleWriter, TextStream, Window, filter_logits, generate, main, sample_logits, sample_seed
 

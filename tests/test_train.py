@@ -14,7 +14,7 @@ from depthres import checkpoint, config, distributed
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
 from depthres.run import DeviceBatches, DivergedError, Run
-from depthres.shards import load_meta
+from depthres.token_data import load_meta
 
 from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, losses, records, run, steps, two_ranks, untimed
 
@@ -172,7 +172,7 @@ def test_lr_schedules():
 
 
 def test_batches_read_ahead_checkpoint_the_state_of_the_batches_used(data_dir):
-    from depthres.shards import TokenLoader
+    from depthres.token_data import TokenLoader
     plain, ahead = (TokenLoader(data_dir, "train", 4, 32, seed=3) for _ in range(2))
     batches = DeviceBatches(ahead, torch.device("cpu"))
     for _ in range(5):

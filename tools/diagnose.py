@@ -33,7 +33,7 @@ from depthres.checkpoint import CheckpointError, load_model
 from depthres.config import need
 from depthres.files import os_error_message, write_atomic
 from depthres.runlog import perplexity
-from depthres.shards import DataError, eval_batches, load_meta
+from depthres.token_data import DataError, eval_batches, load_meta
 from model import _site_name
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs

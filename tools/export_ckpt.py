@@ -1,5 +1,5 @@
 """
-Write an FSDP run's sharded checkpoint (RUN_DIR/ckpt/, depthres/sharded.py) as one file: the
+Write an FSDP run's sharded checkpoint (RUN_DIR/ckpt/, depthres/fsdp.py) as one file: the
 checksummed ckpt.pt that sample.py, tools/diagnose.py and tools/rescore.py read, and that any run
 resumes from (one process, DDP or FSDP), bit for bit the state the shards hold.
 
@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from depthres.checkpoint import CheckpointError, RunDirError
-from depthres.sharded import export
+from depthres.fsdp import export
 
 
 def main(argv=None):

@@ -31,7 +31,7 @@ from depthres.checkpoint import CheckpointError, load_model
 from depthres.distributed import Dist
 from depthres.files import write_file
 from depthres.run import evaluate
-from depthres.shards import DataError
+from depthres.token_data import DataError
 from tools.report import run_dir
 from tools.sweep import load_sweep
 
