@@ -77,8 +77,9 @@ from depthres.shards import (
 from depthres.sources import BUILDERS, READ_CHARS, format_of, hub_texts, json_texts, local_files, parquet_texts, text_blocks
 
 DEFAULT_CORPUS = DATA_DIR / "shakespeare.jsonl.gz"
-# the files a preparation owns in its out_dir (and their temporary names while being written)
-OUR_FILES = re.compile(r"\.?((train|val|test)_\d{6}\.bin|meta\.json)(\.tmp)?")
+# the files a preparation owns in its out_dir, and their temporary names while being written (files.temporary;
+# .NAME.tmp: an older version's)
+OUR_FILES = re.compile(r"\.?((train|val|test)_\d{6}\.bin|meta\.json)(\.tmp|\.\d+-[0-9a-f]{8}\.tmp)?")
 STAGING = ".prepare_data-staging"  # a preparation is built here, beside the one it replaces, then moved in
 MAX_SHARD_TOKENS = 2**30  # a shard is assembled in memory: 2 GiB of uint16 ids
 

@@ -549,44 +549,6 @@ def test_a_claim_entry_that_is_a_directory_is_not_a_claim(tmp_path, monkeypatch)
     held.release()
 
 
-@pytest.fixture
-def read_only(monkeypatch):
-    """Make writes under the returned function's directories fail as on a read-only mount (EROFS):
-    os.open for writing, os.mkdir, open() and Path.open in a writing mode. (As root, chmod stops nothing.)"""
-    import builtins
-    import errno
-    import io
-    roots = []
-
-    def blocked(path, writing):
-        return writing and any(str(Path(path)).startswith(str(r)) for r in roots)
-
-    def refuse(path):
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-
-    real_os_open, real_mkdir, real_open = os.open, os.mkdir, builtins.open
-
-    def os_open(path, flags, *args, **kwargs):
-        if blocked(path, flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)):
-            refuse(path)
-        return real_os_open(path, flags, *args, **kwargs)
-
-    def mkdir(path, *args, **kwargs):
-        if blocked(path, True) and Path(path).parent.is_dir() and not Path(path).exists():
-            refuse(path)  # (with no parent: FileNotFoundError, as the kernel says first)
-        return real_mkdir(path, *args, **kwargs)
-
-    def open_(file, mode="r", *args, **kwargs):
-        if isinstance(file, (str, Path)) and blocked(file, any(c in mode for c in "wax+")):
-            refuse(file)
-        return real_open(file, mode, *args, **kwargs)
-    monkeypatch.setattr(os, "open", os_open)
-    monkeypatch.setattr(os, "mkdir", mkdir)
-    monkeypatch.setattr(builtins, "open", open_)
-    monkeypatch.setattr(io, "open", open_)
-    return roots.append
-
-
 def test_a_read_only_out_dir_is_one_line_and_the_table_still_prints(tmp_path, monkeypatch, capsys, read_only):
     spec = sweep_spec(tmp_path)
     for v, s in (("a", 0), ("b", 0)):

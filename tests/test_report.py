@@ -3,6 +3,8 @@ and twin comparisons, whole-split scores, the tables and plots, on runs with kno
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -289,3 +291,25 @@ def test_a_declared_test_without_runs_stays_in_the_family_and_never_rejects(tmp_
     assert "| `w` − `late` | n/a (no paired seed) | 0/0 | n/a | 1.000 | n/a | - | no test: 0 paired seeds (counts in the " \
            "family) |" in table
     assert "no test: 1 paired seed (counts in the family) |" in table
+
+
+def test_reports_written_at_once_share_no_temporary_file(tmp_path, monkeypatch, capsys):
+    """Three --table_only processes at once shared fixed temporary names (.curves.tmp.png): one renamed
+    the other's away and reported a missing file. Here a second report writes every file between the
+    first one's write of results.md and its rename."""
+    spec = sweep_spec(tmp_path, seeds=(0, 1))
+    for v, s in (("a", 0), ("a", 1), ("b", 0), ("b", 1)):
+        finished_run(tmp_path / "runs" / v / f"seed{s}", 3.0 + 0.1 * s + (v == "b") * 0.01)
+    real, nested = os.replace, []
+
+    def replace(src, dst):
+        if Path(dst).name == "results.md" and not nested:
+            nested.append(1)
+            report.report(spec)  # the other process, all of it
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+    report.report(spec)
+    err = capsys.readouterr().err
+    assert nested and "warning" not in err, err
+    assert strict_json(tmp_path / "runs" / "results.json")["reference"] == "a"
+    assert not [p.name for p in (tmp_path / "runs").iterdir() if p.name.endswith(".tmp") or ".tmp." in p.name]

@@ -32,12 +32,12 @@ import csv
 import io
 import json
 import math
-import os
 import statistics
 import sys
 from contextlib import suppress
 from pathlib import Path
 
+from depthres.files import write_file
 from tools.diagnose import plot_curves
 from tools.plots import SHORT, plot_forest, plot_gaps, undefined
 from tools.stats import detectable, gated_holm, paired_t, sign_flip_p
@@ -479,24 +479,32 @@ def strict_json(x):
 
 
 def save_output(path, write):
-    """Write one output whole or not at all: write(a temporary path beside `path`) (None from it: nothing
-    to write, such as a plot without matplotlib), then a rename over `path`. Returns None, or why it
-    could not (a read-only or full disk, or a plot that failed), so the other outputs still go out."""
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    """Write one output whole or not at all: write(path) writes it through files.write_atomic (a temporary
+    name of this process alone, fsync, rename), or returns None when there is nothing to write (a plot
+    without matplotlib). Returns None, or why it could not (a read-only or full disk, or a plot that
+    failed), so the other outputs still go out."""
     try:
-        if write(tmp) is None:
-            return None
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write(path)
         return None
     except OSError as e:  # the OS's words; a plot's own one-line error ends with them ("cannot write P: why")
         return (e.strerror or str(e).rsplit(": ", 1)[-1]).lower()
     except Exception as e:  # a plot is an extra: the tables and the files that could be written stand
         return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    finally:
-        with suppress(OSError):
-            tmp.unlink()
+
+
+def save_outputs(out, outputs, done="the tables above are complete"):
+    """save_output of each {file name: write} in the directory `out`; what could not be written is one
+    `warning:` line on stderr, after what was printed (a missing `out` too: it holds the runs, so a
+    report never makes one). Returns the names not written."""
+    if not Path(out).is_dir():
+        problems = {name: "no such directory" for name in outputs}
+    else:
+        problems = {name: why for name, write in outputs.items() if (why := save_output(Path(out) / name, write))}
+    if problems:
+        reasons = sorted(set(problems.values()))
+        print(f"warning: could not write {', '.join(problems)} in {out} ({'; '.join(reasons)}); {done}",
+              file=sys.stderr, flush=True)
+    return list(problems)
 
 
 def report(spec, rescore_hint=None):
@@ -560,19 +568,12 @@ def report(spec, rescore_hint=None):
     if not spec.get("primary"):  # nothing declared: the first ten variants in colour
         highlight[reference] = [v for v in gaps.get(reference, {})][:10]
     outputs = {
-        "results.md": lambda p: p.write_text(text + "\n"),
-        "results.json": lambda p: p.write_text(results_json),
-        "results.csv": lambda p: p.write_text(csv_text.getvalue()),
+        "results.md": lambda p: write_file(p, text + "\n"),
+        "results.json": lambda p: write_file(p, results_json),
+        "results.csv": lambda p: write_file(p, csv_text.getvalue()),
         "curves.png": lambda p: plot_curves({v: d for v, d in finished.items() if d}, p),
         "forest.png": lambda p: plot_forest(ts, score, p),
         "gap_over_training.png": lambda p: plot_gaps({b: (gaps[b], highlight[b]) for b in gaps}, p),
     }
-    if not out.is_dir():
-        problems = {name: "no such directory" for name in outputs}
-    else:
-        problems = {name: why for name, write in outputs.items() if (why := save_output(out / name, write))}
-    if problems:
-        reasons = sorted(set(problems.values()))
-        print(f"warning: could not write {', '.join(problems)} in {out} ({'; '.join(reasons)}); the tables above are "
-              "complete", file=sys.stderr, flush=True)
+    save_outputs(out, outputs)
     return ts
