@@ -7,6 +7,7 @@ Files that are never half-written, and directories that one process at a time wr
                                        or a new one, never part of one
     write_file(path, data, Error)      write_atomic of bytes or text
     write_figure(path, fig, Error)     write_atomic of a matplotlib figure (savefig, PNG)
+    check_writable(directory)          that a directory takes a file, before the work that writes there
     writing(path, Error)               an OSError (disk full, read-only, no permission) becomes Error,
                                        one line naming the path
     DirLock(directory, owner, Error)   an exclusive lock on a directory for this process' life
@@ -82,6 +83,15 @@ def write_file(path, data, error=None):
 def write_figure(path, fig, error=None, format="png", dpi=120):
     """write_atomic of a matplotlib figure (fig.savefig)."""
     write_atomic(path, lambda f: fig.savefig(f, format=format, dpi=dpi), error)
+
+
+def check_writable(directory):
+    """That `directory` takes a file, before the work whose result goes there: a temporary file of
+    this process is made and removed (an OSError if not)."""
+    probe = temporary(Path(directory) / ".probe")
+    with open(probe, "xb"):
+        pass
+    probe.unlink()
 
 
 def sync_dir(path):

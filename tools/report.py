@@ -81,9 +81,11 @@ def tabulable(summary):
 
 def whole_split_scores(d, step):
     """{"val": loss, "test": loss} of a run's scores.json (tools/rescore.py) when it scored the whole
-    splits of the checkpoint at `step`; {} otherwise (not scored yet, or an older checkpoint's)."""
+    splits of the checkpoint at `step` on the run's own data; {} otherwise (not scored yet, an older
+    checkpoint's, or scores of other data: rescore --data_dir)."""
     scores = read_json(Path(d) / "scores.json")
-    if scores is None or scores.get("max_tokens") is not None or (step is not None and scores.get("step") != step):
+    if scores is None or scores.get("max_tokens") is not None or (step is not None and scores.get("step") != step) \
+            or scores.get("own_data") is False:
         return {}
     return {s: scores[s]["loss"] for s in ("val", "test") if isinstance(scores.get(s), dict)
             and finite(scores[s].get("loss"))}
