@@ -153,6 +153,13 @@ BAD_SWEEPS = {
     "owned_in_overrides": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 1]\nreference = "a"\n'
                            'overrides = "max_steps=2 seed=7"\n',
                            "the sweep's overrides ('max_steps=2 seed=7') set seed, which the sweep owns"),
+    # round four: the overrides and every seed, before the first run, each named as what is wrong
+    "overrides_quote": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0]\nreference = "a"\n'
+                        'overrides = "max_steps=2 run_name=\'x"\n',
+                        "error: the overrides (\"max_steps=2 run_name='x\") of every run: No closing quotation"),
+    "seed_too_large": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 2**32]\nreference = "a"\n',
+                       "error: seed 4294967296 (each run's seed and data_seed): seed must be in [0, 2**32), got "
+                       "4294967296"),
     "seeds_twice": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 0]\nreference = "a"\n',
                     "seeds [0, 0] name 0 more than once"),
     "variant_path": ('base = "configs/test.py"\nvariants = {"a": "", "../escape": ""}\nseeds = [0]\nreference = "a"\n',

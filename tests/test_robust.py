@@ -111,6 +111,9 @@ BAD_DESIGNS = {
     "power_short": (dict(fit='"power"'), "the ladder needs at least 4 lengths"),
     "unknown_key": (dict(variants='{"a": "", "b": "n_layers=4"}'), "unknown key 'n_layers' in the command line"),
     "raises": (dict(steps="[6] + 1"), "line 7: TypeError"),
+    "seed_too_large": (dict(seeds="[0, 2**32]"), "error: seed 4294967296 (each run's seed and data_seed): seed must be "
+                       "in [0, 2**32), got 4294967296"),
+    "tuning_seed_too_large": (dict(tuning_seeds="[2**40]"), "error: seed 1099511627776 (each run's seed"),
 }
 
 

@@ -228,9 +228,19 @@ def check_owned(spec, lenient=False):
 
 
 def check_runs(spec):
-    """Parse every variant's overrides as train.py will (keys, types, ranges, the model config), so a
-    typo in the last variant stops the sweep before its first run, not after the others ran; and refuse
-    keys the sweep owns (check_owned)."""
+    """Parse the sweep's overrides, then every seed, then every variant's overrides as train.py will
+    (keys, types, ranges, the model config), so a typo in the last variant, or a seed train.py refuses,
+    stops the sweep before its first run, not after the others ran; each error names what is wrong (the
+    overrides, the seed or the variant); and refuse keys the sweep owns (check_owned)."""
+    try:
+        parse_config([spec["base"], *(f"--{kv}" for kv in shlex.split(spec["overrides"]))])
+    except ValueError as e:  # shlex: an unterminated quote; ConfigError
+        raise SystemExit(f"error: the overrides ({spec['overrides']!r}) of every run: {e}") from None
+    for seed in spec["seeds"]:
+        try:
+            parse_config([spec["base"], f"--seed={seed}", f"--data_seed={seed}"])
+        except ValueError as e:
+            raise SystemExit(f"error: seed {seed} (each run's seed and data_seed): {e}") from None
     for variant in spec["variants"]:
         try:
             check_owned({"overrides": spec["overrides"], "variants": {variant: spec["variants"][variant]}})
