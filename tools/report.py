@@ -380,6 +380,24 @@ def exploratory_table(ts, spec, score):
     return "\n".join(out)
 
 
+def twin_diffs(c, by):
+    """{score: [|Δ| of each seed both twins finished]} of a twin test c (by: by_variant of the runs)."""
+    return {sc: [abs(a - b) for s in by[c["variant"]] if s in by[c["baseline"]]
+                 and (a := score_of(by[c["variant"]][s], sc)) is not None
+                 and (b := score_of(by[c["baseline"]][s], sc)) is not None] for sc in SCORES}
+
+
+def unequal_twins(ts, runs):
+    """The twin tests whose twins differ on some score of some seed: (test, largest |Δ|, seeds)."""
+    by, out = by_variant(runs), []
+    for c in ts:
+        if c["kind"] == "twin":
+            diffs = twin_diffs(c, by)
+            if any(x != 0 for d in diffs.values() for x in d):
+                out.append((c, max(x for d in diffs.values() for x in d), max(len(d) for d in diffs.values())))
+    return out
+
+
 def twin_table(ts, runs):
     rows = [c for c in ts if c["kind"] == "twin"]
     if not rows:
@@ -388,9 +406,7 @@ def twin_table(ts, runs):
            "| variant | twin | seeds | " + " | ".join(SHORT.values()) + " | equal |", "|" + " --- |" * (len(SCORES) + 4)]
     by = by_variant(runs)
     for c in rows:
-        diffs = {sc: [abs(a - b) for s in by[c["variant"]] if s in by[c["baseline"]]
-                      and (a := score_of(by[c["variant"]][s], sc)) is not None
-                      and (b := score_of(by[c["baseline"]][s], sc)) is not None] for sc in SCORES}
+        diffs = twin_diffs(c, by)
         cells = [_num(max(d), ".1e") if d else "-" for d in diffs.values()]
         equal = "yes, bit for bit" if all(x == 0 for d in diffs.values() for x in d) else "**no**"
         seeds = sum(s in by[c["baseline"]] for s in by[c["variant"]])
@@ -512,7 +528,8 @@ def save_outputs(out, outputs, done="the tables above are complete"):
 def report(spec, rescore_hint=None):
     """The tables (printed, and in results.md), results.json, results.csv and the plots, from the runs;
     returns the tests. A diverged run is marked in the tables and left out of the statistics. Files that
-    cannot be written are one `warning:` line after the printed tables. rescore_hint: the command that
+    cannot be written are one `warning:` line after the printed tables, and twins that do not match are
+    another (unequal_twins). rescore_hint: the command that
     scores the runs that have no whole-split scores yet (for the note that says so)."""
     out = Path(spec["out_dir"])
     runs, diverged = collect(spec), collect_diverged(spec)
@@ -578,4 +595,9 @@ def report(spec, rescore_hint=None):
         "gap_over_training.png": lambda p: plot_gaps({b: (gaps[b], highlight[b]) for b in gaps}, p),
     }
     save_outputs(out, outputs)
+    if unequal := unequal_twins(ts, runs):
+        print("warning: " + ", ".join(f"{c['variant']} does not match its twin {c['baseline']} (largest |Δ| {d:.1e} "
+                                      f"over {n} seeds)" for c, d, n in unequal)
+              + ": a twin trains bit for bit as its twin, so their code or settings differ (the Twins table says no)",
+              file=sys.stderr, flush=True)
     return ts
