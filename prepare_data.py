@@ -529,8 +529,8 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     for s, info in splits.items():
         print(f"{s:>5}: {info['docs']:,} docs, {info['tokens']:,} tokens, {info['shards']} shards")
         if info["tokens"] == 0 and s != "train" and meta[f"{s}_fraction"] > 0:
-            few = (f"the lone text gave only {cut['pieces']} pieces of about {PIECE_CHARS:,} characters: raise "
-                   f"--{s}_fraction, or pass more text" if cut["lone"] else
+            few = (f"the lone text gave only {cut['pieces']} pieces of about {PIECE_CHARS:,} characters (3 fill every "
+                   "split): pass more text" if cut["lone"] else
                    f"the source has too few documents for --{s}_fraction")
             print(f"warning: split {s} is empty: {few}", file=sys.stderr)
     if cut["documents"]:

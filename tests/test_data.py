@@ -820,6 +820,13 @@ def test_a_lone_text_fills_what_its_pieces_can_and_train_keeps_one(n_pieces, val
     assert splits.count("train") == n_pieces - val - test >= 1
 
 
+def test_a_lone_text_too_short_to_fill_every_split_says_so(tmp_path, capsys):
+    (tmp_path / "input.txt").write_text(lines_of_text(5_000))  # 2 pieces: train and val
+    assert prep(tmp_path / "input.txt", tmp_path / "out") == 0
+    assert capsys.readouterr().err == ("warning: split test is empty: the lone text gave only 2 pieces of about 4,096 "
+                                       "characters (3 fill every split): pass more text\n")
+
+
 def test_val_fraction_0_is_a_warning_before_any_work(tmp_path, capsys):
     """--val_fraction 0 was accepted silently; train.py then refused the data."""
     assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "out", "--val_fraction", 0) == 0
