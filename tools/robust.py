@@ -40,7 +40,9 @@ and several processes may share a design as they share a sweep):
 Before any run, the design is checked and every run's overrides are read as train.py reads them: a bad
 design is one `error:` line, exit status 1.
 
-The report (robust.md, robust.json, loss_vs_flops.png in out_dir; run paths relative to out_dir):
+The report, printed, then written into out_dir (robust.md, robust.json, loss_vs_flops.png; run paths relative
+to out_dir), each file whole or not at all; a file that cannot be written (a full or read-only disk) is one
+`warning:` line after the printed report, as in a sweep's:
     a. the lr x variant table on the tuning seeds, the best lr per variant, and the ranking of the
        variants at the shared lr and at each one's own best lr; then the comparison at the best lrs on
        the comparison seeds (or the runs it still needs)
