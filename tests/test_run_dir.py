@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import re
 import signal
 import statistics
@@ -16,12 +17,26 @@ import pytest
 import torch
 
 import train
-from depthres import checkpoint, runlog
+from depthres import checkpoint, files, runlog
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
 from depthres.run import DivergedError, Stopped
 
-from runs import CONFIG, ROOT, assert_same_run, kill_in_step, losses, poll, records, run, steps, untimed
+from runs import (
+    CONFIG,
+    ROOT,
+    Payload,
+    assert_same_run,
+    kill_in_step,
+    losses,
+    poll,
+    records,
+    replace_in_sharded,
+    run,
+    sharded_copy,
+    steps,
+    untimed,
+)
 
 
 def contents(run_dir):
@@ -125,7 +140,7 @@ def test_kill_9_in_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path,
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=120)
     assert done.returncode == -signal.SIGKILL
     run_dir = tmp_path / "test"
-    assert (run_dir / ".ckpt.pt.tmp").exists() and load_checkpoint(run_dir)["step"] == 3
+    assert list(run_dir.glob(".ckpt.pt.*.tmp")) and load_checkpoint(run_dir)["step"] == 3  # files.temporary()
     run(data_dir, tmp_path, "--resume=true")
     assert_same_run(run_dir, straight)
     assert steps(run_dir) == [1, 2, 3, 4, 5, 6]
@@ -162,17 +177,19 @@ def test_a_full_disk_or_a_read_only_directory_is_one_line(data_dir, tmp_path, mo
             (run_dir / victim).symlink_to("/dev/full")
         return real(*args, **kwargs)
 
-    for victim, failed in ((".ckpt.pt.tmp", "ckpt.pt"), ("log.jsonl", "log.jsonl")):
-        calls.clear()
-        monkeypatch.setattr(train, "train_step", disk_full_from_step_5)
-        assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--overwrite=true"]) == 1
-        monkeypatch.undo()
-        err = capsys.readouterr().err
-        assert err == (f"error: no space left on device writing {run_dir / failed}; the last checkpoint (step 3) "
-                       f"is kept at {run_dir / 'ckpt.pt'}\n")
-        assert not (run_dir / ".ckpt.pt.tmp").exists()  # the failed write leaves nothing behind
-        assert load_checkpoint(run_dir)["step"] == 3
-        (run_dir / victim).unlink(missing_ok=True)
+    with pytest.MonkeyPatch.context() as fixed:  # the temporary's name, known in advance, is the one to fill
+        fixed.setattr(files, "temporary", lambda path: path.with_name(f".{path.name}.tmp"))
+        for victim, failed in ((".ckpt.pt.tmp", "ckpt.pt"), ("log.jsonl", "log.jsonl")):
+            calls.clear()
+            monkeypatch.setattr(train, "train_step", disk_full_from_step_5)
+            assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--overwrite=true"]) == 1
+            monkeypatch.undo()
+            err = capsys.readouterr().err
+            assert err == (f"error: no space left on device writing {run_dir / failed}; the last checkpoint (step 3) "
+                           f"is kept at {run_dir / 'ckpt.pt'}\n")
+            assert not list(run_dir.glob(".ckpt.pt*.tmp"))  # the failed write leaves nothing behind
+            assert load_checkpoint(run_dir)["step"] == 3
+            (run_dir / victim).unlink(missing_ok=True)
 
     real_open, real_mkdir = os.open, os.mkdir
     read_only = tmp_path / "ro"
@@ -213,6 +230,59 @@ def test_a_damaged_checkpoint_is_refused_by_its_checksum(data_dir, tmp_path, cap
     torch.save({"format": "depthres-ckpt-1", "model": {}}, ckpt)
     with pytest.raises(CheckpointError, match="an older train.py's, without a checksum"):
         load_checkpoint(ckpt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reliability, round four: no code is ever executed from a sharded checkpoint
+
+
+def readers(data_dir, run_dir):
+    """Each reader of a checkpoint, on run_dir, as its command line runs it: (name, exit status)."""
+    import sample
+    from tools import diagnose, export_ckpt
+
+    yield "train", train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={run_dir.parent}",
+                              f"--run_name={run_dir.name}", "--resume=true"])
+    yield "export", export_ckpt.main([str(run_dir)])
+    yield "sample", sample.main(["--ckpt", str(run_dir), "--max_new_tokens", "2"])
+    yield "diagnose", diagnose.main(["--ckpt", str(run_dir), "--data_dir", str(data_dir)])
+
+
+@pytest.mark.parametrize("where", ["index", "shard", "foreign"])
+def test_a_tampered_sharded_checkpoint_runs_no_code_on_any_reader(data_dir, tmp_path, capsys, straight, where):
+    """A payload in DCP's index (.metadata, which torch unpickles with plain pickle) or in a shard's
+    non-tensor values (AdamW's hyperparameters, which torch loads with weights_only=False), its manifest
+    entry recomputed, never runs: train, export_ckpt, sample and diagnose refuse it with one line. So
+    does an index that is not a pickle at all."""
+    marker = tmp_path / "payload_ran"
+
+    def in_a_hyperparameter(model, optimizer):
+        optimizer.param_groups[0]["foreach"] = Payload(marker)  # saved as bytes by DCP, next to lr and eps
+    run_dir = sharded_copy(straight, tmp_path / "run", in_a_hyperparameter if where == "shard" else None)
+    if where == "index":
+        replace_in_sharded(run_dir / "ckpt", ".metadata", pickle.dumps(Payload(marker)))
+    if where == "foreign":
+        replace_in_sharded(run_dir / "ckpt", ".metadata", b'{"not": "an index"}')
+    capsys.readouterr()
+    for name, status in readers(data_dir, run_dir):
+        err = capsys.readouterr().err
+        assert status in (1, 2) and not marker.exists(), (name, err)
+        assert err.startswith("error: ") and err.count("\n") == 1 and "weights_only" not in err, (name, err)
+        if name in ("train", "export"):  # the two that read the shards
+            assert {"index": "names io.open", "shard": "holds a value that is not plain data",
+                    "foreign": "is not the index of a sharded checkpoint"}[where] in err, err
+
+
+def test_a_sharded_checkpoint_of_one_process_exports_bit_for_bit(tmp_path, straight):
+    """The safe reader and planner load what DCP wrote: every weight and AdamW value, hyperparameters too."""
+    from depthres.fsdp import export
+    run_dir = sharded_copy(straight, tmp_path / "run")  # ckpt.pt replaced by ckpt/
+    out, step = export(run_dir)
+    a, b = load_checkpoint(straight / "ckpt.pt"), load_checkpoint(out)
+    assert step == a["step"] == b["step"] and a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for i in a["optimizer"]["state"] for x, y in
+               zip(a["optimizer"]["state"][i].values(), b["optimizer"]["state"][i].values(), strict=True))
 
 
 # ----------------------------------------------------------------------------------------------

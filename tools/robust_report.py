@@ -5,7 +5,7 @@ The report of tools/robust.py: robust.md from the analysis, the loss-vs-FLOPs pl
 import math
 import statistics
 
-from tools.diagnose import pyplot
+from tools.diagnose import pyplot, save_figure
 from tools.multiplier import inverse, predict
 from tools.robust_design import STAGES, steps_name
 
@@ -112,7 +112,11 @@ def render(result, design):
     if partial:
         out.append(f"\nPartial: at {', '.join(map(str, partial))} steps not every comparison seed has finished (n above).")
     # c.
-    out += ["", "## c. Compute: the reference needs X times the compute", ""]
+    out += ["", "## c. Compute along the data axis: the reference needs X times the compute", "",
+            f"A data multiplier: `{ref}` at one size trained for several lengths, not the papers' multiplier across model "
+            "sizes (tools/ladder.py reads that one off a size ladder). X is the paired gap rescaled through the "
+            "ladder's slope, so it adds no evidence beyond the gap, and a bootstrap of 3 seeds has 10 distinct "
+            "resamples: its intervals cover less than they say.", ""]
     pts = r["ladder"]
     out.append(f"The ladder: `{ref}` at " + ", ".join(f"{m} steps {p['mean']:.4f}" + (f" ± {p['sd']:.4f}" if p["n"] > 1 else "")
                                                     + f" (n {p['n']}, {p['flops']:.3g} FLOP)" for m, p in pts.items()) + "."
@@ -237,8 +241,7 @@ def plot(result, design, path):
     ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return path
 
 
