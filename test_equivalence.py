@@ -1,5 +1,6 @@
 """Exact reductions between residual variants (float64), and the model's other contracts."""
 
+import hashlib
 import math
 
 import pytest
@@ -184,6 +185,43 @@ def test_paired_init_shares_every_common_weight():
     other = dict(tiny(seed=8, dtype=torch.float32).named_parameters())
     assert all(not torch.equal(other[n], p) for n, p in ref.items())
 
+
+
+# The first 16 hex digits of sha256 over every parameter's name and float32 bytes, as the code before
+# the residual module's renaming (GPT.router -> GPT.residual, issue 35) drew them, the names mapped
+INITIAL_WEIGHTS_SHA256 = {
+    "standard/0": "ffadb8e982a8402c",
+    "standard/1": "42ac93a0744045dc",
+    "full_attnres/0": "af6859043fdaca09",
+    "full_attnres/1": "3a51ff7b4a9ac8fa",
+    "block_attnres/0": "af6859043fdaca09",
+    "block_attnres/1": "3a51ff7b4a9ac8fa",
+    "rd_attnres/0": "2c2ece084c1ae155",
+    "rd_attnres/1": "03d1df2eb35eccd9",
+    "dar/0": "b9b9ac6dc4a034f0",
+    "dar/1": "d71b9d6db7ae9d89",
+    "hc/0": "a5e4289f725e4762",
+    "hc/1": "27f80099ff77f778",
+    "mhc/0": "4e379d2754b15a67",
+    "mhc/1": "ff3950776dfcaef2",
+    "denseformer/0": "5e29b07e70db9924",
+    "denseformer/1": "2337fb9d6fc4953a",
+    "muddformer/0": "cd37ca131e8c4d9e",
+    "muddformer/1": "1ccffba94f14f9f5",
+    "delta_attnres/0": "cf0147f9b254d65f",
+    "delta_attnres/1": "755eb9b342626140",
+}
+
+
+@pytest.mark.parametrize("key", INITIAL_WEIGHTS_SHA256)
+def test_initial_weights_are_the_same_bits_as_before(key):
+    residual, seed = key.split("/")
+    m = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=32, residual=residual), seed=int(seed))
+    h = hashlib.sha256()
+    for n, p in m.named_parameters():
+        h.update(n.encode())
+        h.update(p.detach().numpy().tobytes())
+    assert h.hexdigest()[:16] == INITIAL_WEIGHTS_SHA256[key]
 
 # --- 6. causality ---------------------------------------------------------------------------------
 
