@@ -55,7 +55,7 @@ from depthres.checkpoint import (
 )
 from depthres.distributed import agreed, shard
 from depthres.files import DirLock, os_error_message, sync_dir, write_file, writing
-from model import GPT, GPTConfig, InitialWeights
+from model import GPT, RENAMED, GPTConfig, InitialWeights, renamed
 
 
 def sharded_model(mc, seed, dist, weights=None, init=True):
@@ -71,6 +71,7 @@ def sharded_model(mc, seed, dist, weights=None, init=True):
     if weights is None and not init:
         return model
     values = InitialWeights(mc, seed)
+    weights = None if weights is None else {renamed(k): v for k, v in weights.items()}  # older names too
     with torch.no_grad():
         for name, p in model.named_parameters():
             whole = values(name, p.shape) if weights is None else weights[name]
@@ -104,11 +105,33 @@ def load_sharded(path, model, optimizer, dist=None):
         verify_files(path, mine, files)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's tensors, filled in place
     state = {"model": model_sd, "optim": optim_sd}
+    older = _older_names(path)
     alone = not torch.distributed.is_initialized()  # one process (no process group): said to DCP, which warns anyway
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        state = _names(state, older)  # as the checkpoint names the parameters
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=alone)
+        state = _names(state, renamed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _older_names(path):
+    """name -> the name a sharded checkpoint written before model.RENAMED's renames gives it (or itself)."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    old = [(o, n) for o, n in RENAMED.items() if any(k.startswith("model." + o) for k in keys)]
+    return lambda name: next((o + name.removeprefix(n) for o, n in old if name.startswith(n)), name)
+
+
+def _names(state, rename):
+    """A (model, optimizer) state dict with every parameter name in it (dict keys, param_groups'
+    "params") passed through rename; the tensors are the same objects."""
+    if isinstance(state, dict):
+        return {_names(k, rename): _names(v, rename) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_names(v, rename) for v in state]
+    return rename(state) if isinstance(state, str) else state
 
 
 # ----------------------------------------------------------------------------------------------

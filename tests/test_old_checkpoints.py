@@ -7,6 +7,7 @@ import torch
 
 import sample
 from depthres.checkpoint import load_checkpoint
+from depthres.sharded import whole_checkpoint
 from model import GPT, GPTConfig, renamed
 from tools import diagnose
 
@@ -22,7 +23,7 @@ def test_renamed_maps_only_the_old_names():
 
 def test_a_checkpoint_from_before_the_renaming_loads_samples_diagnoses_and_resumes(data_dir, tmp_path, straight):
     run_dir = tmp_path / "old"
-    shutil.copytree(BEFORE_ISSUE35, run_dir, ignore=shutil.ignore_patterns("README.md"))
+    shutil.copytree(BEFORE_ISSUE35, run_dir, ignore=shutil.ignore_patterns("README.md", "ckpt"))  # ckpt.pt alone
     ckpt = load_checkpoint(run_dir)
     assert "router.w" in ckpt["model"] and ckpt["step"] == 3  # the old names
     model = GPT(GPTConfig(**ckpt["model_config"]))
@@ -33,3 +34,16 @@ def test_a_checkpoint_from_before_the_renaming_loads_samples_diagnoses_and_resum
     assert "routing_maps" in found
     run(data_dir, tmp_path, "--run_name=old", "--resume=true")
     assert losses(run_dir) == losses(straight)  # steps 4-6 trained by this code: bit for bit the straight run's
+
+
+def test_a_sharded_checkpoint_from_before_the_renaming_loads_and_resumes(data_dir, tmp_path, straight):
+    """The same step-3 state saved by that code's save_sharded (one process): DCP's index names the
+    parameters router.*; load_sharded reads them under their new names, weights and AdamW state."""
+    run_dir = tmp_path / "old"
+    shutil.copytree(BEFORE_ISSUE35, run_dir, ignore=shutil.ignore_patterns("README.md", "ckpt.pt"))  # ckpt/ alone
+    whole = load_checkpoint(BEFORE_ISSUE35 / "ckpt.pt")
+    gathered = whole_checkpoint(run_dir / "ckpt")
+    assert gathered["model"].keys() == {renamed(k) for k in whole["model"]}
+    assert all(torch.equal(v, gathered["model"][renamed(k)]) for k, v in whole["model"].items())
+    run(data_dir, tmp_path, "--run_name=old", "--resume=true")
+    assert losses(run_dir) == losses(straight)
