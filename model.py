@@ -176,11 +176,11 @@ class GPT(nn.Module):
 
     def param_groups(self, weight_decay):
         """AdamW groups: matrices decay; depth-routing parameters (pseudo-queries, gates) never do."""
-        routing = {id(p) for p in self.residual.parameters()}
+        residual = {id(p) for p in self.residual.parameters()}
         decay, no_decay = [], []
         for p in self.parameters():
             if p.requires_grad:
-                (no_decay if id(p) in routing or p.dim() < 2 else decay).append(p)
+                (no_decay if id(p) in residual or p.dim() < 2 else decay).append(p)
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def num_params(self, trainable_only=False):
