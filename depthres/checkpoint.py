@@ -11,8 +11,10 @@ The run directory and its checkpoints.
 """
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import sys
 from dataclasses import asdict, dataclass, fields
@@ -152,7 +154,7 @@ def _save(state, f):
 
 SHARDED_FORMAT = "depthres-sharded-1"
 NAME, TMP, OLD = "ckpt", ".ckpt.tmp", ".ckpt.old"  # the sharded checkpoint's names in the run directory
-MANIFEST, STATE = "manifest.json", "state.pt"
+MANIFEST, STATE, INDEX = "manifest.json", "state.pt", ".metadata"  # INDEX: DCP's, a pickle
 STATE_KEYS = ("format", "model_config", "tokenizer", "step", "train_config", "loader", "rng")
 EXPORT = "python -m tools.export_ckpt"
 
@@ -235,6 +237,52 @@ def verify_files(path, names, files):
                                   "checkpoint")
 
 
+# What DCP's index (.metadata, a pickle of a Metadata) may name: its dataclasses, torch.Size, dtypes, the
+# layout and memory-format encodings of TensorProperties, and the path it was saved to. Nothing else is
+# ever looked up, so unpickling it calls no other code (DCP's own reader uses plain pickle.load).
+INDEX_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                                              "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout from its name
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"}, "pathlib._local": {"PosixPath", "PurePosixPath"},
+}
+
+
+class _Foreign(pickle.UnpicklingError):
+    """A name that INDEX_CLASSES does not admit."""
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name in INDEX_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _Foreign(f"it names {module}.{name}, which an index never holds")
+
+
+def read_index(path):
+    """The DCP index (a Metadata) of the sharded checkpoint at `path`, unpickled by a loader that admits only
+    INDEX_CLASSES: a file that names anything else (code to run) is refused, never executed."""
+    import torch.distributed.checkpoint.filesystem  # noqa: F401 (the modules INDEX_CLASSES names)
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        index = _IndexUnpickler(io.BytesIO((path / INDEX).read_bytes())).load()
+        why = None if isinstance(index, Metadata) else f"it holds a {type(index).__name__}, not a Metadata"
+    except _Foreign as e:
+        why = str(e)
+    except Exception as e:  # not a pickle, or a cut one: nothing outside INDEX_CLASSES was called
+        why = f"{type(e).__name__} reading it"
+    if why is not None:
+        raise CheckpointError(f"{path / INDEX} is not the index of a sharded checkpoint ({why}): it was not written "
+                              "by train.py, or was altered after; use an intact copy or another checkpoint")
+    return index
+
+
 def read_sharded(path):
     """The run state of a sharded checkpoint (checkpoint.CKPT_KEYS without model, optimizer and checksum),
     with "sharded": its directory. Checks the manifest, that every file it lists is there at its size,
@@ -247,6 +295,7 @@ def read_sharded(path):
         raise CheckpointError(f"{path} is incomplete: {', '.join(sorted(short))} missing or of the wrong size; "
                               "use an intact copy or another checkpoint")
     verify_files(path, [STATE], files)
+    read_index(path)  # refused here, before a run starts, if it is not plain data
     state = torch.load(path / STATE, map_location="cpu", weights_only=True)
     if state.get("format") != CKPT_FORMAT or any(k not in state for k in STATE_KEYS):
         raise CheckpointError(f"{path / STATE} is not a run state of format {CKPT_FORMAT!r}")

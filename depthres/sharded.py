@@ -23,7 +23,9 @@ sharded checkpoints.
     checkpoint (a reader takes .ckpt.old/ when ckpt/ is missing), so a kill during a save keeps the
     previous one. load_sharded checks every file against the manifest (the ranks share the reading)
     and loads with DCP, which reshards: the checkpoint of N ranks loads on M ranks, on one process
-    (no FSDP) and under DDP. whole_checkpoint gathers it in one process, in ckpt.pt's format
+    (no FSDP) and under DDP. Nothing in it is unpickled unsafely (_safe_dcp): the manifest's checksums
+    guard against damage, not against someone who can rewrite the files, so a tampered .metadata or
+    shard is refused, never executed. whole_checkpoint gathers it in one process, in ckpt.pt's format
     (tools/export_ckpt.py writes that file).
 """
 
@@ -48,6 +50,7 @@ from depthres.checkpoint import (
     RunDirError,
     file_digest,
     locate,
+    read_index,
     read_manifest,
     read_sharded,
     save_checkpoint,
@@ -88,11 +91,45 @@ def sharded_model(mc, seed, dist, weights=None, init=True):
 # Loading and saving (reading what a run directory holds: depthres/checkpoint.py).
 
 
+def _safe_dcp(path):
+    """(storage reader, load planner) for dcp.load that unpickle nothing unsafely: torch's own read the index
+    (.metadata) with plain pickle.load and the shards' non-tensor values (the AdamW hyperparameters) with
+    torch.load(weights_only=False), so a tampered checkpoint (its manifest recomputed) could run code. Here
+    the index goes through checkpoint.read_index and every value through torch.load(weights_only=True)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            index = read_index(path)
+            index.storage_meta = index.storage_meta or StorageMeta()  # as FileSystemReader.read_metadata
+            index.storage_meta.load_id = self.load_id
+            return index
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            try:
+                value = torch.load(value, weights_only=True)
+            except Exception as e:  # torch's message advises weights_only=False, which is unsafe: not quoted
+                raise CheckpointError(f"{path} holds a value that is not plain data ({read_item.dest_index.fqn}: "
+                                      f"{type(e).__name__} reading it): it was not written by train.py, or was "
+                                      "altered after; use an intact copy or another checkpoint") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = value
+
+    return Reader(path), Planner()
+
+
 def load_sharded(path, model, optimizer, dist=None):
     """Load a sharded checkpoint's weights and AdamW state into `model` and `optimizer`, on every rank (a
     collective), sharded (FSDP2) or not, on any number of ranks: DCP reads each rank's part. Every file
     is checked against the manifest first, the ranks sharing the reading."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
@@ -107,19 +144,23 @@ def load_sharded(path, model, optimizer, dist=None):
     state = {"model": model_sd, "optim": optim_sd}
     older = _older_names(path)
     alone = not torch.distributed.is_initialized()  # one process (no process group): said to DCP, which warns anyway
+    reader, planner = _safe_dcp(path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         state = _names(state, older)  # as the checkpoint names the parameters
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=alone)
+        try:
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=alone)
+        except CheckpointException as e:  # raised on every rank: the first rank's error
+            errors = [exc for exc, _ in getattr(e, "failures", {}).values()]
+            raise next((x for x in errors if isinstance(x, CheckpointError)), CheckpointError(
+                f"{path} cannot be loaded into this model ({e}); use an intact copy or another checkpoint")) from None
         state = _names(state, renamed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _older_names(path):
     """name -> the name a sharded checkpoint written before model.RENAMED's renames gives it (or itself)."""
-    import torch.distributed.checkpoint as dcp
-
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = read_index(path).state_dict_metadata
     old = [(o, n) for o, n in RENAMED.items() if any(k.startswith("model." + o) for k in keys)]
     return lambda name: next((o + name.removeprefix(n) for o, n in old if name.startswith(n)), name)
 

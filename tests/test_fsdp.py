@@ -2,6 +2,7 @@
 sharded checkpoints survive kills, resume on any number of ranks, and export to one file that samples."""
 
 import json
+import pickle
 import shutil
 import signal
 
@@ -16,10 +17,13 @@ from tools import export_ckpt
 from runs import (
     CONFIG,
     RANK1_SIGTERM_IN_STEP_2,
+    Payload,
     assert_same_run,
     kill_in_step,
     losses,
+    replace_in_sharded,
     run,
+    sharded_copy,
     signal_in_step_2,
     steps,
     two_ranks,
@@ -288,3 +292,22 @@ def test_a_2_rank_checkpoint_resumes_on_1_and_on_2_ranks_and_exports_to_a_file_t
     capsys.readouterr()
     assert export_ckpt.main([str(exported), "--out", str(tmp_path / "x.pt")]) == 2
     assert "__1_0.distcp is missing or corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_tampered_sharded_checkpoint_runs_no_code_on_2_ranks(data_dir, tmp_path, straight):
+    """Resumed under FSDP on 2 ranks, a payload in the index or in a shard's values never runs: both ranks
+    exit with the same one line (tests/test_run_dir.py tries every reader in one process)."""
+    marker = tmp_path / "payload_ran"
+
+    def in_a_hyperparameter(model, optimizer):
+        optimizer.param_groups[0]["foreach"] = Payload(marker)
+    sharded_copy(straight, tmp_path / "shard", in_a_hyperparameter)
+    sharded_copy(straight, tmp_path / "index")
+    replace_in_sharded(tmp_path / "index" / "ckpt", ".metadata", pickle.dumps(Payload(marker)))
+    for name, line in (("shard", "holds a value that is not plain data"), ("index", "names io.open")):
+        ranks = two_ranks(lambda rank: [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--fsdp=true",
+                                        f"--run_name={name}", "--resume=true", "--max_steps=8"])
+        assert not marker.exists()
+        for rc, err in ranks:
+            assert rc == 1 and err.startswith("error: ") and err.count("\n") == 1 and line in err, err

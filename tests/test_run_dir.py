@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import re
 import signal
 import statistics
@@ -21,7 +22,21 @@ from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
 from train import DivergedError
 
-from runs import CONFIG, ROOT, assert_same_run, kill_in_step, losses, poll, records, run, steps, untimed
+from runs import (
+    CONFIG,
+    ROOT,
+    Payload,
+    assert_same_run,
+    kill_in_step,
+    losses,
+    poll,
+    records,
+    replace_in_sharded,
+    run,
+    sharded_copy,
+    steps,
+    untimed,
+)
 
 
 def contents(run_dir):
@@ -213,6 +228,59 @@ def test_a_damaged_checkpoint_is_refused_by_its_checksum(data_dir, tmp_path, cap
     torch.save({"format": "depthres-ckpt-1", "model": {}}, ckpt)
     with pytest.raises(CheckpointError, match="an older train.py's, without a checksum"):
         load_checkpoint(ckpt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reliability, round four: no code is ever executed from a sharded checkpoint
+
+
+def readers(data_dir, run_dir):
+    """Each reader of a checkpoint, on run_dir, as its command line runs it: (name, exit status)."""
+    import sample
+    from tools import diagnose, export_ckpt
+
+    yield "train", train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={run_dir.parent}",
+                              f"--run_name={run_dir.name}", "--resume=true"])
+    yield "export", export_ckpt.main([str(run_dir)])
+    yield "sample", sample.main(["--ckpt", str(run_dir), "--max_new_tokens", "2"])
+    yield "diagnose", diagnose.main(["--ckpt", str(run_dir), "--data_dir", str(data_dir)])
+
+
+@pytest.mark.parametrize("where", ["index", "shard", "foreign"])
+def test_a_tampered_sharded_checkpoint_runs_no_code_on_any_reader(data_dir, tmp_path, capsys, straight, where):
+    """A payload in DCP's index (.metadata, which torch unpickles with plain pickle) or in a shard's
+    non-tensor values (AdamW's hyperparameters, which torch loads with weights_only=False), its manifest
+    entry recomputed, never runs: train, export_ckpt, sample and diagnose refuse it with one line. So
+    does an index that is not a pickle at all."""
+    marker = tmp_path / "payload_ran"
+
+    def in_a_hyperparameter(model, optimizer):
+        optimizer.param_groups[0]["foreach"] = Payload(marker)  # saved as bytes by DCP, next to lr and eps
+    run_dir = sharded_copy(straight, tmp_path / "run", in_a_hyperparameter if where == "shard" else None)
+    if where == "index":
+        replace_in_sharded(run_dir / "ckpt", ".metadata", pickle.dumps(Payload(marker)))
+    if where == "foreign":
+        replace_in_sharded(run_dir / "ckpt", ".metadata", b'{"not": "an index"}')
+    capsys.readouterr()
+    for name, status in readers(data_dir, run_dir):
+        err = capsys.readouterr().err
+        assert status in (1, 2) and not marker.exists(), (name, err)
+        assert err.startswith("error: ") and err.count("\n") == 1 and "weights_only" not in err, (name, err)
+        if name in ("train", "export"):  # the two that read the shards
+            assert {"index": "names io.open", "shard": "holds a value that is not plain data",
+                    "foreign": "is not the index of a sharded checkpoint"}[where] in err, err
+
+
+def test_a_sharded_checkpoint_of_one_process_exports_bit_for_bit(tmp_path, straight):
+    """The safe reader and planner load what DCP wrote: every weight and AdamW value, hyperparameters too."""
+    from depthres.sharded import export
+    run_dir = sharded_copy(straight, tmp_path / "run")  # ckpt.pt replaced by ckpt/
+    out, step = export(run_dir)
+    a, b = load_checkpoint(straight / "ckpt.pt"), load_checkpoint(out)
+    assert step == a["step"] == b["step"] and a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for i in a["optimizer"]["state"] for x, y in
+               zip(a["optimizer"]["state"][i].values(), b["optimizer"]["state"][i].values(), strict=True))
 
 
 # ----------------------------------------------------------------------------------------------
