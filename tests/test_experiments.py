@@ -173,6 +173,11 @@ BAD_SWEEPS = {
     "control_baseline": (ABC + 'primary = [("b", "a")]\ncontrols = {"b": "a"}\n', "the control of 'b' is 'a', its baseline"),
     "score": (ABC + 'score = "validation"\n', "score must be one of val, test, val_prefix, test_prefix, got 'validation'"),
     "alpha": (ABC + 'alpha = 5\n', "alpha must be a number between 0 and 1, got 5"),
+    "margin_negative": (ABC + 'primary = [("b", "a")]\nequivalence_margin = -0.01\n',
+                        "equivalence_margin must be a positive number of nats (e.g. 0.006), got -0.01"),
+    "margin_text": (ABC + 'primary = [("b", "a")]\nequivalence_margin = "0.01"\n',
+                    "equivalence_margin must be a positive number of nats (e.g. 0.006), got '0.01'"),
+    "margin_no_primary": (ABC + 'equivalence_margin = 0.01\n', "equivalence_margin is set but primary is empty"),
 }
 
 

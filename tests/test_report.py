@@ -179,7 +179,7 @@ def test_the_report_uses_whole_split_scores_and_keeps_no_machine_paths(tmp_path,
     report.report(spec)
     out, err = capsys.readouterr()
     assert "note: 1 of 9 finished runs have no score on the whole validation split" in err
-    assert "Primary family (1 tests, declared before the runs), on the whole validation split" in out
+    assert "Primary family (1 tests, declared in the sweep file), on the whole validation split" in out
     assert "| `b` − `a` | -0.0195 [" in out and "| 2/2 |" in out  # seeds 0 and 1: -0.020, -0.019
     assert "| `twin` | `a` | 3 | 0.0e+00 | 0.0e+00 | 0.0e+00 | 0.0e+00 | yes, bit for bit |" in out
     assert "The same family on every score (Δ, adjusted p; the tests use val (whole)):" in out
@@ -285,7 +285,65 @@ def test_a_declared_test_without_runs_stays_in_the_family_and_never_rejects(tmp_
     assert ts[("primary", "v")]["rejected"] and ts[("primary", "v")]["level"] == pytest.approx(0.025)  # alpha / 2
     assert gate["paired_seeds"] == 1 and gate["rejected"] is False and gate["level"] == pytest.approx(0.025)
     table = report.family_table(list(ts.values()), spec, "val")
-    assert "Primary family (2 tests, declared before the runs)" in table
+    assert "Primary family (2 tests, declared in the sweep file)" in table
     assert "| `w` − `late` | n/a (no paired seed) | 0/0 | n/a | 1.000 | n/a | - | no test: 0 paired seeds (counts in the " \
            "family) |" in table
     assert "no test: 1 paired seed (counts in the family) |" in table
+
+
+# --- equivalence: a difference, equivalence, or neither --------------------------------------------------
+
+def test_tost_rejects_exactly_where_the_1_minus_2alpha_interval_is_inside_the_margin():
+    import random
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.choice([2, 3, 5, 16])
+        d = [rng.gauss(rng.uniform(-0.01, 0.01), rng.uniform(0.001, 0.01)) for _ in range(n)]
+        margin, alpha = rng.uniform(0.002, 0.02), rng.choice([0.05, 0.025])
+        t = stats.paired_t(d, confidence=1 - 2 * alpha)
+        inside = -margin < t["lo"] and t["hi"] < margin
+        p = stats.tost(d, margin)
+        if abs(p - alpha) > 1e-9:  # away from the boundary, where rounding could go either way
+            assert (p <= alpha) == inside
+    assert math.isnan(stats.tost([0.001], 0.01))  # one seed: no test
+    assert stats.tost([0.001, 0.001], 0.01) == 0.0 and stats.tost([0.02, 0.02], 0.01) == 1.0  # sd 0
+
+
+def test_each_primary_test_shows_a_difference_equivalence_or_neither(tmp_path):
+    deltas = {"diff": [-0.05, -0.048, -0.052, -0.051, -0.049],      # far from 0: a difference
+              "same": [0.0004, -0.0006, 0.0002, 0.0, -0.0003],      # tight around 0: inside +-0.006
+              "vague": [0.012, -0.02, 0.015, -0.011, 0.004],        # wide: the design cannot tell
+              "small": [0.0010, 0.0011, 0.0009, 0.00105, 0.00095]}  # a real difference, smaller than the margin
+    runs = runs_of(deltas)
+    spec = sweep_spec(None, variants=("ref", *deltas), out_dir="unused", equivalence_margin=0.006,
+                      primary=[(v, "ref") for v in deltas])
+    ts = {c["variant"]: c for c in report.tests(spec, runs) if c["kind"] == "primary"}
+    assert {v: c["shows"] for v, c in ts.items()} == dict(diff="difference", same="equivalence", vague="neither",
+                                                         small="difference")
+    assert ts["small"]["inside_margin"] and ts["small"]["equivalent"] and not ts["diff"]["inside_margin"]
+    ps = [stats.tost(deltas[v], 0.006) for v in deltas]
+    assert [ts[v]["p_equiv"] for v in deltas] == pytest.approx(ps)
+    assert [ts[v]["p_equiv_adj"] for v in deltas] == pytest.approx(stats.holm(ps))  # Holm within the primary tests
+    assert ts["vague"]["p_equiv_adj"] > 0.05 and not ts["vague"]["rejected"]
+    table = report.family_table(list(ts.values()), spec, "val")
+    assert "Equivalence margin ±0.006 nats" in table and "| TOST p (adj.) | verdict |" in table
+    assert "| **a difference** |" in table and "**equivalence** (inside ±0.006) |" in table
+    assert "neither: no difference shown, nor equivalence within ±0.006 |" in table
+    assert "**a difference** (and inside ±0.006) |" in table
+
+
+def test_a_margin_without_runs_shows_neither_and_the_report_keeps_it(tmp_path, capsys):
+    spec = sweep_spec(tmp_path, variants=("a", "b", "c"), primary=[("b", "a"), ("c", "a")], equivalence_margin=0.01)
+    for v, d in (("a", 0.0), ("b", -0.001)):
+        for s in (0, 1):
+            finished_run(tmp_path / "runs" / v / f"seed{s}", 3.0 + 0.1 * s + d)
+    ts = {c["variant"]: c for c in report.report(spec) if c["kind"] == "primary"}
+    assert ts["c"]["shows"] == "neither" and math.isnan(ts["c"]["p_equiv"]) and ts["c"]["p_equiv_adj"] == 1.0
+    assert "neither: no test, 0 paired seeds" in capsys.readouterr().out
+    saved = strict_json(tmp_path / "runs" / "results.json")
+    assert saved["equivalence_margin"] == 0.01 and saved["tests"][1]["shows"] == "neither"
+
+
+def test_the_replication_declares_its_margin_with_its_two_tests():
+    spec = sweep.load_sweep("configs/replication_cpu.py")
+    assert spec["equivalence_margin"] == 0.006 and len(spec["primary"]) == 2 and spec["seeds"] == list(range(1000, 1016))

@@ -340,6 +340,7 @@ def test_a_partial_design_reports_what_exists_and_what_is_missing(tmp_path):
     assert "mudd--steps12/seed0" in result["missing"]["compare"]
     text = (tmp_path / "runs" / "robust.md").read_text()
     assert "(partial)" in text and "not whole-split scores" in text and "first 1,024 tokens" in text
+    assert "## c. Compute along the data axis" in text and "not the papers' multiplier across model sizes" in text
     assert str(tmp_path) not in text + (tmp_path / "runs" / "robust.json").read_text()  # run paths relative
     for s in (1, 2):  # one seed left: a read-off, no interval
         for f in (tmp_path / "runs" / "mudd" / f"seed{s}").iterdir():

@@ -14,6 +14,11 @@ The protocol is declared in the sweep file, before any run (tools/sweep.py check
               split (both from each run's scores.json, tools/rescore.py), "val_prefix"/"test_prefix" the
               fixed eval_tokens prefix each run scored itself (its summary.json)
     alpha     the family-wise error rate (default 0.05)
+    equivalence_margin  (optional) a margin in nats: each primary test is also an equivalence test,
+              two one-sided paired t-tests against -margin and +margin (stats.tost), Holm-adjusted within
+              the primary tests as the difference tests are; each primary test then shows one of three
+              things: a difference (the t-test rejects), equivalence (TOST rejects: |Δ| < margin), or
+              neither (the design cannot tell)
 Every other comparison (each variant against the reference, and against the second reference) is
 exploratory: its p-value is uncorrected, labelled so, and claims nothing. A sweep file without
 `primary` has only exploratory comparisons.
@@ -40,7 +45,7 @@ from pathlib import Path
 
 from tools.diagnose import plot_curves
 from tools.plots import SHORT, plot_forest, plot_gaps, undefined
-from tools.stats import detectable, gated_holm, paired_t, sign_flip_p
+from tools.stats import detectable, gated_holm, holm, paired_t, sign_flip_p, tost
 
 SCORES = {  # score -> what it is, as the tables say
     "val": "the whole validation split",
@@ -258,7 +263,24 @@ def tests(spec, runs, score=None):
             [(c, adjusted["gated"].get(i, math.nan), local["gated"].get(i, math.nan)) for i, c in gates.items()]:
         c.update(p_adj=a, level=w * alpha, detectable=detectable(c["delta_std"], c["paired_seeds"], alpha / max(m, 1)))
         c["rejected"] = None if not w > 0 and c["kind"] == "control" else bool(a <= alpha and not math.isnan(c["p"]))
+    if spec.get("equivalence_margin") is not None:
+        equivalence(primary, spec["equivalence_margin"], alpha)
     return out
+
+
+def equivalence(primary, margin, alpha):
+    """The declared equivalence tests of the primary tests (TOST against +-margin, Holm within them), and
+    what each primary test shows: "difference" (its t-test rejects in the family), "equivalence" (its
+    TOST rejects: the mean difference is inside +-margin) or "neither". A test with fewer than 2 paired
+    seeds keeps its share (p 1) and shows neither. Both can reject (a difference smaller than the
+    margin): that shows a difference, with "inside_margin" set."""
+    ps = [tost(list(c["deltas"].values()), margin) for c in primary]
+    adjusted = holm([1.0 if math.isnan(p) else p for p in ps])
+    for c, p, a in zip(primary, ps, adjusted):
+        equivalent = bool(a <= alpha and not math.isnan(p))
+        c.update(margin=margin, p_equiv=p, p_equiv_adj=a, equivalent=equivalent,
+                 shows="difference" if c["rejected"] else "equivalence" if equivalent else "neither",
+                 inside_margin=bool(c["rejected"] and equivalent))
 
 
 def gap_over_training(runs, reference, variants):
@@ -309,6 +331,15 @@ def _name(c):
 
 
 def _verdict(c):
+    if "shows" in c:  # a primary test with a declared equivalence margin: one of three things
+        within = f"±{c['margin']:g}"
+        if c["shows"] == "difference":
+            return "**a difference**" + (f" (and inside {within})" if c["inside_margin"] else "")
+        if c["shows"] == "equivalence":
+            return f"**equivalence** (inside {within})"
+        if undefined(c["p"]):
+            return f"neither: no test, {c['paired_seeds']} paired seed{'s' * (c['paired_seeds'] != 1)}"
+        return f"neither: no difference shown, nor equivalence within {within}"
     if c["rejected"] is None:
         return "not tested: its primary test did not reject"
     if undefined(c["p"]):
@@ -324,20 +355,28 @@ def family_table(ts, spec, score):
                 "exploratory.")
     m = sum(c["kind"] == "primary" for c in fam)
     alpha = spec.get("alpha", 0.05)
-    head = (f"Primary family ({m} tests, declared before the runs), on {SCORES[score]}: paired t-tests; p (adj.): "
+    margin = spec.get("equivalence_margin")
+    head = (f"Primary family ({m} tests, declared in the sweep file), on {SCORES[score]}: paired t-tests; p (adj.): "
             f"Holm's procedure at α = {alpha:g} with each control as a gate, tested only once its variant's primary "
             "test rejects, on the level that frees (the graphical procedure of Bretz et al. 2009; without controls "
             f"exactly Holm). Detectable: the difference found with about 80% power at α/m = {alpha / max(m, 1):.4f} "
             "(a normal approximation with the seeds' own sd: optimistic at few seeds).")
-    out = [head, "", "| hypothesis | Δ [95% CI] | wins | p | p (adj.) | sign-flip p | detectable | verdict |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if margin is not None:
+        head += (f" Equivalence margin ±{margin:g} nats: TOST p (adj.) is the larger p of two one-sided paired t-tests "
+                 f"against -{margin:g} and +{margin:g}, Holm-adjusted within the {m} primary tests; each primary test shows "
+                 "a difference (its t-test rejects), equivalence (TOST rejects: the mean difference is inside the margin), "
+                 "or neither.")
+    tost_head, tost_rule = (" TOST p (adj.) |", " --- |") if margin is not None else ("", "")
+    out = [head, "", f"| hypothesis | Δ [95% CI] | wins | p | p (adj.) | sign-flip p | detectable |{tost_head} verdict |",
+           f"| --- | --- | --- | --- | --- | --- | --- |{tost_rule} --- |"]
     order = [c for c in fam if c["kind"] == "primary"]
     order = [x for c in order for x in [c] + [g for g in fam if g["kind"] == "control" and g["variant"] == c["variant"]]]
     for c in order:
         label = _name(c) + (" (its control)" if c["kind"] == "control" else "")
+        equiv = "" if margin is None else f" {_pval(c['p_equiv_adj']) if 'p_equiv_adj' in c else '-'} |"
         out.append(f"| {label} | {_interval(c)} | {c['wins']}/{c['paired_seeds']} | {_pval(c['p'])} | "
                    f"{'-' if c['rejected'] is None else _pval(c['p_adj'])} | {_pval(c['sign_flip_p'])} | "
-                   f"{_num(c['detectable'], '.4f')} | {_verdict(c)} |")
+                   f"{_num(c['detectable'], '.4f')} |{equiv} {_verdict(c)} |")
     return "\n".join(out)
 
 
@@ -551,6 +590,7 @@ def report(spec, rescore_hint=None):
     for d in diverged:
         w.writerow([d["variant"], d["seed"]] + [""] * 8 + ["diverged"])
     results = dict(reference=reference, second_reference=second, score=score, alpha=spec.get("alpha", 0.05),
+                   equivalence_margin=spec.get("equivalence_margin"),
                    primary=[list(p) for p in spec.get("primary", [])], controls=spec.get("controls", {}), twins=twins,
                    tests=ts, rows=rows, gaps={b: {v: {str(k): x for k, x in g.items()} for v, g in gs.items()}
                                               for b, gs in gaps.items()}, runs=runs, diverged=diverged)

@@ -112,7 +112,11 @@ def render(result, design):
     if partial:
         out.append(f"\nPartial: at {', '.join(map(str, partial))} steps not every comparison seed has finished (n above).")
     # c.
-    out += ["", "## c. Compute: the reference needs X times the compute", ""]
+    out += ["", "## c. Compute along the data axis: the reference needs X times the compute", "",
+            f"A data multiplier: `{ref}` at one size trained for several lengths, not the papers' multiplier across model "
+            "sizes (tools/ladder.py reads that one off a size ladder). X is the paired gap rescaled through the "
+            "ladder's slope, so it adds no evidence beyond the gap, and a bootstrap of 3 seeds has 10 distinct "
+            "resamples: its intervals cover less than they say.", ""]
     pts = r["ladder"]
     out.append(f"The ladder: `{ref}` at " + ", ".join(f"{m} steps {p['mean']:.4f}" + (f" ± {p['sd']:.4f}" if p["n"] > 1 else "")
                                                     + f" (n {p['n']}, {p['flops']:.3g} FLOP)" for m, p in pts.items()) + "."

@@ -9,6 +9,7 @@ The statistics of a paired comparison, in plain Python (no SciPy):
                          Holm across primary tests, with gated tests (a variant against its control)
                          that take the level their primary test frees once it rejects
     sign_flip_p(d)       the exact paired permutation (sign-flip) p-value: no normality assumed
+    tost(d, margin)      equivalence: two one-sided paired t-tests against -margin and +margin
     detectable(sd, n)    the smallest mean difference a paired t-test detects with 80% power
 
 A variant is compared with a reference on the same seeds (same initial weights, same batches), so
@@ -185,6 +186,29 @@ def gated_holm(ps, gated, alpha=0.05):
         else:
             out_adj["primary"][node], out_local["primary"][node] = a, w
     return out_adj, out_local
+
+
+def t_upper_p(t, df):
+    """P(T >= t) for Student's t with df degrees of freedom: a one-sided p-value."""
+    if math.isnan(t):
+        return 1.0
+    half = t_two_sided_p(t, df) / 2
+    return half if t >= 0 else 1 - half
+
+
+def tost(d, margin):
+    """Equivalence of paired differences d within +-margin: Schuirmann's two one-sided t-tests (1987),
+    H0: mean <= -margin (t = (mean + margin) / se, upper tail) and H0: mean >= +margin (t = (mean -
+    margin) / se, lower tail); the p-value is the larger of the two. It is <= alpha exactly when the
+    (1 - 2 alpha) t interval of the mean lies inside (-margin, +margin). With n < 2 there is no test
+    (nan); with sd = 0 it is 0 inside the margin and 1 outside."""
+    n = len(d)
+    if n < 2:
+        return math.nan
+    mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(n)
+    if se == 0:
+        return 0.0 if abs(mean) < margin else 1.0
+    return max(t_upper_p((mean + margin) / se, n - 1), t_upper_p(-(mean - margin) / se, n - 1))
 
 
 def sign_flip_p(d):

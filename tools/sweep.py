@@ -23,6 +23,8 @@ The comparison, declared before any run (what the report does with it: tools/rep
     twins      (optional) {variant: twin}: trains bit for bit as its twin; checked equal, never tested
     score      (optional) "val" (default: the whole validation split), "test", "val_prefix", "test_prefix"
     alpha      (optional) the family-wise error rate, 0.05
+    equivalence_margin  (optional, with primary) a margin in nats: each primary test is also a TOST
+               equivalence test against +-margin, so a null result can be concluded
     second_reference  (optional) a second variant every other one is compared with (exploratory)
     out_dir    (optional) where runs go: out_dir/<variant>/seed<s>; default runs/<sweep file name>
     wandb      (optional) True: log every run to W&B, as --wandb does
@@ -201,6 +203,13 @@ def check_protocol(spec, fail):
     spec.setdefault("alpha", 0.05)
     if not isinstance(spec["alpha"], float) or not 0 < spec["alpha"] < 1:
         fail(f"alpha must be a number between 0 and 1, got {spec['alpha']!r}")
+    margin = spec.setdefault("equivalence_margin", None)
+    if margin is not None:
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 < margin < float("inf"):
+            fail(f"equivalence_margin must be a positive number of nats (e.g. 0.006), got {margin!r}")
+        if not primary:
+            fail("equivalence_margin is set but primary is empty: the margin makes each primary test an equivalence "
+                 "test too; declare the primary tests, or drop the margin")
 
 
 def check_owned(spec, lenient=False):

@@ -1,0 +1,125 @@
+"""configs/ladder_cpu.py, the size ladder of issue 37, and tools/ladder.py, its read-off: "standard
+needs X times the compute", with an interval whose coverage a simulation checks."""
+
+import json
+import math
+import random
+
+import pytest
+
+from tools import ladder, sweep
+from tools.stats import paired_t
+
+from sweeps import finished_run
+
+# the ladder's FLOPs per token (d96 .. d192, GPT.flops_per_token()) times its 409,600 tokens
+LOG_C = [math.log(f * 409600) for f in (6672384, 8816640, 11255808, 17018880, 23961600)]
+RUNG = 2
+
+
+def test_the_ladder_is_standard_at_five_widths_on_the_replication_s_first_seeds():
+    spec = sweep.load_sweep("configs/ladder_cpu.py")
+    sweep.check_runs(spec)  # every width parses as train.py reads it
+    replication = sweep.load_sweep("configs/replication_cpu.py")
+    assert spec["seeds"] == replication["seeds"][:3] and spec["base"] == replication["base"]
+    assert spec["variants"][spec["rung"]] == "" and len(spec["variants"]) == 5
+    assert all(v in replication["variants"] for vs in spec["pairs"].values() for v in vs)
+
+
+def test_the_slope_fit_is_least_squares_with_its_standard_error():
+    fit = ladder.slope_fit([0.0, 1.0, 2.0, 3.0], [1.0, 0.9, 0.85, 0.7])
+    assert fit["alpha"] == pytest.approx(0.095) and fit["a"] == pytest.approx(1.005)  # by hand: sxx 5, sxy -0.475
+    assert fit["df"] == 2 and fit["se"] == pytest.approx(math.sqrt(sum(e * e for e in fit["residuals"]) / 2 / 5))
+    exact = ladder.slope_fit([0.0, 1.0, 2.0], [0.5, 0.4, 0.3])
+    assert exact["se"] == pytest.approx(0.0, abs=1e-12) and exact["alpha"] == pytest.approx(0.1)
+
+
+def test_x_is_the_gap_through_the_slope_and_its_interval_spans_both_intervals():
+    fit = dict(alpha=0.1, se=0.01, df=3)
+    r = [-0.010, -0.012, -0.008]
+    m = ladder.multiplier(r, fit)
+    assert m["x"] == pytest.approx(math.exp(0.01 / 0.1))
+    t = paired_t(r, confidence=0.975)
+    half = ladder.t_quantile(1 - 0.025 / 2, 3) * 0.01
+    corners = [-rr / aa for rr in (t["lo"], t["hi"]) for aa in (0.1 - half, 0.1 + half)]
+    assert (m["lo"], m["hi"]) == pytest.approx((math.exp(min(corners)), math.exp(max(corners))))
+    wide = ladder.multiplier(r, dict(alpha=0.1, se=0.2, df=3))  # the ladder does not fix the slope
+    assert wide["alpha_lo"] < 0 and math.isinf(wide["hi"]) and 1 < wide["lo"] < 1.01  # a gain: unbounded above
+    assert ladder.multiplier([-0.01], fit)["lo"] is None  # one seed: no interval
+
+
+def coverage(sims, delta, sd_e, rho, seed, naive=False, alpha=0.08, sd_u=0.005):
+    """The share of simulated ladders and variants whose interval covers the true X = exp(-delta / alpha):
+    log L(size, s) = a - alpha log C + u_s + e, the variant at the rung delta lower with its noise
+    correlated rho with the rung's (the same initial weights and batches), 3 seeds."""
+    rng, truth, hits = random.Random(seed), math.exp(-delta / alpha), 0
+    for _ in range(sims):
+        u = [rng.gauss(0, sd_u) for _ in range(3)]
+        e = [[rng.gauss(0, sd_e) for _ in range(3)] for _ in LOG_C]
+        std = [[2.9 - alpha * c + u[s] + e[i][s] for s in range(3)] for i, c in enumerate(LOG_C)]
+        var = [2.9 - alpha * LOG_C[RUNG] + delta + u[s] + rho * e[RUNG][s] + math.sqrt(1 - rho ** 2) * rng.gauss(0, sd_e)
+               for s in range(3)]
+        fit = ladder.slope_fit(LOG_C, [sum(row) / 3 for row in std])
+        r = [var[s] - std[RUNG][s] for s in range(3)]
+        if naive:  # the gap's 95% interval through the fitted slope, as if the slope were known
+            t = paired_t(r)
+            lo, hi = sorted(math.exp(-x / fit["alpha"]) for x in (t["lo"], t["hi"]))
+        else:
+            m = ladder.multiplier(r, fit)
+            lo, hi = m["lo"], m["hi"]
+        hits += lo <= truth <= hi
+    return hits / sims
+
+
+@pytest.mark.parametrize("delta, sd_e, rho", [(-0.005, 0.005, 0.5),   # X near 1: the gap's noise dominates
+                                              (-0.03, 0.005, 0.95),   # X far from 1: the slope's noise matters
+                                              (0.01, 0.01, 0.0)])     # a variant worse than standard, noisy
+def test_the_interval_covers_at_least_its_level_in_simulation(delta, sd_e, rho):
+    assert coverage(200, delta, sd_e, rho, seed=1) >= 0.93  # Bonferroni: at least 0.95 when each part covers
+
+
+def test_the_coverage_check_fails_an_interval_that_ignores_the_slope_s_uncertainty():
+    assert coverage(200, -0.03, 0.005, 0.95, seed=1, naive=True) < 0.93
+
+
+def test_the_read_off_from_run_directories(tmp_path, monkeypatch, capsys):
+    """Five sizes on an exact power law (alpha 0.1) with seed noise, a variant 0.01 lower in log loss at
+    the rung on every seed: X = exp(0.1) step-matched, divided by its FLOPs ratio FLOP-matched."""
+    monkeypatch.setattr(ladder, "flops_per_token", lambda model: model["fpt"])
+    fpts = [100, 140, 200, 300, 400]
+    names = ["s1", "s2", "s3", "s4", "s5"]
+
+    def run(d, loss, fpt):
+        finished_run(d, loss)  # whole val = loss + 0.001: write the score we mean
+        (d / "scores.json").write_text(json.dumps({"step": 4, "max_tokens": None, "val": {"loss": loss, "tokens": 9},
+                                                   "test": {"loss": loss, "tokens": 9}}))
+        (d / "config.json").write_text(json.dumps({"model": {"fpt": fpt}, "train": {"batch_tokens": 10}}))
+
+    noise = {0: 0.001, 1: -0.002, 2: 0.001}
+    for name, f in zip(names, fpts):
+        for s in (0, 1, 2):
+            run(tmp_path / "ladder" / name / f"seed{s}", math.exp(1.0 - 0.1 * math.log(f * 40) + noise[s]), f)
+    for s in (0, 1, 2):
+        run(tmp_path / "other" / "v" / f"seed{s}", math.exp(1.0 - 0.1 * math.log(200 * 40) + noise[s] - 0.01), 210)
+    design = tmp_path / "ladder_x.py"
+    design.write_text(f'base = "configs/test.py"\nvariants = {json.dumps({n: "" for n in names})}\nseeds = [0, 1, 2]\n'
+                      f'reference = "s3"\nout_dir = {str(tmp_path / "ladder")!r}\nrung = "s3"\n'
+                      f'pairs = {{{str(tmp_path / "other")!r}: ["v", "w"]}}\n')
+    assert ladder.main([str(design)]) == 0
+    saved = json.loads((tmp_path / "ladder" / "ladder.json").read_text())
+    assert saved["fit"]["alpha"] == pytest.approx(0.1) and saved["fit"]["alpha_se"] == pytest.approx(0, abs=1e-9)
+    v = saved["variants"]["v"]
+    assert v["x_step"][0] == pytest.approx(math.exp(0.1)) and v["x_flops"][0] == pytest.approx(math.exp(0.1) / 1.05)
+    assert v["x_step"][1] == pytest.approx(math.exp(0.1)) == pytest.approx(v["x_step"][2])  # no noise in the gap
+    assert saved["variants"]["w"]["seeds"] == [] and saved["variants"]["w"]["x_step"] == [None, None, None]
+    out = capsys.readouterr().out
+    assert "| `v` | 3 | " in out and "1.105 [1.105, 1.105]" in out and (tmp_path / "ladder" / "ladder.md").is_file()
+
+
+def test_a_design_without_its_rung_is_one_error_line(tmp_path):
+    design = tmp_path / "ladder_bad.py"
+    design.write_text('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0]\nreference = "a"\n'
+                      'rung = "c"\npairs = {}\n')
+    with pytest.raises(SystemExit) as e:
+        ladder.main([str(design)])
+    assert str(e.value).startswith("error: ") and "rung 'c' is not one of the variants" in str(e.value)

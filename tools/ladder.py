@@ -1,0 +1,210 @@
+"""
+The compute multiplier from a size ladder, the papers' way (issue 37): `standard` at several model sizes
+on one recipe, its loss against training compute across the sizes, and "standard needs X times the
+compute" for each variant that ran at one of the sizes, read off that curve.
+
+    python -m tools.ladder configs/ladder_cpu.py      # ladder.md and ladder.json in the ladder's out_dir
+
+The ladder's design file is a sweep file (tools/sweep.py runs it) that also sets:
+    rung    the ladder's variant at the size the variants ran at: they pair with it seed by seed
+    pairs   {a sweep's out_dir: [its variants to read off]}, relative to the project root
+    level   the interval's confidence (0.95)
+
+The arithmetic (configs/ladder_cpu.py declares it):
+    C      = GPT.flops_per_token() x the training tokens of a run
+    fit    log L = a - alpha log C, least squares over the sizes' mean log loss (whole validation split);
+           alpha's standard error from the residuals (sizes - 2 degrees of freedom)
+    r_s    = log L_variant(s) - log L_rung(s), one per paired seed
+    X      = exp(-mean r / alpha): the compute at which a curve parallel to the ladder's, through the
+           rung's point, reaches the variant's loss, over the rung's compute (step-matched: the same tokens);
+           FLOP-matched X divides by the variant's FLOPs per token over the rung's
+    interval  X's range over the (1 - (1 - level) / 2) t-interval of mean r and the same of alpha: each
+           covers with that probability, so both do with at least `level` (Bonferroni), whatever their
+           correlation. Where alpha's interval reaches 0 the ladder does not fix the slope and the
+           interval is unbounded on the side the gap points to.
+No bootstrap: with 3 seeds it has 10 distinct resamples and covers far less than it says.
+tests/test_ladder.py checks the interval's coverage by simulation.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from depthres.files import write_file
+from tools.report import read_json, read_summary, whole_split_scores
+from tools.robust import flops_per_token
+from tools.stats import paired_t, t_quantile
+from tools.sweep import in_root, load_sweep
+
+
+def slope_fit(log_c, log_l):
+    """Least squares of log L on log C: dict(alpha (minus the slope), a, se (alpha's standard error),
+    df, residuals). se is nan with fewer than 3 points (no residual degrees of freedom)."""
+    n = len(log_c)
+    mx, my = statistics.fmean(log_c), statistics.fmean(log_l)
+    sxx = sum((x - mx) ** 2 for x in log_c)
+    if n < 2 or sxx == 0:
+        raise ValueError("a ladder needs at least 2 distinct sizes")
+    b = sum((x - mx) * (y - my) for x, y in zip(log_c, log_l)) / sxx
+    a = my - b * mx
+    residuals = [y - (a + b * x) for x, y in zip(log_c, log_l)]
+    df = n - 2
+    se = math.sqrt(sum(e * e for e in residuals) / df / sxx) if df > 0 else math.nan
+    return dict(alpha=-b, a=a, se=se, df=df, residuals=residuals)
+
+
+def _log_x(r, alpha):
+    """-r / alpha, with alpha -> 0+ as its limit (an infinite multiplier, or none at r = 0)."""
+    if alpha > 0:
+        return -r / alpha
+    return 0.0 if r == 0 else -math.copysign(math.inf, r)
+
+
+def multiplier(r, fit, level=0.95):
+    """X = exp(-mean r / alpha) and its interval (see the module's docstring) from the paired log gaps r
+    (one per seed) and the ladder's fit. Returns dict(x, lo, hi, r (paired_t of r at the split level),
+    alpha_lo, alpha_hi); lo/hi are None with fewer than 2 seeds or no slope error, x None where alpha <= 0."""
+    each = 1 - (1 - level) / 2  # each of the two intervals' confidence
+    t = paired_t(list(r), confidence=each)
+    alpha = fit["alpha"]
+    x = math.exp(-t["mean"] / alpha) if alpha > 0 and not math.isnan(t["mean"]) else None
+    out = dict(x=x, lo=None, hi=None, r=t, alpha_lo=None, alpha_hi=None, level=level)
+    if t["n"] < 2 or not fit["df"] > 0 or math.isnan(fit["se"]):
+        return out
+    half = t_quantile(1 - (1 - each) / 2, fit["df"]) * fit["se"]
+    a_lo, a_hi = alpha - half, alpha + half
+    out.update(alpha_lo=a_lo, alpha_hi=a_hi)
+    if a_hi <= 0:  # the ladder does not fall with compute even at its steepest: no multiplier
+        return out
+    corners = [_log_x(rr, aa) for rr in (t["lo"], t["hi"]) for aa in (max(a_lo, 0.0), a_hi)]
+    out.update(lo=math.exp(min(corners)), hi=math.exp(max(corners)))
+    return out
+
+
+# --- the runs ----------------------------------------------------------------------------------------
+
+def read_run(d):
+    """A finished, whole-split-scored run: dict(loss on the whole validation split, flops_per_token,
+    tokens), or None (not finished, or not scored yet)."""
+    summary, cfg = read_summary(d), read_json(Path(d) / "config.json")
+    if summary is None or cfg is None:
+        return None
+    val = whole_split_scores(d, summary.get("step")).get("val")
+    if val is None:
+        return None
+    tokens = summary["step"] * cfg["train"]["batch_tokens"]
+    return dict(loss=val, flops_per_token=flops_per_token(cfg["model"]), tokens=tokens)
+
+
+def read_off(spec):
+    """The ladder's fit and every paired variant's multiplier, as one JSON-able dict."""
+    out_dir, seeds, rung = Path(spec["out_dir"]), spec["seeds"], spec["rung"]
+    sizes = {}
+    for name in spec["variants"]:
+        runs = {s: r for s in seeds if (r := read_run(out_dir / name / f"seed{s}"))}
+        if runs:
+            sizes[name] = runs
+    missing = [f"{n}/seed{s}" for n in spec["variants"] for s in seeds if s not in sizes.get(n, {})]
+    result = dict(design=spec.get("path"), seeds=seeds, rung=rung, missing_ladder_runs=missing, sizes={}, fit=None,
+                  variants={}, level=spec["level"])
+    for name, runs in sizes.items():
+        result["sizes"][name] = dict(n=len(runs), flops=statistics.fmean(r["flops_per_token"] * r["tokens"]
+                                                                          for r in runs.values()),
+                                     mean_log_loss=statistics.fmean(math.log(r["loss"]) for r in runs.values()),
+                                     losses={str(s): r["loss"] for s, r in runs.items()})
+    if len(sizes) < 2 or rung not in sizes:
+        return result
+    pts = list(result["sizes"].values())
+    fit = slope_fit([math.log(p["flops"]) for p in pts], [p["mean_log_loss"] for p in pts])
+    result["fit"] = dict(alpha=fit["alpha"], a=fit["a"], alpha_se=fit["se"], df=fit["df"],
+                         residuals=dict(zip(result["sizes"], fit["residuals"])))
+    for where, variants in spec["pairs"].items():
+        for v in variants:
+            mine = {s: r for s in seeds if (r := read_run(Path(in_root(where)) / v / f"seed{s}"))}
+            both = [s for s in seeds if s in mine and s in sizes[rung]]
+            r = [math.log(mine[s]["loss"]) - math.log(sizes[rung][s]["loss"]) for s in both]
+            m = multiplier(r, fit, spec["level"]) if both else dict(x=None, lo=None, hi=None)
+            ratio = mine[both[0]]["flops_per_token"] / sizes[rung][both[0]]["flops_per_token"] if both else None
+            flop = {k: (m[k] / ratio if m.get(k) is not None and ratio else None) for k in ("x", "lo", "hi")}
+            result["variants"][v] = dict(seeds=both, log_gaps=dict(zip(map(str, both), r)),
+                                         gap_nats=[mine[s]["loss"] - sizes[rung][s]["loss"] for s in both],
+                                         x_step=[m["x"], m["lo"], m["hi"]], flops_per_token_ratio=ratio,
+                                         x_flops=[flop["x"], flop["lo"], flop["hi"]])
+    return result
+
+
+def _x(v):
+    return "-" if v is None else "inf" if math.isinf(v) else f"{v:.3f}"
+
+
+def table(result):
+    """ladder.md: the sizes, the fit and each variant's multiplier."""
+    lines = [f"# The size ladder: `standard` needs X times the compute (seeds {result['seeds']}, rung "
+             f"`{result['rung']}`)", "",
+             "| size | seeds | training FLOPs | mean log loss (whole val) | residual |", "| --- | --- | --- | --- | --- |"]
+    fit = result["fit"]
+    for name, p in result["sizes"].items():
+        res = f"{fit['residuals'][name]:+.4f}" if fit else "-"
+        lines.append(f"| `{name}` | {p['n']} | {p['flops']:.3g} | {p['mean_log_loss']:.4f} | {res} |")
+    if result["missing_ladder_runs"]:
+        lines += ["", f"Not finished or not scored yet: {', '.join(result['missing_ladder_runs'])}."]
+    if not fit:
+        return "\n".join(lines + ["", "No fit yet: the ladder needs its rung and one more size."])
+    lines += ["", f"Fit: log L = {fit['a']:.4f} - {fit['alpha']:.4f} log C, alpha's standard error {fit['alpha_se']:.4f} "
+                  f"({fit['df']} degrees of freedom).", "",
+              f"X: exp(-mean log gap / alpha), the gap paired seed by seed with `{result['rung']}`; "
+              f"{100 * result['level']:g}% interval over the t-intervals of the gap and of alpha (Bonferroni).", "",
+              "| variant | seeds | gap, nats (mean) | X step-matched [interval] | FLOPs/token vs rung "
+              "| X FLOP-matched [interval] |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for v, c in result["variants"].items():
+        gap = f"{statistics.fmean(c['gap_nats']):+.4f}" if c["gap_nats"] else "-"
+        ratio = f"{c['flops_per_token_ratio']:.3f}" if c["flops_per_token_ratio"] else "-"
+        xs, xf = c["x_step"], c["x_flops"]
+        lines.append(f"| `{v}` | {len(c['seeds'])} | {gap} | {_x(xs[0])} [{_x(xs[1])}, {_x(xs[2])}] | {ratio} | "
+                     f"{_x(xf[0])} [{_x(xf[1])}, {_x(xf[2])}] |")
+    return "\n".join(lines)
+
+
+def strict(x):
+    """JSON without NaN or Infinity: null for a number that is not finite."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict(v) for v in x]
+    return x
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("design", help="the ladder's sweep file, e.g. configs/ladder_cpu.py")
+    args = p.parse_args(argv)
+    spec = load_sweep(args.design)
+    for key in ("rung", "pairs"):
+        if key not in spec:
+            raise SystemExit(f"error: {args.design} must set {key} (see tools/ladder.py)")
+    if spec["rung"] not in spec["variants"]:
+        raise SystemExit(f"error: {args.design}: rung {spec['rung']!r} is not one of the variants {list(spec['variants'])}")
+    if not isinstance(spec["pairs"], dict) or not all(isinstance(v, list) for v in spec["pairs"].values()):
+        raise SystemExit(f'error: {args.design}: pairs must be a dict {{"a sweep\'s out_dir": [variants]}}')
+    spec.setdefault("level", 0.95)
+    if not isinstance(spec["level"], float) or not 0 < spec["level"] < 1:
+        raise SystemExit(f"error: {args.design}: level must be a number between 0 and 1, got {spec['level']!r}")
+    spec["path"] = args.design
+    result = read_off(spec)
+    text = table(result)
+    print(text)
+    out = Path(spec["out_dir"])
+    if out.is_dir():
+        write_file(out / "ladder.md", (text + "\n").encode(), SystemExit)
+        write_file(out / "ladder.json", (json.dumps(strict(result), indent=1) + "\n").encode(), SystemExit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
