@@ -35,6 +35,10 @@ THE CUTTING RULE (a lone text, such as nanoGPT's input.txt, and very long docume
   - splits: piece j of document i goes to the split document i + j would go to, so a lone text's
     pieces split as documents 0, 1, 2, ... do (a 1.1 MB input.txt: about 270 pieces, about 13 in
     val and 13 in test at 5% each), and every document that is not cut keeps its split;
+  - filling: a lone text whose pieces would leave val or test empty (a positive fraction, and no piece
+    drawn for it) gives that split one of its last FILL_WINDOW = 4 pieces that went to train, val the
+    last such one, test the one before, as long as train keeps one: a lone text of 3 pieces or more
+    fills every split (a 20 kB text: 6 pieces, 4 train, 1 val, 1 test);
   - EOT: a piece starts with EOT where its split's text jumps: at the document's first piece, and
     where the piece before it went to another split. A run of consecutive pieces in one split is
     the document's text unchanged; a split of a cut text is its runs, EOT before each.
@@ -42,8 +46,13 @@ THE CUTTING RULE (a lone text, such as nanoGPT's input.txt, and very long docume
   A preparation written before this rule (its meta.json has no cut_documents) counts as up to date
   unless it holds a lone document; rebuild one that had documents above CUT_CHARS with --overwrite
   to cut them.
+Settings train.py cannot use are said before any work: --val_fraction 0 (an empty val split, which
+train.py refuses) and a --shard_tokens below one training window (train.py's default seq_len + 1; a
+window never crosses a shard) are each a `warning:` line; a split cut into more than MAX_SHARDS =
+10,000 shards (a file each) is an error.
 Exit status: 0 done; 2 with one `error:` line (bad flags, a source that cannot be read, an out_dir
-that cannot be written), leaving no output behind; 130 on Ctrl-C (`stopped by Ctrl-C; ...`).
+that cannot be written, too many shards), leaving no output behind; 130 on Ctrl-C (`stopped by
+Ctrl-C; ...`).
 """
 
 import argparse
@@ -60,6 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
+from depthres.config import TrainConfig
 from depthres.files import DirLock, os_error_message, sync_dir
 from depthres.shards import (
     DATA_DIR,
@@ -77,17 +87,22 @@ from depthres.shards import (
 from depthres.sources import BUILDERS, READ_CHARS, format_of, hub_texts, json_texts, local_files, parquet_texts, text_blocks
 
 DEFAULT_CORPUS = DATA_DIR / "shakespeare.jsonl.gz"
-# the files a preparation owns in its out_dir (and their temporary names while being written)
-OUR_FILES = re.compile(r"\.?((train|val|test)_\d{6}\.bin|meta\.json)(\.tmp)?")
+# the files a preparation owns in its out_dir, and their temporary names while being written (files.temporary;
+# .NAME.tmp: an older version's)
+OUR_FILES = re.compile(r"\.?((train|val|test)_\d{6}\.bin|meta\.json)(\.tmp|\.\d+-[0-9a-f]{8}\.tmp)?")
 STAGING = ".prepare_data-staging"  # a preparation is built here, beside the one it replaces, then moved in
 MAX_SHARD_TOKENS = 2**30  # a shard is assembled in memory: 2 GiB of uint16 ids
+MAX_SHARDS = 10_000  # per split: more is a --shard_tokens far too small for the corpus (one file a shard)
+WINDOW = TrainConfig.__dataclass_fields__["seq_len"].default + 1  # a training window at train.py's default seq_len
 
 # the cutting rule of the module docstring
 CUT_CHARS = 1 << 20  # a document longer than this is cut (and a source's only document, whatever its length)
 PIECE_CHARS = 1 << 12  # a piece ends at the first line end at or after this many characters
 LONG_LINE_CHARS = 1 << 14  # ... or, with no line end before this length, after its last space or tab before it
+FILL_WINDOW = 4  # a lone text's empty val / test take train pieces among its last FILL_WINDOW pieces
 CUT_RULE = {"above_chars": CUT_CHARS, "or_lone": True, "piece_chars": PIECE_CHARS, "long_line_chars": LONG_LINE_CHARS,
-            "eot": "before a document, and before a piece whose predecessor went to another split"}
+            "eot": "before a document, and before a piece whose predecessor went to another split",
+            "fill": f"a lone text's empty val, test take its last train pieces (of its last {FILL_WINDOW})"}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -138,12 +153,33 @@ def _blocks(text):
     return (text[i:i + READ_CHARS] for i in range(0, len(text), READ_CHARS))
 
 
-def _units(documents, split_of_index, cut):
+def _filled(assigned, wanted):
+    """The [split, piece] of a lone text's pieces, in order, where the splits in `wanted` that no piece
+    went to take train pieces among the last FILL_WINDOW (val the last one), train keeping one: the
+    cutting rule's filling. Holds FILL_WINDOW pieces, never the text."""
+    seen, tail, trains = set(), deque(), 0
+    for split, piece in assigned:
+        tail.append([split, piece])
+        if len(tail) > FILL_WINDOW:
+            done = tail.popleft()
+            seen.add(done[0])
+            trains += done[0] == "train"
+            yield done
+    seen |= {split for split, _ in tail}
+    missing = [s for s in wanted if s not in seen]
+    late = [unit for unit in reversed(tail) if unit[0] == "train"]
+    for split, unit in zip(missing, late[:max(0, trains + len(late) - 1)]):
+        unit[0] = split
+    yield from tail
+
+
+def _units(documents, split_of_index, cut, wanted=()):
     """(split, text, eot) of every document that stays whole and of every piece of the ones that are
     cut, in order; eot: the unit starts with EOT (the cutting rule of the module docstring).
     documents: (text, lone) where text is a string or an iterable of its blocks (a .txt file, never
     held whole) and lone says it is the source's only document. split_of_index: document index ->
-    split. cut: a dict that counts the documents cut and their pieces."""
+    split. cut: a dict that counts the documents cut and their pieces. wanted: the splits besides
+    train with a positive fraction (a lone text fills them: _filled)."""
     for i, (text, lone) in enumerate(documents):
         if text is None or isinstance(text, str):
             text = text or ""
@@ -164,10 +200,10 @@ def _units(documents, split_of_index, cut):
                     continue
             blocks = _chain(head, blocks)
         n, before = 0, None
-        for n, piece in enumerate(_pieces(blocks), 1):
-            split = split_of_index(i + n - 1)
+        assigned = ([split_of_index(i + j), piece] for j, piece in enumerate(_pieces(blocks)))
+        for split, piece in _filled(assigned, wanted) if lone else assigned:
             yield split, piece, split != before
-            before = split
+            before, n = split, n + 1
         cut["documents"] += n > 0
         cut["pieces"] += n
         cut["lone"] = lone
@@ -283,6 +319,10 @@ def _setting(meta, key):
     rule's result unless the source was one document (or had one above CUT_CHARS: see the docstring)."""
     if key == "cut_documents" and key not in meta and sum(s.get("docs", 0) for s in meta["splits"].values()) > 1:
         return CUT_RULE
+    if key == "cut_documents" and isinstance(meta.get(key), dict) and "fill" not in meta[key] and \
+            {**meta[key], "fill": CUT_RULE["fill"]} == CUT_RULE and \
+            all(meta["splits"][s]["tokens"] for s in ("val", "test") if meta[f"{s}_fraction"] > 0):
+        return CUT_RULE  # written before the filling, which fills only a split left empty: the same data
     return meta.get(key)
 
 
@@ -330,6 +370,9 @@ class ShardWriter:
     def flush(self):
         if self.fill == 0:
             return
+        if len(self.files) == MAX_SHARDS:
+            raise DataError(f"--shard_tokens {len(self.buf):,} cuts the {self.split} split into more than {MAX_SHARDS:,} "
+                            "shards (a file each): raise --shard_tokens (default 1e8)")
         shard = self.buf[:self.fill]
         for i in range(0, len(shard), 1 << 22):  # bincount works on int64 copies: a slice at a time, not the shard
             self.counts += np.bincount(shard[i:i + (1 << 22)], minlength=len(self.counts))
@@ -343,7 +386,8 @@ def _tokenize(documents, tok, out_dir, shard_tokens, num_proc, val_fraction, tes
     """Tokenize the documents into the shards of each split; returns the ShardWriter of each split."""
     from tqdm import tqdm
     writers = {s: ShardWriter(out_dir, s, tok, shard_tokens) for s in SPLITS}
-    chunks = _chunks(_units(documents, lambda i: split_of(i, val_fraction, test_fraction), cut))
+    wanted = [s for s, f in (("val", val_fraction), ("test", test_fraction)) if f > 0]
+    chunks = _chunks(_units(documents, lambda i: split_of(i, val_fraction, test_fraction), cut, wanted))
     with tqdm(unit="docs", desc="tokenizing", disable=None) as bar:  # no bar when stderr is not a terminal
         for tokens, lengths, split in _encoded(chunks, tok.name, num_proc):
             split = np.array(split)
@@ -379,6 +423,13 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     if not 1 <= shard_tokens <= MAX_SHARD_TOKENS:
         raise DataError(f"--shard_tokens {shard_tokens:g} is out of range: a shard is assembled in memory (2 bytes "
                         f"a token), so use 1 to {MAX_SHARD_TOKENS:,} (default 1e8)")
+    if val_fraction == 0:
+        print("warning: --val_fraction 0 leaves the val split empty: train.py evaluates on it and refuses such data; "
+              "pass --val_fraction > 0 (default 0.05) to train on it", file=sys.stderr, flush=True)
+    if shard_tokens < WINDOW:
+        print(f"warning: --shard_tokens {shard_tokens} holds less than one training window (train.py's default seq_len "
+              f"+ 1 = {WINDOW} tokens), and a window never crosses a shard: train.py would read nothing of such "
+              "shards; pass --shard_tokens 1e6 or more", file=sys.stderr, flush=True)
     if dataset is None and data_files is None:
         data_files = [str(DEFAULT_CORPUS)]
     local = dataset is None or dataset in set(BUILDERS.values())
@@ -478,8 +529,8 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     for s, info in splits.items():
         print(f"{s:>5}: {info['docs']:,} docs, {info['tokens']:,} tokens, {info['shards']} shards")
         if info["tokens"] == 0 and s != "train" and meta[f"{s}_fraction"] > 0:
-            few = (f"the lone text gave only {cut['pieces']} pieces of about {PIECE_CHARS:,} characters: raise "
-                   f"--{s}_fraction, or pass more text" if cut["lone"] else
+            few = (f"the lone text gave only {cut['pieces']} pieces of about {PIECE_CHARS:,} characters (3 fill every "
+                   "split): pass more text" if cut["lone"] else
                    f"the source has too few documents for --{s}_fraction")
             print(f"warning: split {s} is empty: {few}", file=sys.stderr)
     if cut["documents"]:

@@ -1,19 +1,25 @@
 """
 Files that are never half-written, and directories that one process at a time writes into.
 
-    write_atomic(path, write, Error)   write(f) into a temporary file beside path, fsync, rename over
-                                       path, fsync the directory: a crash, a kill or a full disk leaves
-                                       the old file or the new one, never part of one
+    write_atomic(path, write, Error)   write(f) into a temporary file beside path (a name of this
+                                       process alone), fsync, rename over path, fsync the directory: a
+                                       crash, a kill, a full disk or a second writer leaves the old file
+                                       or a new one, never part of one
+    write_file(path, data, Error)      write_atomic of bytes or text
+    write_figure(path, fig, Error)     write_atomic of a matplotlib figure (savefig, PNG)
+    check_writable(directory)          that a directory takes a file, before the work that writes there
     writing(path, Error)               an OSError (disk full, read-only, no permission) becomes Error,
                                        one line naming the path
     DirLock(directory, owner, Error)   an exclusive lock on a directory for this process' life
 
-Used by the token shards (shards.py, prepare_data.py) and the run directory (checkpoint.py, runlog.py).
+Every file the project writes whole goes through write_atomic: the token shards (shards.py,
+prepare_data.py), the run directory (checkpoint.py, runlog.py, train.py) and every tool's output.
 """
 
 import errno
 import fcntl
 import os
+import secrets
 import socket
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -31,22 +37,27 @@ def os_error_message(e, path):
 
 @contextmanager
 def writing(path, error):
-    """An OSError while writing `path` becomes `error` with one line (os_error_message)."""
+    """An OSError while writing `path` becomes `error` with one line (os_error_message); error None: the
+    OSError itself goes on."""
     try:
         yield
     except OSError as e:
+        if error is None:
+            raise
         raise error(os_error_message(e, path)) from None
 
 
 def temporary(path):
-    """Where write_atomic writes `path` before renaming it: a hidden name beside it."""
-    return path.with_name(f".{path.name}.tmp")
+    """Where write_atomic writes `path` before renaming it: a hidden name beside it, of this process and
+    this call alone (.NAME.PID-RANDOM.tmp), so two processes writing the same file never share one."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
 
 
-def write_atomic(path, write, error):
+def write_atomic(path, write, error=None):
     """Write a file atomically and durably: write(f) on a temporary file in the same directory
-    (f opened "wb"), fsync, rename over `path`, fsync the directory. On any failure the temporary
-    file is removed and `path` is as it was; an OSError becomes `error` (see writing)."""
+    (temporary(); f opened "wb"), fsync, rename over `path`, fsync the directory. On any failure,
+    an exception from write(f) too, the temporary file is removed and `path` is as it was; an OSError
+    becomes `error` (see writing)."""
     path = Path(path)
     tmp = temporary(path)
     with writing(path, error):
@@ -57,14 +68,30 @@ def write_atomic(path, write, error):
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise
         sync_dir(path.parent)
 
 
-def write_file(path, data, error):
-    """write_atomic of bytes."""
+def write_file(path, data, error=None):
+    """write_atomic of bytes, or of text (as UTF-8)."""
+    data = data.encode() if isinstance(data, str) else data
     write_atomic(path, lambda f: f.write(data), error)
+
+
+def write_figure(path, fig, error=None, format="png", dpi=120):
+    """write_atomic of a matplotlib figure (fig.savefig)."""
+    write_atomic(path, lambda f: fig.savefig(f, format=format, dpi=dpi), error)
+
+
+def check_writable(directory):
+    """That `directory` takes a file, before the work whose result goes there: a temporary file of
+    this process is made and removed (an OSError if not)."""
+    probe = temporary(Path(directory) / ".probe")
+    with open(probe, "xb"):
+        pass
+    probe.unlink()
 
 
 def sync_dir(path):

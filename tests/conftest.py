@@ -1,8 +1,14 @@
-"""Fixtures the tests share: one thread per test process, the tiny byte corpus, one uninterrupted run;
+"""Fixtures the tests share: one thread per test process, the tiny byte corpus, one uninterrupted run,
+a read-only mount and a full disk;
 and the order in which `make test-all` (pytest -n auto --dist loadgroup) hands the tests to its processes."""
 
+import builtins
+import errno
 import gzip
+import io
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +46,91 @@ def straight(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
     run(data_dir, out, "--run_name=straight")
     return out / "straight"
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """Make writes under the returned function's directories fail as on a read-only mount (EROFS):
+    os.open for writing, os.mkdir, open() and Path.open in a writing mode. (As root, chmod stops nothing.)"""
+    import builtins
+    import errno
+    import io
+    roots = []
+
+    def blocked(path, writing):
+        return writing and any(str(Path(path)).startswith(str(r)) for r in roots)
+
+    def refuse(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    real_os_open, real_mkdir, real_open = os.open, os.mkdir, builtins.open
+
+    def os_open(path, flags, *args, **kwargs):
+        if blocked(path, flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def mkdir(path, *args, **kwargs):
+        if blocked(path, True) and Path(path).parent.is_dir() and not Path(path).exists():
+            refuse(path)  # (with no parent: FileNotFoundError, as the kernel says first)
+        return real_mkdir(path, *args, **kwargs)
+
+    def open_(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, Path)) and blocked(file, any(c in mode for c in "wax+")):
+            refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+    return roots.append
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """full_disk(directory, free): files opened for writing under `directory` (open(), Path.open) share
+    `free` bytes, as on a disk with that much room: a write takes what is left, then fails with ENOSPC
+    (a partial write, as the kernel gives, then the error)."""
+    roots, room = [], {}
+    real_open = builtins.open
+
+    class Filling:
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, data):
+            n = min(len(data), room["free"])
+            if n:
+                self._f.write(data[:n])
+                room["free"] -= n
+            if n < len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return n
+
+        def writelines(self, lines):
+            for line in lines:
+                self.write(line)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        writing = isinstance(file, (str, Path)) and any(c in mode for c in "wax+")
+        return Filling(f) if writing and any(str(Path(file)).startswith(str(r)) for r in roots) else f
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+
+    def fill(directory, free):
+        roots.append(directory)
+        room["free"] = free
+    return fill
 
 
 def pytest_collection_modifyitems(config, items):

@@ -785,3 +785,67 @@ def test_an_out_dir_that_is_a_dangling_link_or_a_file_is_one_clear_line(tmp_path
     assert prep(src, tmp_path / "file") == 2
     assert capsys.readouterr().err == f"error: --out_dir {tmp_path / 'file'} is a file, not a directory\n"
     assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
+# -----------------------------------------------------------------------------
+# round four: settings that leave a split empty, absurd shard counts, a small lone text
+
+
+def test_a_small_lone_text_fills_every_split(tmp_path, capsys):
+    """A lone 24 kB .txt cut into 6 pieces gave an empty val split (the pieces' hashes: 5 train, 1 test)."""
+    text = lines_of_text(21_000)
+    (tmp_path / "input.txt").write_text(text)
+    out = tmp_path / "out"
+    assert prep(tmp_path / "input.txt", out) == 0
+    meta = load_meta(out)
+    docs = {s: meta["splits"][s]["docs"] for s in SPLITS}
+    assert docs == {"train": 4, "val": 1, "test": 1}, docs
+    assert "warning" not in capsys.readouterr().err
+    pieces = reference_pieces(text, prepare_data.PIECE_CHARS, prepare_data.LONG_LINE_CHARS)
+    assert len(pieces) == 6 and [split_of(j, 0.05, 0.05) for j in range(6)].count("val") == 0
+    tok = get_tokenizer("byte")  # the last piece is val's (it was train's), the one before test's
+    assert split_stream(out, "val") == [tok.eot] + tok.encode(pieces[-1])
+    assert split_stream(out, "test") == [tok.eot] + tok.encode(pieces[-2])
+    assert tok.decode(split_stream(out, "train")) == "<|endoftext|>" + "".join(pieces[:-2])
+
+
+@pytest.mark.parametrize("n_pieces, val, test", [(1, 0, 0), (2, 1, 0), (3, 1, 1)])
+def test_a_lone_text_fills_what_its_pieces_can_and_train_keeps_one(n_pieces, val, test):
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(prepare_data, "PIECE_CHARS", 8)
+        units = list(prepare_data._units([("".join(f"piece {j}\n" for j in range(n_pieces)), True)],
+                                         lambda i: "train", {"documents": 0, "pieces": 0, "lone": False}, ["val", "test"]))
+    splits = [s for s, _, _ in units]
+    assert len(splits) == n_pieces and splits.count("val") == val and splits.count("test") == test
+    assert splits.count("train") == n_pieces - val - test >= 1
+
+
+def test_a_lone_text_too_short_to_fill_every_split_says_so(tmp_path, capsys):
+    (tmp_path / "input.txt").write_text(lines_of_text(5_000))  # 2 pieces: train and val
+    assert prep(tmp_path / "input.txt", tmp_path / "out") == 0
+    assert capsys.readouterr().err == ("warning: split test is empty: the lone text gave only 2 pieces of about 4,096 "
+                                       "characters (3 fill every split): pass more text\n")
+
+
+def test_val_fraction_0_is_a_warning_before_any_work(tmp_path, capsys):
+    """--val_fraction 0 was accepted silently; train.py then refused the data."""
+    assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "out", "--val_fraction", 0) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: --val_fraction 0 leaves the val split empty: train.py evaluates on it and refuses "
+                          "such data; pass --val_fraction > 0 (default 0.05) to train on it\n")
+    assert load_meta(tmp_path / "out")["splits"]["val"]["tokens"] == 0
+
+
+def test_absurd_numbers_of_shards_are_refused(tmp_path, monkeypatch, capsys):
+    """--shard_tokens 10 wrote 18,912 files of the embedded corpus, and train.py then blamed seq_len."""
+    monkeypatch.setattr(prepare_data, "MAX_SHARDS", 5)  # the same rule at 10,000, without writing them
+    out = tmp_path / "out"
+    assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), out, "--shard_tokens", 10) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("warning: --shard_tokens 10 holds less than one training window (train.py's default seq_len + 1 "
+                      "= 257 tokens), and a window never crosses a shard: train.py would read nothing of such shards; "
+                      "pass --shard_tokens 1e6 or more")
+    assert err[-1] == ("error: --shard_tokens 10 cuts the train split into more than 5 shards (a file each): raise "
+                       "--shard_tokens (default 1e8)")
+    assert not out.exists()
+    assert prepare_data.MAX_SHARDS * 10 < 18_912 and monkeypatch.undo() is None and prepare_data.MAX_SHARDS == 10_000

@@ -153,6 +153,13 @@ BAD_SWEEPS = {
     "owned_in_overrides": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 1]\nreference = "a"\n'
                            'overrides = "max_steps=2 seed=7"\n',
                            "the sweep's overrides ('max_steps=2 seed=7') set seed, which the sweep owns"),
+    # round four: the overrides and every seed, before the first run, each named as what is wrong
+    "overrides_quote": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0]\nreference = "a"\n'
+                        'overrides = "max_steps=2 run_name=\'x"\n',
+                        "error: the overrides (\"max_steps=2 run_name='x\") of every run: No closing quotation"),
+    "seed_too_large": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 2**32]\nreference = "a"\n',
+                       "error: seed 4294967296 (each run's seed and data_seed): seed must be in [0, 2**32), got "
+                       "4294967296"),
     "seeds_twice": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 0]\nreference = "a"\n',
                     "seeds [0, 0] name 0 more than once"),
     "variant_path": ('base = "configs/test.py"\nvariants = {"a": "", "../escape": ""}\nseeds = [0]\nreference = "a"\n',
@@ -552,44 +559,6 @@ def test_a_claim_entry_that_is_a_directory_is_not_a_claim(tmp_path, monkeypatch)
     held = sweep.claim(spec, "a", 0)  # a live claim on it still keeps other sweep processes off
     assert held is not None and sweep.claim(spec, "a", 0) is None
     held.release()
-
-
-@pytest.fixture
-def read_only(monkeypatch):
-    """Make writes under the returned function's directories fail as on a read-only mount (EROFS):
-    os.open for writing, os.mkdir, open() and Path.open in a writing mode. (As root, chmod stops nothing.)"""
-    import builtins
-    import errno
-    import io
-    roots = []
-
-    def blocked(path, writing):
-        return writing and any(str(Path(path)).startswith(str(r)) for r in roots)
-
-    def refuse(path):
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-
-    real_os_open, real_mkdir, real_open = os.open, os.mkdir, builtins.open
-
-    def os_open(path, flags, *args, **kwargs):
-        if blocked(path, flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)):
-            refuse(path)
-        return real_os_open(path, flags, *args, **kwargs)
-
-    def mkdir(path, *args, **kwargs):
-        if blocked(path, True) and Path(path).parent.is_dir() and not Path(path).exists():
-            refuse(path)  # (with no parent: FileNotFoundError, as the kernel says first)
-        return real_mkdir(path, *args, **kwargs)
-
-    def open_(file, mode="r", *args, **kwargs):
-        if isinstance(file, (str, Path)) and blocked(file, any(c in mode for c in "wax+")):
-            refuse(file)
-        return real_open(file, mode, *args, **kwargs)
-    monkeypatch.setattr(os, "open", os_open)
-    monkeypatch.setattr(os, "mkdir", mkdir)
-    monkeypatch.setattr(builtins, "open", open_)
-    monkeypatch.setattr(io, "open", open_)
-    return roots.append
 
 
 def test_a_read_only_out_dir_is_one_line_and_the_table_still_prints(tmp_path, monkeypatch, capsys, read_only):

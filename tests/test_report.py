@@ -3,6 +3,8 @@ and twin comparisons, whole-split scores, the tables and plots, on runs with kno
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -347,3 +349,43 @@ def test_a_margin_without_runs_shows_neither_and_the_report_keeps_it(tmp_path, c
 def test_the_replication_declares_its_margin_with_its_two_tests():
     spec = sweep.load_sweep("configs/replication_cpu.py")
     assert spec["equivalence_margin"] == 0.006 and len(spec["primary"]) == 2 and spec["seeds"] == list(range(1000, 1016))
+
+
+def test_reports_written_at_once_share_no_temporary_file(tmp_path, monkeypatch, capsys):
+    """Three --table_only processes at once shared fixed temporary names (.curves.tmp.png): one renamed
+    the other's away and reported a missing file. Here a second report writes every file between the
+    first one's write of results.md and its rename."""
+    spec = sweep_spec(tmp_path, seeds=(0, 1))
+    for v, s in (("a", 0), ("a", 1), ("b", 0), ("b", 1)):
+        finished_run(tmp_path / "runs" / v / f"seed{s}", 3.0 + 0.1 * s + (v == "b") * 0.01)
+    real, nested = os.replace, []
+
+    def replace(src, dst):
+        if Path(dst).name == "results.md" and not nested:
+            nested.append(1)
+            report.report(spec)  # the other process, all of it
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+    report.report(spec)
+    err = capsys.readouterr().err
+    assert nested and "warning" not in err, err
+    assert strict_json(tmp_path / "runs" / "results.json")["reference"] == "a"
+    assert not [p.name for p in (tmp_path / "runs").iterdir() if p.name.endswith(".tmp") or ".tmp." in p.name]
+
+
+def test_a_twin_that_does_not_match_is_a_warning_and_exit_status_4(tmp_path, capsys):
+    """It was tabulated as "no", with no warning, and the sweep exited 0."""
+    path = sweep_file(tmp_path, variants=("a", "b", "c"), seeds=(0, 1), extra='twins = {"c": "a"}\n')
+    for s in (0, 1):
+        finished_run(tmp_path / "runs" / "a" / f"seed{s}", 3.0 + 0.1 * s)
+        finished_run(tmp_path / "runs" / "b" / f"seed{s}", 2.9 + 0.1 * s)
+        finished_run(tmp_path / "runs" / "c" / f"seed{s}", 3.0 + 0.1 * s + 0.002 * s)  # seed 1 differs
+    assert sweep.main([str(path), "--table_only"]) == sweep.EXIT_TWINS == 4
+    out, err = capsys.readouterr()
+    assert "| `c` | `a` | 2 | 2.0e-03 | 2.0e-03 | 2.0e-03 | 2.0e-03 | **no** |" in out
+    assert err.splitlines()[-1] == ("warning: c does not match its twin a (largest |Δ| 2.0e-03 over 2 seeds): a twin "
+                                    "trains bit for bit as its twin, so their code or settings differ (the Twins "
+                                    "table says no)")
+    finished_run(tmp_path / "runs" / "c" / "seed1", 3.1)  # equal again: no warning, exit 0
+    assert sweep.main([str(path), "--table_only"]) == 0
+    assert "warning" not in capsys.readouterr().err

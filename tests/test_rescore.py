@@ -57,3 +57,79 @@ def test_a_run_that_starts_over_or_continues_drops_its_scores(finished, data_dir
     assert json.loads((d / "scores.json").read_text())["device"] == "cpu"
     run(data_dir, tmp_path, "--run_name=done", "--overwrite=true", "--max_steps=2")
     assert not (d / "scores.json").exists() and (d / "summary.json").exists()
+
+
+@pytest.fixture
+def copy(finished, tmp_path):
+    """A copy of the finished run, to score as each test likes."""
+    import shutil
+    d = tmp_path / "run"
+    shutil.copytree(finished, d)
+    (d / "scores.json").unlink(missing_ok=True)
+    return d
+
+
+def never(*args, **kwargs):
+    raise AssertionError("scored: the check came after the compute")
+
+
+def test_data_of_another_tokenizer_is_one_line_before_any_compute(copy, tmp_path, monkeypatch, capsys):
+    """gpt2 data for a byte model was an IndexError (and byte data for a gpt2 model a meaningless 10.82)."""
+    from prepare_data import prepare
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "Some text to tokenize. " * 200}) + "\n")
+    gpt2 = tmp_path / "gpt2"
+    prepare(data_files=[str(tmp_path / "c.jsonl")], tokenizer="gpt2", out_dir=gpt2, val_fraction=0.5, test_fraction=0)
+    capsys.readouterr()
+    monkeypatch.setattr(rescore, "split_loss", never)
+    assert rescore.main([str(copy), "--data_dir", str(gpt2)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {gpt2} holds gpt2 tokens (50257 ids), but the run's model reads byte tokens (320 ids): pass "
+        "--data_dir with data prepared with --tokenizer byte, or leave it out (the run's own data_dir)\n")
+    assert not (copy / "scores.json").exists()
+
+
+def test_scores_of_other_data_are_recorded_and_never_the_run_s(copy, data_dir, tmp_path, capsys):
+    """Scores of other data (of the same tokenizer) were written without their data_dir, and a later
+    plain rescore called them up to date."""
+    import shutil
+
+    from tools.report import whole_split_scores
+    other = tmp_path / "other"
+    shutil.copytree(data_dir, other)
+    assert rescore.main([str(copy), "--data_dir", str(other), "--tokens", "64"]) == 0
+    scores = json.loads((copy / "scores.json").read_text())
+    assert scores["data_dir"] == str(other.resolve()) and scores["own_data"] is False
+    assert rescore.main([str(copy), "--tokens", "64"]) == 0  # plain: the run's own data, not up to date
+    assert "up to date" not in capsys.readouterr().out
+    scores = json.loads((copy / "scores.json").read_text())
+    assert scores["data_dir"] == str(data_dir.resolve()) and scores["own_data"] is True
+    assert rescore.main([str(copy), "--tokens", "64"]) == 0
+    assert capsys.readouterr().out.endswith(": up to date\n")
+    rescore.rescore(copy, data_dir=other, force=True)  # whole splits of other data: never the run's in a report
+    assert whole_split_scores(copy, 6) == {}
+
+
+def test_a_missing_data_dir_is_an_error_even_when_the_scores_are_up_to_date(copy, tmp_path, capsys):
+    assert rescore.main([str(copy), "--tokens", "64"]) == 0
+    assert rescore.main([str(copy), "--tokens", "64"]) == 0 and capsys.readouterr().out.endswith(": up to date\n")
+    assert rescore.main([str(copy), "--tokens", "64", "--data_dir", str(tmp_path / "nonexistent")]) == 2
+    assert capsys.readouterr().err == (f"error: --data_dir {tmp_path / 'nonexistent'} holds no meta.json: pass the "
+                                       "directory prepare_data.py wrote\n")
+
+
+def test_a_read_only_run_directory_is_said_first_and_the_scores_still_print(copy, read_only, monkeypatch, capsys):
+    """It scored both whole splits, then said it could not write, and never printed the numbers."""
+    real, said = rescore.split_loss, []
+
+    def scored_after_the_error(*args, **kwargs):
+        said.append(capsys.readouterr().err)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(rescore, "split_loss", scored_after_the_error)
+    read_only(copy)
+    assert rescore.main([str(copy), "--tokens", "64"]) == 2
+    error = (f"error: cannot write {copy / 'scores.json'}: read-only file system: the scores below are printed, "
+             "not saved\n")
+    assert said[0] == error  # before any compute
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{copy}: step 6, val ") and "(64 tokens)" in out and err == ""
+    assert not (copy / "scores.json").exists()

@@ -111,6 +111,9 @@ BAD_DESIGNS = {
     "power_short": (dict(fit='"power"'), "the ladder needs at least 4 lengths"),
     "unknown_key": (dict(variants='{"a": "", "b": "n_layers=4"}'), "unknown key 'n_layers' in the command line"),
     "raises": (dict(steps="[6] + 1"), "line 7: TypeError"),
+    "seed_too_large": (dict(seeds="[0, 2**32]"), "error: seed 4294967296 (each run's seed and data_seed): seed must be "
+                       "in [0, 2**32), got 4294967296"),
+    "tuning_seed_too_large": (dict(tuning_seeds="[2**40]"), "error: seed 1099511627776 (each run's seed"),
 }
 
 
@@ -394,3 +397,50 @@ def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
     ran.clear()
     robust.main([str(path)])  # everything finished and scored: nothing reruns
     assert ran == [] and len(scored) == len(expected)
+
+
+# --- the report's files: whole or not at all ---------------------------------------------------------------
+
+REPORT_FILES = ("robust.md", "robust.json", "loss_vs_flops.png")
+NO_MATPLOTLIB = "matplotlib is not installed: skipping plots (pip install matplotlib)\n"
+
+
+@pytest.mark.parametrize("free", [0, 8192])
+@pytest.mark.parametrize("older", [False, True])
+def test_a_full_disk_leaves_each_report_file_whole_and_is_one_warning(free, older, tmp_path, full_disk, capsys):
+    """robust.json was left at 0 bytes (or cut at 4,096 with 8 KB free) beside a new robust.md, with a
+    traceback (from the plot, when older report files were there)."""
+    d = noisy_design(tmp_path)
+    out = tmp_path / "runs"
+    if older:
+        robust.report(d)
+    before = {f: (out / f).read_bytes() for f in REPORT_FILES if (out / f).exists()}
+    capsys.readouterr()
+    full_disk(out, free)
+    robust.report(d)
+    printed, err = capsys.readouterr()
+    err = err.replace(NO_MATPLOTLIB, "")
+    assert "## a. Learning rate" in printed
+    assert err.count("\n") == 1 and err.startswith("warning: could not write robust") and \
+        err.endswith(f" in {out} (no space left on device); the report above is complete\n"), err
+    unwritten = err.split("could not write ")[1].split(f" in {out}")[0].split(", ")
+    assert "robust.json" in unwritten  # 8 KB is less than robust.json
+    for f in REPORT_FILES:
+        if f in unwritten:  # as it was: the older file, or none
+            assert (out / f).read_bytes() == before[f] if f in before else not (out / f).exists()
+    assert (out / "robust.md").exists() or "robust.md" in unwritten
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # no temporary left behind
+
+
+def test_a_read_only_out_dir_is_one_warning_as_in_a_sweep(tmp_path, read_only, capsys):
+    d = noisy_design(tmp_path)
+    out = tmp_path / "runs"
+    read_only(out)
+    result = robust.report(d)
+    printed, err = capsys.readouterr()
+    err = err.replace(NO_MATPLOTLIB, "")
+    assert result["multipliers"]["mudd"]["4"]["flops"] > 1 and "## c. Compute" in printed
+    plot = ", loss_vs_flops.png" if robust_report.pyplot() is not None else ""
+    assert err == (f"warning: could not write robust.md, robust.json{plot} in {out} (read-only file system); "
+                   "the report above is complete\n")
+    assert not any((out / f).exists() for f in REPORT_FILES)

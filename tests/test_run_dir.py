@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import train
-from depthres import checkpoint, runlog
+from depthres import checkpoint, files, runlog
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
 from model import GPT, GPTConfig
@@ -143,7 +143,7 @@ def test_kill_9_in_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path,
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=120)
     assert done.returncode == -signal.SIGKILL
     run_dir = tmp_path / "test"
-    assert (run_dir / ".ckpt.pt.tmp").exists() and load_checkpoint(run_dir)["step"] == 3
+    assert list(run_dir.glob(".ckpt.pt.*.tmp")) and load_checkpoint(run_dir)["step"] == 3  # files.temporary()
     run(data_dir, tmp_path, "--resume=true")
     assert_same_run(run_dir, straight)
     assert steps(run_dir) == [1, 2, 3, 4, 5, 6]
@@ -180,17 +180,19 @@ def test_a_full_disk_or_a_read_only_directory_is_one_line(data_dir, tmp_path, mo
             (run_dir / victim).symlink_to("/dev/full")
         return real(*args, **kwargs)
 
-    for victim, failed in ((".ckpt.pt.tmp", "ckpt.pt"), ("log.jsonl", "log.jsonl")):
-        calls.clear()
-        monkeypatch.setattr(train, "train_step", disk_full_from_step_5)
-        assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--overwrite=true"]) == 1
-        monkeypatch.undo()
-        err = capsys.readouterr().err
-        assert err == (f"error: no space left on device writing {run_dir / failed}; the last checkpoint (step 3) "
-                       f"is kept at {run_dir / 'ckpt.pt'}\n")
-        assert not (run_dir / ".ckpt.pt.tmp").exists()  # the failed write leaves nothing behind
-        assert load_checkpoint(run_dir)["step"] == 3
-        (run_dir / victim).unlink(missing_ok=True)
+    with pytest.MonkeyPatch.context() as fixed:  # the temporary's name, known in advance, is the one to fill
+        fixed.setattr(files, "temporary", lambda path: path.with_name(f".{path.name}.tmp"))
+        for victim, failed in ((".ckpt.pt.tmp", "ckpt.pt"), ("log.jsonl", "log.jsonl")):
+            calls.clear()
+            monkeypatch.setattr(train, "train_step", disk_full_from_step_5)
+            assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--overwrite=true"]) == 1
+            monkeypatch.undo()
+            err = capsys.readouterr().err
+            assert err == (f"error: no space left on device writing {run_dir / failed}; the last checkpoint (step 3) "
+                           f"is kept at {run_dir / 'ckpt.pt'}\n")
+            assert not list(run_dir.glob(".ckpt.pt*.tmp"))  # the failed write leaves nothing behind
+            assert load_checkpoint(run_dir)["step"] == 3
+            (run_dir / victim).unlink(missing_ok=True)
 
     real_open, real_mkdir = os.open, os.mkdir
     read_only = tmp_path / "ro"

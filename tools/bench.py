@@ -38,7 +38,7 @@ import typing
 import torch
 import torch._dynamo
 
-from depthres.files import write_atomic
+from depthres.files import write_file
 from model import GPT, GPTConfig, ReferenceRouter, compile_model
 from routing import TwoPhaseRouter, rms_inv
 
@@ -341,7 +341,7 @@ def main(argv=None):
     report = dict(args=vars(args), device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth,
                   steps=results, routing=routing)
     try:
-        write_atomic(args.out, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()), OSError)
+        write_file(args.out, json.dumps(report, indent=1) + "\n")
     except OSError as e:  # checked before the benchmark ran: the disk filled, or the directory went away
         print(f"error: cannot write {args.out}: {e.strerror or e}; the tables above hold the numbers", file=sys.stderr)
         raise SystemExit(2) from None

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from depthres.checkpoint import CheckpointError, load_checkpoint
-from depthres.files import os_error_message, write_atomic
+from depthres.files import os_error_message, write_figure, write_file
 from depthres.runlog import perplexity
 from depthres.shards import DataError, eval_batches, load_meta
 from model import GPT, GPTConfig, _site_name
@@ -247,9 +247,9 @@ def plot_routing_maps(maps, path, title, kind):
 
 
 def save_figure(plt, fig, path):
-    """savefig as a PNG, whole or not at all (write_atomic); the figure is closed either way."""
+    """savefig as a PNG, whole or not at all (files.write_figure); the figure is closed either way."""
     try:
-        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120), OSError)
+        write_figure(path, fig)
     finally:
         plt.close(fig)
 
@@ -379,7 +379,7 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
             out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
                                                     f"{cfg.residual}, step {ckpt['step']}", kind)
         path = os.path.join(out_dir, "diagnostics.json")
-        write_atomic(path, lambda f: f.write((json.dumps(out, indent=1) + "\n").encode()), OSError)
+        write_file(path, json.dumps(out, indent=1) + "\n")
     except OSError as e:
         raise NotWritten(os_error_message(e, out_dir), out) from None
     return out

@@ -37,12 +37,12 @@ import csv
 import io
 import json
 import math
-import os
 import statistics
 import sys
 from contextlib import suppress
 from pathlib import Path
 
+from depthres.files import write_file
 from tools.diagnose import plot_curves
 from tools.plots import SHORT, plot_forest, plot_gaps, undefined
 from tools.stats import detectable, gated_holm, holm, paired_t, sign_flip_p, tost
@@ -86,9 +86,11 @@ def tabulable(summary):
 
 def whole_split_scores(d, step):
     """{"val": loss, "test": loss} of a run's scores.json (tools/rescore.py) when it scored the whole
-    splits of the checkpoint at `step`; {} otherwise (not scored yet, or an older checkpoint's)."""
+    splits of the checkpoint at `step` on the run's own data; {} otherwise (not scored yet, an older
+    checkpoint's, or scores of other data: rescore --data_dir)."""
     scores = read_json(Path(d) / "scores.json")
-    if scores is None or scores.get("max_tokens") is not None or (step is not None and scores.get("step") != step):
+    if scores is None or scores.get("max_tokens") is not None or (step is not None and scores.get("step") != step) \
+            or scores.get("own_data") is False:
         return {}
     return {s: scores[s]["loss"] for s in ("val", "test") if isinstance(scores.get(s), dict)
             and finite(scores[s].get("loss"))}
@@ -417,6 +419,24 @@ def exploratory_table(ts, spec, score):
     return "\n".join(out)
 
 
+def twin_diffs(c, by):
+    """{score: [|Δ| of each seed both twins finished]} of a twin test c (by: by_variant of the runs)."""
+    return {sc: [abs(a - b) for s in by[c["variant"]] if s in by[c["baseline"]]
+                 and (a := score_of(by[c["variant"]][s], sc)) is not None
+                 and (b := score_of(by[c["baseline"]][s], sc)) is not None] for sc in SCORES}
+
+
+def unequal_twins(ts, runs):
+    """The twin tests whose twins differ on some score of some seed: (test, largest |Δ|, seeds)."""
+    by, out = by_variant(runs), []
+    for c in ts:
+        if c["kind"] == "twin":
+            diffs = twin_diffs(c, by)
+            if any(x != 0 for d in diffs.values() for x in d):
+                out.append((c, max(x for d in diffs.values() for x in d), max(len(d) for d in diffs.values())))
+    return out
+
+
 def twin_table(ts, runs):
     rows = [c for c in ts if c["kind"] == "twin"]
     if not rows:
@@ -425,9 +445,7 @@ def twin_table(ts, runs):
            "| variant | twin | seeds | " + " | ".join(SHORT.values()) + " | equal |", "|" + " --- |" * (len(SCORES) + 4)]
     by = by_variant(runs)
     for c in rows:
-        diffs = {sc: [abs(a - b) for s in by[c["variant"]] if s in by[c["baseline"]]
-                      and (a := score_of(by[c["variant"]][s], sc)) is not None
-                      and (b := score_of(by[c["baseline"]][s], sc)) is not None] for sc in SCORES}
+        diffs = twin_diffs(c, by)
         cells = [_num(max(d), ".1e") if d else "-" for d in diffs.values()]
         equal = "yes, bit for bit" if all(x == 0 for d in diffs.values() for x in d) else "**no**"
         seeds = sum(s in by[c["baseline"]] for s in by[c["variant"]])
@@ -518,30 +536,39 @@ def strict_json(x):
 
 
 def save_output(path, write):
-    """Write one output whole or not at all: write(a temporary path beside `path`) (None from it: nothing
-    to write, such as a plot without matplotlib), then a rename over `path`. Returns None, or why it
-    could not (a read-only or full disk, or a plot that failed), so the other outputs still go out."""
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    """Write one output whole or not at all: write(path) writes it through files.write_atomic (a temporary
+    name of this process alone, fsync, rename), or returns None when there is nothing to write (a plot
+    without matplotlib). Returns None, or why it could not (a read-only or full disk, or a plot that
+    failed), so the other outputs still go out."""
     try:
-        if write(tmp) is None:
-            return None
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write(path)
         return None
     except OSError as e:  # the OS's words; a plot's own one-line error ends with them ("cannot write P: why")
         return (e.strerror or str(e).rsplit(": ", 1)[-1]).lower()
     except Exception as e:  # a plot is an extra: the tables and the files that could be written stand
         return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    finally:
-        with suppress(OSError):
-            tmp.unlink()
+
+
+def save_outputs(out, outputs, done="the tables above are complete"):
+    """save_output of each {file name: write} in the directory `out`; what could not be written is one
+    `warning:` line on stderr, after what was printed (a missing `out` too: it holds the runs, so a
+    report never makes one). Returns the names not written."""
+    if not Path(out).is_dir():
+        problems = {name: "no such directory" for name in outputs}
+    else:
+        problems = {name: why for name, write in outputs.items() if (why := save_output(Path(out) / name, write))}
+    if problems:
+        reasons = sorted(set(problems.values()))
+        print(f"warning: could not write {', '.join(problems)} in {out} ({'; '.join(reasons)}); {done}",
+              file=sys.stderr, flush=True)
+    return list(problems)
 
 
 def report(spec, rescore_hint=None):
     """The tables (printed, and in results.md), results.json, results.csv and the plots, from the runs;
     returns the tests. A diverged run is marked in the tables and left out of the statistics. Files that
-    cannot be written are one `warning:` line after the printed tables. rescore_hint: the command that
+    cannot be written are one `warning:` line after the printed tables, and twins that do not match are
+    another (unequal_twins). rescore_hint: the command that
     scores the runs that have no whole-split scores yet (for the note that says so)."""
     out = Path(spec["out_dir"])
     runs, diverged = collect(spec), collect_diverged(spec)
@@ -600,19 +627,17 @@ def report(spec, rescore_hint=None):
     if not spec.get("primary"):  # nothing declared: the first ten variants in colour
         highlight[reference] = [v for v in gaps.get(reference, {})][:10]
     outputs = {
-        "results.md": lambda p: p.write_text(text + "\n"),
-        "results.json": lambda p: p.write_text(results_json),
-        "results.csv": lambda p: p.write_text(csv_text.getvalue()),
+        "results.md": lambda p: write_file(p, text + "\n"),
+        "results.json": lambda p: write_file(p, results_json),
+        "results.csv": lambda p: write_file(p, csv_text.getvalue()),
         "curves.png": lambda p: plot_curves({v: d for v, d in finished.items() if d}, p),
         "forest.png": lambda p: plot_forest(ts, score, p),
         "gap_over_training.png": lambda p: plot_gaps({b: (gaps[b], highlight[b]) for b in gaps}, p),
     }
-    if not out.is_dir():
-        problems = {name: "no such directory" for name in outputs}
-    else:
-        problems = {name: why for name, write in outputs.items() if (why := save_output(out / name, write))}
-    if problems:
-        reasons = sorted(set(problems.values()))
-        print(f"warning: could not write {', '.join(problems)} in {out} ({'; '.join(reasons)}); the tables above are "
-              "complete", file=sys.stderr, flush=True)
+    save_outputs(out, outputs)
+    if unequal := unequal_twins(ts, runs):
+        print("warning: " + ", ".join(f"{c['variant']} does not match its twin {c['baseline']} (largest |Δ| {d:.1e} "
+                                      f"over {n} seeds)" for c, d, n in unequal)
+              + ": a twin trains bit for bit as its twin, so their code or settings differ (the Twins table says no)",
+              file=sys.stderr, flush=True)
     return ts

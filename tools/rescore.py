@@ -8,14 +8,19 @@ test splits, not the fixed prefix (eval_tokens) the run itself evaluates.
     python -m tools.rescore RUN_DIR --tokens 65536 --splits val      # as the run scored it (a check)
 
 Writes scores.json into each run directory (atomically): {"step", "val": {"loss", "tokens"}, "test":
-{...}, "max_tokens", "device", "autocast"}; train.py drops it when the run starts over or continues.
-A run whose scores.json is of its checkpoint's step is skipped unless --force.
+{...}, "max_tokens", "data_dir", "own_data", "device", "autocast"}; train.py drops it when the run starts
+over or continues. data_dir is the prepared data it scored (resolved), own_data whether that is the
+run's own data_dir (tools/report.py uses only scores of the run's own data). A run whose scores.json is
+of its checkpoint's step, its --tokens and the data asked for is skipped unless --force.
+Before any compute: the data must hold the tokens the run's model reads (its tokenizer's name and
+fingerprint, and no id beyond the model's vocabulary: as tools/diagnose.py checks), and the run
+directory must take a file; one that does not is an `error:` line, and its scores are printed, not saved.
 The numbers are those train.py's evaluation computes (the same windows of seq_len, the same batches,
 float64 sums), so with --tokens set to the run's eval_tokens they equal its logged losses. On a CUDA
 machine the model runs there, under bfloat16 autocast as train.py evaluates; elsewhere on the CPU in
 float32. A sweep scores each run it finishes this way (tools/sweep.py); tools/report.py reads the scores.
-Exit status: 0 done; 2 with one `error:` line (no checkpoint, a corrupt one, missing data, a run
-directory that cannot be written).
+Exit status: 0 done; 2 with one `error:` line (no checkpoint, a corrupt one, missing data or data of
+another tokenizer, a run directory that cannot be written: the scores are then printed, not saved).
 """
 
 import argparse
@@ -28,15 +33,25 @@ from pathlib import Path
 import torch
 
 from depthres.checkpoint import CheckpointError, load_checkpoint
-from depthres.files import write_file
-from depthres.shards import DataError, eval_batches
+from depthres.files import check_writable, os_error_message, write_file
+from depthres.shards import DataError, eval_batches, get_tokenizer, load_meta
 from model import GPT, GPTConfig
+from tools.diagnose import find_data_dir
 from tools.report import run_dir
 from tools.sweep import load_sweep
 
 
 class RescoreError(RuntimeError):
     """A run directory that cannot be scored or written."""
+
+
+class NotSaved(RescoreError):
+    """A run scored whose scores.json could not be written: its scores are printed, not lost. said: the
+    error line was printed already (before the compute)."""
+
+    def __init__(self, message, scores, said=False):
+        super().__init__(message)
+        self.scores, self.said = scores, said
 
 
 @torch.no_grad()
@@ -53,33 +68,80 @@ def split_loss(model, data_dir, split, batch_size, seq_len, max_tokens=None, dev
     return total / tokens, tokens
 
 
+def run_data(ckpt, data_dir=None):
+    """(the prepared data to score, whether it is the run's own data_dir), checked against the run's
+    model before any compute: the tokenizer it was trained on (name and fingerprint) and ids within
+    its vocabulary; DataError otherwise. data_dir: --data_dir (it must hold prepared data), else the
+    run's own (tools.diagnose.find_data_dir: from here, then from the project root)."""
+    recorded = ckpt["train_config"]["data_dir"]
+    try:
+        own = Path(find_data_dir(recorded)[0]).resolve()
+    except DataError:
+        if data_dir is None:
+            raise
+        own = None
+    data = own if data_dir is None else Path(find_data_dir(recorded, data_dir)[0]).resolve()
+    meta, name, vocab = load_meta(data), ckpt["tokenizer"], ckpt["model_config"]["vocab_size"]
+    if meta["tokenizer"] != name or meta["vocab_size"] > vocab:
+        raise DataError(f"{data} holds {meta['tokenizer']} tokens ({meta['vocab_size']} ids), but the run's model reads "
+                        f"{name} tokens ({vocab} ids): pass --data_dir with data prepared with --tokenizer {name}, or "
+                        "leave it out (the run's own data_dir)")
+    if meta["tokenizer_fingerprint"] != get_tokenizer(name).fingerprint:
+        raise DataError(f"{data} was prepared with another version of the {name} tokenizer than this one: re-run "
+                        "prepare_data.py with --overwrite")
+    return data, data == own
+
+
+def up_to_date(out, ckpt, splits, max_tokens, data):
+    """Whether the run's scores.json holds these scores: its checkpoint's step, these splits and
+    max_tokens, on this data (a scores.json that names no data_dir is of unknown data: not)."""
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, ValueError):  # none, or a torn file: score again
+        return False
+    return isinstance(old, dict) and old.get("step") == ckpt["step"] and old.get("max_tokens") == max_tokens \
+        and old.get("data_dir") == str(data) and all(s in old for s in splits)
+
+
 def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir=None):
     """Score one run directory's checkpoint; returns its scores (and writes scores.json), or None when
-    an up-to-date scores.json is there already."""
+    an up-to-date scores.json is there already. Everything is checked before any compute (run_data, and
+    that the run directory takes a file: if not, its `error:` line is printed then, the run is scored,
+    and NotSaved carries the scores)."""
     path = Path(path)
     ckpt = load_checkpoint(path)
+    data, own = run_data(ckpt, data_dir)
     out = path / "scores.json"
-    if out.exists() and not force:
-        try:
-            old = json.loads(out.read_text())
-            if old.get("step") == ckpt["step"] and old.get("max_tokens") == max_tokens and \
-                    all(s in old for s in splits):
-                return None
-        except ValueError:
-            pass  # a torn file: score again
+    if not force and up_to_date(out, ckpt, splits, max_tokens, data):
+        return None
+    try:
+        check_writable(path)
+        unwritable = None
+    except OSError as e:
+        unwritable = f"{os_error_message(e, out)}: the scores below are printed, not saved"
+        print(f"error: {unwritable}", file=sys.stderr, flush=True)
     tc = ckpt["train_config"]
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
-    scores = {"step": ckpt["step"], "max_tokens": max_tokens, "device": device,
-              "autocast": "bfloat16" if device == "cuda" else None}
+    scores = {"step": ckpt["step"], "max_tokens": max_tokens, "data_dir": str(data), "own_data": own,
+              "device": device, "autocast": "bfloat16" if device == "cuda" else None}
     for split in splits:
-        loss, tokens = split_loss(model, data_dir or tc["data_dir"], split, tc["batch_size"], tc["seq_len"], max_tokens,
-                                  device)
+        loss, tokens = split_loss(model, data, split, tc["batch_size"], tc["seq_len"], max_tokens, device)
         scores[split] = {"loss": loss, "tokens": tokens}
-    write_file(out, (json.dumps(scores, indent=2) + "\n").encode(), RescoreError)
+    if unwritable:
+        raise NotSaved(unwritable, scores, said=True)
+    try:
+        write_file(out, json.dumps(scores, indent=2) + "\n", RescoreError)
+    except RescoreError as e:
+        raise NotSaved(f"{e}: the scores above are printed, not saved", scores) from None
     return scores
+
+
+def line(r, scores, splits, seconds):
+    return f"{r}: step {scores['step']}, " + ", ".join(
+        f"{s} {scores[s]['loss']:.5f} ({scores[s]['tokens']:,} tokens)" for s in splits) + f" in {seconds:.0f}s"
 
 
 def main(argv=None):
@@ -107,20 +169,25 @@ def main(argv=None):
                 spec["out_dir"] = str(Path(args.out_dir).absolute())
             runs += [d for v in spec["variants"] for s in spec["seeds"]
                      if (d := run_dir(spec, v, s)).joinpath("summary.json").exists()]
+        status = 0
         for r in runs:
             t0 = time.perf_counter()
-            scores = rescore(r, splits, args.tokens, args.force, args.data_dir)
+            try:
+                scores = rescore(r, splits, args.tokens, args.force, args.data_dir)
+            except NotSaved as e:  # scored, not written: the numbers still go out
+                print(line(r, e.scores, splits, time.perf_counter() - t0), flush=True)
+                if not e.said:
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                status = 2
+                continue
             if scores is None:
                 print(f"{r}: up to date")
             else:
-                print(f"{r}: step {scores['step']}, " + ", ".join(
-                    f"{s} {scores[s]['loss']:.5f} ({scores[s]['tokens']:,} tokens)" for s in splits)
-                    + f" in {time.perf_counter() - t0:.0f}s", flush=True)
+                print(line(r, scores, splits, time.perf_counter() - t0), flush=True)
     except (CheckpointError, DataError, RescoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
-
+    return status
 
 if __name__ == "__main__":
     sys.exit(main())

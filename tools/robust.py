@@ -40,7 +40,9 @@ and several processes may share a design as they share a sweep):
 Before any run, the design is checked and every run's overrides are read as train.py reads them: a bad
 design is one `error:` line, exit status 1.
 
-The report (robust.md, robust.json, loss_vs_flops.png in out_dir; run paths relative to out_dir):
+The report, printed, then written into out_dir (robust.md, robust.json, loss_vs_flops.png; run paths relative
+to out_dir), each file whole or not at all; a file that cannot be written (a full or read-only disk) is one
+`warning:` line after the printed report, as in a sweep's:
     a. the lr x variant table on the tuning seeds, the best lr per variant, and the ranking of the
        variants at the shared lr and at each one's own best lr; then the comparison at the best lrs on
        the comparison seeds (or the runs it still needs)
@@ -61,9 +63,11 @@ from pathlib import Path
 
 import torch
 
+from depthres.files import write_file
 from model import GPT, GPTConfig
 from tools import sweep
 from tools.multiplier import bootstrap, fit_ladder, inside, multiple
+from tools.report import save_outputs
 from tools.robust_design import STAGES, bench_path, check_design_runs, load_design, lr_name, stage_spec, steps_name
 from tools.robust_report import plot, render, strict
 from tools.stats import holm, paired_t
@@ -335,14 +339,17 @@ def analyze(design):
 
 
 def report(design):
+    """The report, printed, then written into out_dir (robust.md, robust.json, loss_vs_flops.png), each
+    file whole or not at all (tools.report.save_outputs): what cannot be written (a read-only or full
+    disk, no out_dir) is one `warning:` line after the printed report, as in a sweep's report."""
     result = analyze(design)
     text = render(result, design)
-    out = Path(design["out_dir"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "robust.md").write_text(text)
-    (out / "robust.json").write_text(json.dumps(strict(result), indent=1, allow_nan=False) + "\n")
-    plot(result, design, out / "loss_vs_flops.png")
-    print(text)
+    print(text, flush=True)
+    result_json = json.dumps(strict(result), indent=1, allow_nan=False) + "\n"
+    save_outputs(design["out_dir"], {"robust.md": lambda p: write_file(p, text),
+                                     "robust.json": lambda p: write_file(p, result_json),
+                                     "loss_vs_flops.png": lambda p: plot(result, design, p)},
+                 "the report above is complete")
     return result
 
 

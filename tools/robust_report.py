@@ -5,7 +5,7 @@ The report of tools/robust.py: robust.md from the analysis, the loss-vs-FLOPs pl
 import math
 import statistics
 
-from tools.diagnose import pyplot
+from tools.diagnose import pyplot, save_figure
 from tools.multiplier import inverse, predict
 from tools.robust_design import STAGES, steps_name
 
@@ -241,8 +241,7 @@ def plot(result, design, path):
     ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return path
 
 

@@ -56,10 +56,11 @@ in the run directory), and so is any finished run the sweep finds unscored. At t
 plots when matplotlib is installed; each file is written whole or not at all, and a file that cannot
 be written (a read-only out_dir) is one `warning:` line after the printed tables.
 
-Exit status: 0 done; 1 with one `error:` line, before any run where the input is bad: a bad sweep file
-or variant (every variant's overrides are checked as train.py reads them), an out_dir it cannot write,
-no finished run of the reference to tabulate, or a run that failed (not by diverging); 3 done, but
-some runs diverged (the tables mark them).
+Exit status: 0 done; 1 with one `error:` line, before any run where the input is bad: a bad sweep file,
+seed or variant (the overrides, every seed and every variant's overrides are checked as train.py reads
+them), an out_dir it cannot write, no finished run of the reference to tabulate, or a run that failed
+(not by diverging); 3 done, but some runs diverged (the tables mark them); 4 done, but a twin does not
+match its twin (one `warning:` line; the Twins table says no), whether or not runs diverged too.
 """
 
 import argparse
@@ -82,11 +83,12 @@ from pathlib import Path
 from depthres.checkpoint import holds_checkpoint
 from depthres.config import build_model_config, control_character, parse_config
 from depthres.files import os_error_message
-from tools.report import SCORES, divergence, read_summary, report, run_dir, whole_split_scores
+from tools.report import SCORES, collect, divergence, read_summary, report, run_dir, unequal_twins, whole_split_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNED_KEYS = ("seed", "data_seed", "run_name", "out_dir")  # what the sweep sets for every run: its pairing
 EXIT_DIVERGED = 3  # the sweep finished, but some of its runs diverged
+EXIT_TWINS = 4  # the sweep finished, but a twin does not match its twin (a bug: they train bit for bit alike)
 
 
 def fail(message):
@@ -237,9 +239,19 @@ def check_owned(spec, lenient=False):
 
 
 def check_runs(spec):
-    """Parse every variant's overrides as train.py will (keys, types, ranges, the model config), so a
-    typo in the last variant stops the sweep before its first run, not after the others ran; and refuse
-    keys the sweep owns (check_owned)."""
+    """Parse the sweep's overrides, then every seed, then every variant's overrides as train.py will
+    (keys, types, ranges, the model config), so a typo in the last variant, or a seed train.py refuses,
+    stops the sweep before its first run, not after the others ran; each error names what is wrong (the
+    overrides, the seed or the variant); and refuse keys the sweep owns (check_owned)."""
+    try:
+        parse_config([spec["base"], *(f"--{kv}" for kv in shlex.split(spec["overrides"]))])
+    except ValueError as e:  # shlex: an unterminated quote; ConfigError
+        raise SystemExit(f"error: the overrides ({spec['overrides']!r}) of every run: {e}") from None
+    for seed in spec["seeds"]:
+        try:
+            parse_config([spec["base"], f"--seed={seed}", f"--data_seed={seed}"])
+        except ValueError as e:
+            raise SystemExit(f"error: seed {seed} (each run's seed and data_seed): {e}") from None
     for variant in spec["variants"]:
         try:
             check_owned({"overrides": spec["overrides"], "variants": {variant: spec["variants"][variant]}})
@@ -503,8 +515,8 @@ def score_all(spec):
 
 
 def main(argv=None):
-    """The command line; returns the exit status: 0, or EXIT_DIVERGED when some runs diverged (an error
-    is a SystemExit with its `error:` line, status 1)."""
+    """The command line; returns the exit status: 0, EXIT_TWINS when a twin does not match, or
+    EXIT_DIVERGED when some runs diverged (an error is a SystemExit with its `error:` line, status 1)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep file (see above)")
     p.add_argument("--launcher", default="", help='command prefix for each run, e.g. "torchrun --nproc_per_node=8"')
@@ -530,8 +542,10 @@ def main(argv=None):
     if not args.table_only:
         check_runs(spec)
         run_all(spec, args.launcher)
-    report(spec, rescore_hint=f"python -m tools.rescore --sweep {args.sweep}" + (
+    ts = report(spec, rescore_hint=f"python -m tools.rescore --sweep {args.sweep}" + (
         f" --out_dir {args.out_dir}" if args.out_dir else "") + " (the sweep scores each run it finishes)")
+    if unequal_twins(ts, collect(spec)):
+        return EXIT_TWINS
     diverged = any(read_summary(run_dir(spec, v, s)) is None and divergence(run_dir(spec, v, s))
                    for v in spec["variants"] for s in spec["seeds"])
     return EXIT_DIVERGED if diverged else 0
