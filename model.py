@@ -3,20 +3,11 @@ A decoder-only GPT with depth-routing residual connections.
 
 Every residual variant answers two questions for sublayer j (attention or MLP, L = 2 * n_layer of
 them): what is its input h_j, and where does its output y_j = F_j(PreNorm_j(h_j)) go? The sublayers
-themselves never change. The math contract is VARIANTS.md; section numbers below refer to it.
+never change; GPT.forward's loop asks the variant's stream: h_j = stream.read(j), stream.write(j, y_j).
+VARIANTS.md is the math; section numbers below refer to it. This file is that math, plainly.
 
-    standard       h_{j+1} = h_j + y_j                                        (section 1)
-    full_attnres   h_j = depth attention over [x0, y_0, .., y_{j-1}]          (section 2, AttnRes Eq. 1-4)
-    block_attnres  h_j = depth attention over block sums [x0, b_1, .., partial]  (section 3, Eq. 5-6)
-    rd_attnres     Block AttnRes, but attention reads Q/K and V through two routes (section 4)
-    dar            two streams; each retrieves its history with keys from the other (section 5)
-    hc, mhc        n streams mixed by (manifold-constrained) Hyper-Connections (section 6)
-    denseformer    after every p-th layer, a static weighted average of x0 and the layer outputs (section 7.1)
-    muddformer     per-token weighted sums of x0 and the layer outputs, one per input Q, K, V, R (section 7.2)
-    delta_attnres  the standard stream plus depth attention over earlier outputs or blocks (section 7.3)
-
-One primitive, `depth_attention` (routing weights, then the weighted sum), carries AttnRes, RD-AttnRes
-and DAR; routing.py computes it fast (two-phase, block-wise) and is tested equal to it.
+The default depth_impl="two_phase" runs the same streams faster from model_fast.py, tested equal to
+the plain ones here in float64, values and gradients, by tests/test_routing.py.
 """
 
 import hashlib
@@ -29,11 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from routing import TwoPhaseRouter, compute_dtype, float32_routing, matmul32, norm_project, rms_inv, transport
-
-RD_MODES = ("decoupled", "tied", "average", "frozen_v")
-DAR_ROUTINGS = ("cross", "self_kv", "cross_v", "fixed_kv", "sep_v")
-DEPTH_IMPLS = ("two_phase", "reference")
+import model_fast as fast
+from model_fast import compute_dtype, float32_routing, in_float32, matmul32, norm_project
 
 
 @dataclass
@@ -48,7 +36,7 @@ class GPTConfig:
     tie_embeddings: bool = False  # share wte and lm_head
     rope_base: float = 10000.0
     logit_softcap: float = 0.0  # 0 = off; else logits = c * tanh(logits / c)
-    residual: str = "standard"  # a name in RESIDUALS (the table of variants, above class GPT)
+    residual: str = "standard"  # a name in RESIDUALS (the table of variants, after them)
     attnres_block_size: int = 4  # S, in sublayers (4 = two transformer layers); block_attnres, rd_attnres
     rd_mode: str | None = None  # rd_attnres only; None means "decoupled"
     dar_block_size: int = 2  # K, in transformer layers (2K sublayers); 1 is Full DAR
@@ -58,117 +46,196 @@ class GPTConfig:
     denseformer_dilation: int | None = None  # k, in transformer layers; denseformer only; None means 1
     denseformer_period: int | None = None  # p, a DWA after every p-th layer; denseformer only; None means 1
     delta_block_size: int | None = None  # S, in sublayers; delta_attnres only; None means 1 (per sublayer)
-    depth_impl: str = "two_phase"  # "two_phase" (routing.py) or "reference" (plain autograd, site by site)
+    depth_impl: str = "two_phase"  # "two_phase" (model_fast.py) or "reference" (this file's plain streams)
     depth_chunk: int = 4  # two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)
     activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (memory only)
 
     def __post_init__(self):
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(msg)
+        check_config(self)  # one clear ValueError for a bad value (at the end of this file)
 
-        need(self.residual in RESIDUALS, f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
-        need(self.rd_mode is None or self.residual == "rd_attnres",
-             f"rd_mode={self.rd_mode!r} only applies to residual='rd_attnres' (got residual={self.residual!r}); drop rd_mode")
-        need(self.rd_mode is None or self.rd_mode in RD_MODES,
-             f"unknown rd_mode {self.rd_mode!r}; choose one of {', '.join(RD_MODES)}")
-        need(self.dar_routing is None or self.residual == "dar",
-             f"dar_routing={self.dar_routing!r} only applies to residual='dar' "
-             f"(got residual={self.residual!r}); drop dar_routing")
-        need(self.dar_routing is None or self.dar_routing in DAR_ROUTINGS,
-             f"unknown dar_routing {self.dar_routing!r}; choose one of {', '.join(DAR_ROUTINGS)}")
-        need(self.dar_block_size >= 1, f"dar_block_size counts transformer layers and must be >= 1, got {self.dar_block_size}")
-        need(self.depth_chunk >= 1, f"depth_chunk counts sublayers and must be >= 1, got {self.depth_chunk}")
-        need(self.hc_streams >= 1, f"hc_streams must be >= 1, got {self.hc_streams}")
-        need(self.attnres_block_size >= 1, f"attnres_block_size counts sublayers and must be >= 1, got {self.attnres_block_size}")
-        need(self.depth_impl in DEPTH_IMPLS, f"unknown depth_impl {self.depth_impl!r}; choose one of {', '.join(DEPTH_IMPLS)}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
-            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name, residual in (("denseformer_dilation", "denseformer"), ("denseformer_period", "denseformer"),
-                               ("delta_block_size", "delta_attnres")):
-            value = getattr(self, name)
-            need(value is None or self.residual == residual,
-                 f"{name}={value!r} only applies to residual={residual!r} (got residual={self.residual!r}); drop {name}")
-        for name in ("denseformer_dilation", "denseformer_period"):
-            value = getattr(self, name)
-            need(value is None or 1 <= value <= self.n_layer,
-                 f"{name} counts transformer layers and must be between 1 and n_layer={self.n_layer}, got {value}")
-        need(self.delta_block_size is None or self.delta_block_size >= 1,
-             f"delta_block_size counts sublayers and must be >= 1, got {self.delta_block_size}")
-        need(self.mlp_hidden is None or self.mlp_hidden >= 1, f"mlp_hidden must be >= 1, got {self.mlp_hidden}")
-        need(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        need((self.n_embd // self.n_head) % 2 == 0,
-             f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
-        need(math.isfinite(self.logit_softcap) and self.logit_softcap >= 0,
-             f"logit_softcap must be a finite number >= 0, got {self.logit_softcap}")
-        need(math.isfinite(self.rope_base) and self.rope_base > 0,
-             f"rope_base must be a finite number > 0 (rotary frequencies are base^(-2i/head_dim)), got {self.rope_base}")
+
+# ----------------------------------------------------------------------------------------------
+# The transformer: RMSNorm pre-norms without gains, rotary attention with QK-norm, ReLU^2 MLP.
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary(x, cos, sin):
+    """Rotate the two halves of each head's channels by position-dependent angles (RoPE)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.n_embd
+        self.n_head, self.head_dim = cfg.n_head, d // cfg.n_head
+        self.recompute = not cfg.activation_checkpointing  # which recomputes the whole sublayer anyway
+        self.c_q = nn.Linear(d, d, bias=False)
+        self.c_k = nn.Linear(d, d, bias=False)
+        self.c_v = nn.Linear(d, d, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, h, cos, sin, layer, cache=None):
+        """h is the sublayer input h, or (h_QK, h_V) (RD-AttnRes routes values separately), or
+        (h_Q, h_K, h_V) (MUDDFormer). Each distinct input is normalised once."""
+        h = h if isinstance(h, tuple) else (h,)
+        h_q, h_k, h_v = h if len(h) == 3 else (h[0], h[0], h[-1])
+        x_q = norm(h_q)
+        B, T, _ = x_q.shape
+        q = self.c_q(x_q).view(B, T, self.n_head, self.head_dim)
+        k = (self.c_k(x_q) if h_k is h_q else self.normed(self.c_k, h_k)).view(B, T, self.n_head, self.head_dim)
+        v = (self.c_v(x_q) if h_v is h_q else self.normed(self.c_v, h_v)).view(B, T, self.n_head, self.head_dim)
+        q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)  # QK-norm, then RoPE
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        mask, causal = None, True
+        if cache is not None:
+            P = cache.pos
+            k, v = cache.update(layer, k, v)
+            if P > 0:  # queries at P..P+T-1 see keys 0..their own position
+                causal = False
+                mask = torch.arange(P + T, device=q.device) <= torch.arange(P, P + T, device=q.device)[:, None]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def normed(self, linear, h):
+        """linear(norm(h)) for a K or V input of its own. model_fast.norm_project computes the same
+        forward, keeping one float per token for backward instead of norm(h) (not needed when
+        activation_checkpointing recomputes the whole sublayer)."""
+        if self.recompute and torch.is_grad_enabled() and h.requires_grad:
+            return norm_project(h, linear.weight)
+        return linear(norm(h))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        hidden = cfg.mlp_hidden or cfg.mlp_ratio * cfg.n_embd
+        self.c_fc = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+
+    def forward(self, h):
+        return self.c_proj(F.relu(self.c_fc(norm(h))).square())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp = MLP(cfg)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg, seed=0):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.residual = make_residual(cfg)  # the variant: its parameters, and a stream per forward pass
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        cos, sin = rotary_tables(cfg)  # [T, 1, hd/2], on the CPU; on the meta device too for a meta model
+        self.register_buffer("cos", cos.to(self.wte.weight.device), persistent=False)
+        self.register_buffer("sin", sin.to(self.wte.weight.device), persistent=False)
+        self.register_load_state_dict_pre_hook(renamed_keys)  # checkpoints written under older names
+        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: depthres/sharded.py), values come later
+            self.init_weights(seed)
+
+    def forward(self, idx, targets=None, kv_cache=None, record=None):
+        """idx [B, T] token ids. Returns (logits, loss); loss is None without targets.
+        kv_cache: a KVCache for incremental decoding. record: diagnostics, a dict the plain streams
+        fill with each site's depth-routing weights [n_sources, B, T] (RD-AttnRes attention sites:
+        [n, 2, B, T], QK route then V route; MUDDFormer: [4 ways, n, B, T] at the attention that reads
+        a mix; DenseFormer: "dwa.i", the static weights [|S(i)|] of the DWA after layer i) and states."""
+        B, T = idx.shape
+        P = kv_cache.pos if kv_cache is not None else 0
+        if P + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {P + T} positions exceeds block_size={self.cfg.block_size}")
+        cos, sin = self.cos[P:P + T].to(self.wte.weight.dtype), self.sin[P:P + T].to(self.wte.weight.dtype)
+        stream = self.residual.start(self.wte(idx), record)
+        # F_j(PreNorm_j(h_j)) is checkpointed, not the routing: its sources are read by later sites anyway
+        ckpt = self.cfg.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
+        sublayer = checkpointed if ckpt else call
+        for i, block in enumerate(self.blocks):
+            stream.write(2 * i, sublayer(block.attn, stream.read(2 * i), cos, sin, i, kv_cache))
+            stream.write(2 * i + 1, sublayer(block.mlp, stream.read(2 * i + 1)))
+        if kv_cache is not None:
+            kv_cache.pos += T
+        logits = self.lm_head(norm(stream.readout()))
+        logits = logits.to(compute_dtype(logits))  # float32 loss (float64 in tests)
+        if self.cfg.logit_softcap > 0:
+            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def param_groups(self, weight_decay):
+        """AdamW groups: matrices decay; depth-routing parameters (pseudo-queries, gates) never do."""
+        residual = {id(p) for p in self.residual.parameters()}
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if p.requires_grad:
+                (no_decay if id(p) in residual or p.dim() < 2 else decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def num_params(self, trainable_only=False):
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def flops_per_token(self):
+        """Training FLOPs per token: 6 per matmul weight, plus attention's 12 * layers * d * T."""
+        c = self.cfg
+        n_matmul = self.num_params() - self.wte.weight.numel() * (not c.tie_embeddings)
+        return 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.block_size
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Every parameter set to its initial value for this seed: InitialWeights states each one's."""
+        init = InitialWeights(self.cfg, seed)
+        for name, p in self.named_parameters():
+            p.copy_(init(name, p.shape))
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """The rotary tables again (a model built on the meta device, then given storage, has none yet)."""
+        cos, sin = rotary_tables(self.cfg)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
 
 # ----------------------------------------------------------------------------------------------
 # Depth attention (section 0): the one primitive of the AttnRes family.
-#
-#     logit_r = w . RMSNorm(k_r)      per token; no temperature, no 1/sqrt(d); the key norm has no gain
-#     a       = softmax_r(logit)      over the depth axis                     (w.(g*k) = (w*g).k, so a
-#     h       = sum_r a_r * v_r       values are the raw sources              gain would be redundant)
-#
-# computed in float32 (float64 for float64 models), also inside bf16 autocast regions, where only the
-# sources stay bf16. This is the math, and depth_impl="reference" runs it (ReferenceRouter); training
-# runs routing.TwoPhaseRouter by default (depth_impl="two_phase"), tested equal to it. A router is
-# given query rows W and the sources; anything that only changes the queries (a temperature: W / tau)
-# runs on both paths unchanged.
 
 
+@in_float32  # computed in float32 (float64 for float64 models), also under bf16 autocast
 def depth_attention(w, keys, values=None):
-    """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r for sources k_r, v_r [..., d] (values: the keys if
-    None). Returns h [..., d] and the routing weights a [n, ...]."""
-    values = keys if values is None else values
-    dt = compute_dtype(keys[0])
-    with float32_routing(w):
-        logits = torch.stack([F.rms_norm(k.to(dt), (k.size(-1),), eps=torch.finfo(dt).eps) @ w.to(dt) for k in keys])
-        a = logits.softmax(0)
-        h = sum(a_r.unsqueeze(-1) * v.to(dt) for a_r, v in zip(a, values))
-    return h.to(values[0].dtype), a
-
-
-class ReferenceRouter:
-    """depth_impl="reference": depth attention site by site, in plain autograd. The residual streams
-    route their sites in chunks: a router serves one chunk, whose query rows W [Q, d] are known when
-    it opens, over the sources completed by then; each read adds the sources that arrived since.
-    routing.TwoPhaseRouter has the same interface and must give the same numbers. streams: None for
-    one stream of sources [*, d]; DAR: per target (key stream, value stream) of its sources [2, *, d],
-    with the rows target-major. The norm factors `inv` are for the two-phase path, unused here."""
-
-    def __init__(self, W, completed, inv=None, streams=None):
-        self.W, self.completed, self.streams = W, completed, streams
-        self.Qt = len(W) // (1 if streams is None else len(streams))
-
-    def attend(self, q, recent=()):
-        """(h, a) for query row q over the completed sources and `recent`."""
-        sources = self.completed + list(recent)
-        if self.streams is None:
-            return depth_attention(self.W[q], sources)
-        ks, vs = self.streams[q // self.Qt]
-        return depth_attention(self.W[q], [s[ks] for s in sources], [s[vs] for s in sources])
-
-    def read(self, q, recent=(), inv=()):
-        return self.attend(q, recent)[0]
-
-    def read_rows(self, rows, recent=(), inv=()):
-        """h of each query row in rows (one site's)."""
-        return [self.read(q, recent) for q in rows]
-
-    def read_fused(self, rows, alpha, recent=(), inv=()):
-        """DAR: h = alpha_0 r_0 + alpha_1 r_1 for one site's query rows (target 0's, target 1's)."""
-        return alpha[0] * self.read(rows[0], recent) + alpha[1] * self.read(rows[1], recent)
-
-
-ROUTERS = {"two_phase": TwoPhaseRouter, "reference": ReferenceRouter}
+    """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r over sources k_r, v_r [..., d] (values: the keys if
+    None). No temperature, no 1/sqrt(d); the key norm has no gain (w.(g*k) = (w*g).k: it would be
+    redundant). Returns h [..., d] and the routing weights a [n, ...]."""
+    logits = torch.stack([norm(k) @ w for k in keys])  # per token
+    a = logits.softmax(0)  # over the depth axis
+    h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(a, values))  # values are the raw sources
+    return h, a
 
 
 # ----------------------------------------------------------------------------------------------
 # Residual variants. Each is a module that holds its parameters and starts, per forward pass, a
 # stream object with three methods: read(j) -> h_j, write(j, y_j), readout() -> final hidden state.
+# The streams below are the math; AttnRes, DAR and Delta AttnRes run model_fast.py's by default.
+
+
+def site_name(j):
+    return f"{'attn' if j % 2 == 0 else 'mlp'}.{j // 2}"
+
+
+def note(record, key, value):
+    """Diagnostics: keep value (detached) under key when forward was given a record."""
+    if record is not None:
+        record[key] = value.detach()
 
 
 class StandardResidual(nn.Module):
@@ -181,10 +248,10 @@ class StandardResidual(nn.Module):
         pass
 
     def start(self, x0, record=None):
-        return _SumStream(x0)
+        return SumStream(x0)
 
 
-class _SumStream:
+class SumStream:
     def __init__(self, x0):
         self.h = x0
 
@@ -198,56 +265,6 @@ class _SumStream:
         return self.h
 
 
-def _site_name(j):
-    return f"{'attn' if j % 2 == 0 else 'mlp'}.{j // 2}"
-
-
-def _chunk(block, cfg):
-    """Sites per router: whole blocks, at least depth_chunk sites (performance only; same math)."""
-    return block * math.ceil(cfg.depth_chunk / block)
-
-
-class _BlockHistory:
-    """What AttnRes and DAR share: completed blocks with their norm factors, the in-block partial
-    sum, and the chunk router. A router opens at every chunk boundary over the blocks completed by
-    then; a site reads with the blocks completed since (Full AttnRes: each output is a block) plus
-    the partial sum. Records of routing weights need the reference router, which returns them."""
-
-    def __init__(self, mod, x0, record):
-        self.m, self.record = mod, record
-        self.Router = ReferenceRouter if record is not None else ROUTERS[mod.impl]
-        self.completed, self.inv = [x0], [rms_inv(x0)]  # block representations b_0 = x0, b_1, ..
-        self.partial, self.router, self.routed = None, None, 0  # routed: blocks the open router covers
-        self.dtype = x0.dtype  # block sums accumulate in x0's dtype (float32 under bf16 autocast)
-
-    def _close_block(self):
-        self.completed.append(self.partial)
-        self.inv.append(rms_inv(self.partial))
-        self.partial = None
-
-    def _open(self, W, streams=None):
-        self.router = self.Router(W, list(self.completed), list(self.inv), streams)
-        self.routed = len(self.completed)
-
-    def _recent(self, with_partial=True):
-        """The sources that arrived since the router opened, and their norm factors."""
-        if not with_partial or self.partial is None:
-            return self.completed[self.routed:], self.inv[self.routed:]
-        return self.completed[self.routed:] + [self.partial], self.inv[self.routed:] + [rms_inv(self.partial)]
-
-    def _read(self, rows, site, with_partial=True):
-        """The open router's outputs for its query rows, recording their weights under site if asked."""
-        recent, inv = self._recent(with_partial)
-        if self.record is None:
-            return self.router.read_rows(rows, recent, inv)
-        h, a = zip(*[self.router.attend(q, recent) for q in rows])
-        self.record[site] = (a[0] if len(a) == 1 else torch.stack(a, 1)).detach()  # [n, B, T] or [n, 2, B, T]
-        return h
-
-    def _add_to_partial(self, y):
-        self.partial = y if self.partial is None else self.partial.to(self.dtype) + y
-
-
 class AttnRes(nn.Module):
     """Sections 2-4: Full (S = 1), Block (S > 1) and Role-Decoupled Attention Residuals.
 
@@ -258,11 +275,9 @@ class AttnRes(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         L, d = 2 * cfg.n_layer, cfg.n_embd
-        self.L = L
+        self.L, self.depth_impl, self.depth_chunk = L, cfg.depth_impl, cfg.depth_chunk
         self.S = 1 if cfg.residual == "full_attnres" else cfg.attnres_block_size
-        self.chunk = _chunk(self.S, cfg)
         self.rd_mode = (cfg.rd_mode or "decoupled") if cfg.residual == "rd_attnres" else None
-        self.impl = cfg.depth_impl
         self.w = nn.Parameter(torch.zeros(L + 1, d))
         if self.rd_mode in ("decoupled", "average", "frozen_v"):
             self.w_v = nn.Parameter(torch.zeros(cfg.n_layer, d), requires_grad=self.rd_mode != "frozen_v")
@@ -273,52 +288,49 @@ class AttnRes(nn.Module):
         if hasattr(self, "w_v"):
             self.w_v.zero_()
 
+    def queries(self, j):
+        """Site j's pseudo-queries, one row per route [routes, d]: w_j, then RD-AttnRes' w_V at an
+        attention site (j = L: the readout's). Both streams take every query from here, so a change
+        of the queries (a temperature, w / tau) is made once."""
+        if hasattr(self, "w_v") and j % 2 == 0 and j < self.L:
+            return torch.cat([self.w[j:j + 1], self.w_v[j // 2:j // 2 + 1]])
+        return self.w[j:j + 1]
+
     def start(self, x0, record=None):
-        return _AttnResStream(self, x0, record)
-
-    def chunk_queries(self, j0):
-        """The query rows of the chunk that starts at site j0: w[j] of each site, then RD's w_v of
-        each attention site; j0 = L is the readout's chunk, its query alone. Returns (W [Q, d],
-        {j: (rows of site j)}). Every query a router sees comes from here: a change of the queries
-        (a temperature, say: w / tau) is made once, and both depth_impl paths get it."""
-        sites = range(j0, min(j0 + self.chunk, self.L)) if j0 < self.L else range(self.L, self.L + 1)
-        W, rows = [self.w[sites.start:sites.stop]], {j: (j - j0,) for j in sites}
-        attention = [j for j in sites if j % 2 == 0 and j < self.L]
-        if hasattr(self, "w_v") and attention:
-            W.append(self.w_v[attention[0] // 2:attention[-1] // 2 + 1])
-            rows.update({j: (j - j0, len(sites) + i) for i, j in enumerate(attention)})
-        return torch.cat(W), rows
+        if self.depth_impl == "two_phase" and record is None:
+            return fast.AttnResStream(self, x0)  # the same numbers, faster
+        return AttnResStream(self, x0, record)
 
 
-class _AttnResStream(_BlockHistory):
+class AttnResStream:
+    """Eq. 1-6: sublayer j attends over the completed blocks b_0 = x0, b_1, .. and the open block's
+    partial sum (Full AttnRes: S = 1, every output is a block). RD-AttnRes: two routes per attention site."""
+
+    def __init__(self, mod, x0, record=None):
+        self.m, self.record = mod, record
+        self.blocks, self.partial = [x0], None
+
     def read(self, j):
-        m = self.m
-        if j > 0 and j % m.S == 0:  # Eq. 5: a block boundary closes the partial sum
-            self._close_block()
-        if j % m.chunk == 0:
-            W, self.rows = m.chunk_queries(j)
-            self._open(W)
-        h = self._read(self.rows[j], _site_name(j))
+        if j > 0 and j % self.m.S == 0:  # Eq. 5: a block boundary closes the partial sum
+            self.blocks, self.partial = self.blocks + [self.partial], None
+        sources = self.blocks + ([self.partial] if self.partial is not None else [])
+        h, a = zip(*[depth_attention(w, sources) for w in self.m.queries(j)])  # Eq. 6, one per route
+        note(self.record, site_name(j), torch.stack(a, 1).squeeze(1))
         if len(h) == 1:  # one route (RD-AttnRes "tied" uses w_QK for both)
             return h[0]
-        if m.rd_mode == "average":
+        if self.m.rd_mode == "average":
             return 0.5 * (h[0] + h[1])  # control: two routes, no role separation
-        return h[0], h[1]  # RD-AttnRes: (Q/K input, V input)
+        return h  # RD-AttnRes: (Q/K input, V input)
 
     def write(self, j, y):
-        self._add_to_partial(y)
+        self.partial = y if self.partial is None else self.partial.to(self.blocks[0].dtype) + y  # in x0's dtype
 
     def readout(self):
-        self._close_block()
-        W, rows = self.m.chunk_queries(self.m.L)
-        self._open(W)
-        return self._read(rows[self.m.L], "readout")[0]
+        self.blocks, self.partial = self.blocks + [self.partial], None
+        h, a = depth_attention(self.m.queries(self.m.L)[0], self.blocks)
+        note(self.record, "readout", a)
+        return h
 
-
-# ----------------------------------------------------------------------------------------------
-# Dual Attention Residuals (section 5): two streams, each with its own block history and partial
-# sum P_m. Target stream m retrieves with its own query; by default its keys come from the
-# opposite stream and its values from its own history (reciprocal cross-stream addressing).
 
 # dar_routing -> for targets m = 0 and m = 1: (the stream of its keys, the stream of its values)
 DAR_STREAMS = {
@@ -331,7 +343,8 @@ DAR_STREAMS = {
 
 
 class DualAttnRes(nn.Module):
-    """Per site j (sublayers 0..L-1, readout L), all scalars per site [our reading, section 5]:
+    """Section 5, Dual Attention Residuals. Per site j (sublayers 0..L-1, readout L), all scalars per
+    site [our reading]:
         w[j, m]            pseudo-query of target stream m, zero-init
         alpha_j = softmax(theta_alpha[j])      fusion of the two retrievals, init 0.6 for stream
                                                j mod 2 and 0.4 for the other
@@ -350,10 +363,9 @@ class DualAttnRes(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         L, d = 2 * cfg.n_layer, cfg.n_embd
-        self.L = L
+        self.L, self.depth_impl, self.depth_chunk = L, cfg.depth_impl, cfg.depth_chunk
         self.S = 2 * cfg.dar_block_size  # sublayers per block
-        self.chunk = _chunk(self.S, cfg)
-        self.include_partial, self.impl = cfg.dar_include_partial, cfg.depth_impl
+        self.include_partial = cfg.dar_include_partial
         self.routing = cfg.dar_routing or "cross"
         self.streams = DAR_STREAMS[self.routing]
         self.w = nn.Parameter(torch.zeros(L + 1, 2, d))
@@ -362,7 +374,6 @@ class DualAttnRes(nn.Module):
         self.theta_beta = nn.Parameter(torch.zeros(L, 2))
         if self.routing == "sep_v":
             self.v_proj = nn.Parameter(torch.zeros(2, d, d))
-        self.ablate = {}  # diagnostics only: {sublayer j: streams whose retrieval r_m is replaced by its token mean}
 
     @torch.no_grad()
     def reset_parameters(self, rng):
@@ -378,75 +389,62 @@ class DualAttnRes(nn.Module):
             self.v_proj.copy_(torch.eye(self.v_proj.size(-1)).expand_as(self.v_proj))
 
     def start(self, x0, record=None):
-        return _DARStream(self, x0, record)
-
-    def chunk_queries(self, j0):
-        """w [C, 2, d]: the queries of the chunk that starts at site j0, site by site (j0 = L: the readout's)."""
-        return self.w[j0:j0 + self.chunk] if j0 < self.L else self.w[self.L:]
+        if self.depth_impl == "two_phase" and record is None:
+            return fast.DARStream(self, x0)  # the same numbers, faster
+        return DARStream(self, x0, record)
 
 
 def transport_reference(P, rho, beta, y):
-    """P'_m = rho P_m + (1 - rho) P_o + beta_m y; routing.transport computes it with less memory traffic."""
+    """P'_m = rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams P
+    [2, B, T, d], then the gated write (model_fast.transport computes it with less memory traffic)."""
     P_0 = rho * P[0] + (1 - rho) * P[1] + beta[0] * y
     P_1 = (1 - rho) * P[0] + rho * P[1] + beta[1] * y
     return torch.stack([P_0, P_1])
 
 
-class _DARStream(_BlockHistory):
-    """Every state holds both streams in one tensor [2, B, T, d], stream m at index m, so that one
-    router serves both targets; the query rows of a chunk are target 0's, then target 1's."""
+class DARStream:
+    """Two streams, each with its own history of completed blocks and its partial sum P_m. Every state
+    holds both streams in one tensor [2, B, T, d], stream m at index m. Target stream m retrieves with
+    its own query; its keys and values come from the streams DAR_STREAMS names (cross: keys from the
+    opposite stream, values from its own history)."""
 
-    def __init__(self, mod, x0, record):
-        super().__init__(mod, x0.expand(2, *x0.shape), record)  # both streams start as x0 (a view)
-
-    def _open_chunk(self, w):
-        """w [C, 2, d]: the chunk's queries, site by site."""
-        self.C = len(w)
-        self._open(torch.cat([w[:, 0], w[:, 1]]), self.m.streams)
-
-    def _retrieve(self, j, site):
-        """h = alpha_0 r_0 + alpha_1 r_1,  r_t = sum softmax(w_t . RMSNorm(keys of t)) values of t."""
-        m = self.m
-        i = j % m.chunk if j >= 0 else 0  # the readout (j = -1) has its own chunk
-        rows = (i, self.C + i)
-        recent, inv = self._recent(m.include_partial)
-        alpha = m.theta_alpha[j].softmax(0)
-        if self.record is None and m.routing != "sep_v" and j not in m.ablate:
-            return self.router.read_fused(rows, alpha, recent, inv)  # the fused retrieval
-        if self.record is None:
-            r = [self.router.read(q, recent, inv) for q in rows]
-        else:
-            r, a = map(list, zip(*[self.router.attend(q, recent) for q in rows]))
-            self.record[site] = torch.stack(a).detach()  # [2 targets, n, B, T]
-            self.record[site + "/alpha"] = alpha.detach()
-        if m.routing == "sep_v":
-            r = [r_t @ m.v_proj[t].T for t, r_t in enumerate(r)]
-        for t in m.ablate.get(j, ()):  # diagnostics: target t's retrieval replaced by its token mean
-            r[t] = r[t].mean(dim=(0, 1), keepdim=True).expand_as(r[t])
-        return alpha[0] * r[0] + alpha[1] * r[1]
+    def __init__(self, mod, x0, record=None):
+        self.m, self.record = mod, record
+        self.history, self.P = [x0.expand(2, *x0.shape)], None  # both streams start as x0
 
     def read(self, j):
-        if j > 0 and j % self.m.S == 0:
-            self._close_block()
-        if j % self.m.chunk == 0:
-            self._open_chunk(self.m.chunk_queries(j))
-        return self._retrieve(j, _site_name(j))
+        if j > 0 and j % self.m.S == 0:  # a block boundary: P joins the history
+            self.history, self.P = self.history + [self.P], None
+        return self.fuse(j, self.retrieve(j, site_name(j)))
+
+    def retrieve(self, j, site):
+        """r_m = sum softmax(w_{j,m} . RMSNorm(keys of m)) values of m, for both targets m."""
+        m = self.m
+        S = self.history + ([self.P] if m.include_partial and self.P is not None else [])
+        r, a = zip(*[depth_attention(m.w[j, t], [s[ks] for s in S], [s[vs] for s in S])
+                     for t, (ks, vs) in enumerate(m.streams)])
+        note(self.record, site, torch.stack(a))  # [2 targets, n, B, T]
+        if m.routing == "sep_v":
+            r = [r_t @ m.v_proj[t].T for t, r_t in enumerate(r)]
+        return list(r)
+
+    def fuse(self, j, r):
+        """h = alpha_0 r_0 + alpha_1 r_1, the fused input of the unchanged branch."""
+        alpha = self.m.theta_alpha[j].softmax(0)
+        note(self.record, site_name(j) + "/alpha" if j >= 0 else "readout/alpha", alpha)
+        return alpha[0] * r[0] + alpha[1] * r[1]
 
     def write(self, j, y):
         beta = 2 * torch.sigmoid(self.m.theta_beta[j])
-        P = self.partial
-        if P is None:  # first sublayer of a block
-            self.partial = beta.view(2, 1, 1, 1) * y
-        else:  # P_m <- rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams
-            rho = torch.sigmoid(self.m.theta_rho[j])
-            self.partial = (transport if self.m.impl == "two_phase" else transport_reference)(P, rho, beta, y)
-        if self.record is not None:  # each stream's state: everything it holds, x0 + its blocks + P_m
-            self.record[f"state.{j}"] = (sum(self.completed) + self.partial).detach()
+        if self.P is None:  # first sublayer of a block
+            self.P = beta.view(2, 1, 1, 1) * y
+        else:
+            self.P = transport_reference(self.P, torch.sigmoid(self.m.theta_rho[j]), beta, y)
+        note(self.record, f"state.{j}", sum(self.history) + self.P)  # each stream: x0 + its blocks + P_m
 
-    def readout(self):
-        self._close_block()
-        self._open_chunk(self.m.chunk_queries(self.m.L))
-        return self._retrieve(-1, "readout")
+    def readout(self):  # the readout is site j = -1: w[L], theta_alpha[L]
+        self.history, self.P = self.history + [self.P], None
+        return self.fuse(-1, self.retrieve(-1, "readout"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,7 +483,7 @@ class HyperConnections(nn.Module):
         self.s_beta.fill_(0.01)
 
     def start(self, x0, record=None):
-        return _MultiStream(self, x0, record)
+        return MultiStream(self, x0, record)
 
     def coefficients(self, j, H):
         """(pre [B, T, n], res [B, T, n_target, n_source], post [B, T, n]) for sublayer j."""
@@ -532,7 +530,7 @@ class ManifoldHC(nn.Module):
         self.b_res.copy_(2.0 * torch.eye(n).expand_as(self.b_res))
 
     def start(self, x0, record=None):
-        return _MultiStream(self, x0, record)
+        return MultiStream(self, x0, record)
 
     def coefficients(self, j, H):
         n, dt = self.n, compute_dtype(H)
@@ -555,7 +553,7 @@ def sinkhorn_knopp(logits, iters=20):
     return M
 
 
-class _MultiStream:
+class MultiStream:
     """The stream state shared by HC and mHC: H [B, T, n, d]."""
 
     def __init__(self, mod, x0, record):
@@ -565,15 +563,14 @@ class _MultiStream:
     def read(self, j):
         pre, self.res, self.post = self.m.coefficients(j, self.H)
         if self.record is not None:
-            site = _site_name(j)
+            site = site_name(j)
             self.record[site + "/pre"], self.record[site + "/res"] = pre.detach(), self.res.detach()
             self.record[site + "/post"] = self.post.detach()
         return torch.einsum("btn,btnd->btd", pre, self.H)
 
     def write(self, j, y):
         self.H = torch.einsum("btik,btkd->btid", self.res, self.H) + self.post.unsqueeze(-1) * y.unsqueeze(-2)
-        if self.record is not None:
-            self.record[f"state.{j}"] = self.H.detach()
+        note(self.record, f"state.{j}", self.H)
 
     def readout(self):
         return self.H.sum(-2)
@@ -608,10 +605,10 @@ class DenseFormer(nn.Module):
             a[-1] = 1.0  # alpha_{i,i} = 1: the identity
 
     def start(self, x0, record=None):
-        return _DenseStream(self, x0, record)
+        return DenseStream(self, x0, record)
 
 
-class _DenseStream:
+class DenseStream:
     def __init__(self, mod, x0, record):
         self.m, self.record = mod, record
         self.X, self.Y = [x0], x0  # X_0 = x0, Y_0 = X_0
@@ -629,8 +626,7 @@ class _DenseStream:
         if i % m.p == 0:  # DWA: Y_i = sum_{j in S(i)} alpha_{i,j} X_j
             alpha = m.alpha[str(i)]
             self.Y = sum(a * X for a, X in zip(alpha.unbind(), self.X[i % m.k::m.k]))
-            if self.record is not None:
-                self.record[f"dwa.{i}"] = alpha.detach()  # [|S(i)|], static: the same for every token
+            note(self.record, f"dwa.{i}", alpha)  # [|S(i)|], static: the same for every token
 
     def readout(self):
         return self.Y
@@ -675,7 +671,7 @@ class MUDDFormer(nn.Module):
             a[:, -1] = 1.0  # every way reads the current output X_i
 
     def start(self, x0, record=None):
-        return _MuddStream(self, x0, record)
+        return MuddStream(self, x0, record)
 
     def weights(self, i, X):
         """A_i [C_i, i+1, B, T] (way-major) from the output of layer i, X = X_i, in float32."""
@@ -685,7 +681,7 @@ class MUDDFormer(nn.Module):
         return A.unflatten(-1, a.shape).permute(2, 3, 0, 1)
 
 
-class _MuddStream:
+class MuddStream:
     def __init__(self, mod, x0, record):
         self.m, self.record = mod, record
         self.X, self.Z = [x0], (x0,) * 4  # the first layer reads x0 in every way
@@ -701,9 +697,8 @@ class _MuddStream:
         i = len(self.X) - 1  # layer i (1-based) has ended
         A = self.m.weights(i, self.X[-1])
         self.Z = sum(A[:, j].unsqueeze(-1) * X for j, X in enumerate(self.X)).unbind(0)  # Z_i^c = sum_j A_i[c, j] X_j
-        if self.record is not None:  # named by the site that reads the mix: the next layer's attention
-            site = f"attn.{i}" if len(self.Z) > 1 else "readout"
-            self.record[site] = (A if len(self.Z) > 1 else A[0]).detach()  # [4, n, B, T] or [n, B, T]
+        # recorded under the site that reads the mix: the next layer's attention, [4, n, B, T] (readout: [n, B, T])
+        note(self.record, f"attn.{i}" if len(self.Z) > 1 else "readout", A if len(self.Z) > 1 else A[0])
 
     def readout(self):
         return self.Z[0]
@@ -721,10 +716,8 @@ class DeltaAttnRes(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.L = 2 * cfg.n_layer
+        self.L, self.depth_impl, self.depth_chunk = 2 * cfg.n_layer, cfg.depth_impl, cfg.depth_chunk
         self.S = cfg.delta_block_size or 1
-        self.chunk = _chunk(self.S, cfg)
-        self.impl = cfg.depth_impl
         self.w = nn.Parameter(torch.zeros(self.L, cfg.n_embd))
 
     @torch.no_grad()
@@ -732,122 +725,29 @@ class DeltaAttnRes(nn.Module):
         self.w.zero_()  # uniform routing at init: S = 1 is then the standard residual up to the norms' eps
 
     def start(self, x0, record=None):
-        return _DeltaStream(self, x0, record)
+        if self.depth_impl == "two_phase" and record is None:
+            return fast.DeltaStream(self, x0)  # the same numbers, faster
+        return DeltaStream(self, x0, record)
 
 
-class _DeltaStream(_BlockHistory):
-    def __init__(self, mod, x0, record):
-        super().__init__(mod, x0, record)
-        self.h = x0  # h~, the standard stream
+class DeltaStream:
+    def __init__(self, mod, x0, record=None):
+        self.m, self.record = mod, record
+        self.h, self.blocks, self.partial = x0, [x0], None  # h~, the standard stream; the completed blocks
 
     def read(self, j):
-        m = self.m
-        if j > 0 and j % m.S == 0:  # a block boundary closes the partial sum: b = sum of the block's y
-            self._close_block()
-        if j % m.chunk == 0:
-            self._open(m.w[j:j + m.chunk])
-        return self.h + self._read((j % m.chunk,), _site_name(j), with_partial=False)[0]  # completed blocks only
+        if j > 0 and j % self.m.S == 0:  # a block boundary closes the partial sum: b = sum of the block's y
+            self.blocks, self.partial = self.blocks + [self.partial], None
+        r, a = depth_attention(self.m.w[j], self.blocks)  # completed blocks only
+        note(self.record, site_name(j), a)
+        return self.h + r
 
     def write(self, j, y):
         self.h = self.h + y
-        self._add_to_partial(y)
+        self.partial = y if self.partial is None else self.partial.to(self.blocks[0].dtype) + y  # in x0's dtype
 
     def readout(self):
         return self.h
-
-
-# ----------------------------------------------------------------------------------------------
-# The transformer: RMSNorm pre-norms without gains, rotary attention with QK-norm, ReLU^2 MLP.
-
-
-def norm(x):
-    return F.rms_norm(x, (x.size(-1),))
-
-
-def rotary(x, cos, sin):
-    """Rotate the two halves of each head's channels by position-dependent angles (RoPE)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-class KVCache:
-    """Keys and values of past positions, per layer, for incremental decoding. Depth routing works
-    per position, so the attention keys and values are all that any residual variant needs cached."""
-
-    def __init__(self, cfg, batch_size, device=None, dtype=torch.float32):
-        shape = (cfg.n_layer, batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.pos = 0  # positions filled so far
-
-    def update(self, layer, k, v):
-        T = k.size(2)
-        self.k[layer, :, :, self.pos:self.pos + T] = k
-        self.v[layer, :, :, self.pos:self.pos + T] = v
-        return self.k[layer, :, :, :self.pos + T], self.v[layer, :, :, :self.pos + T]
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        d = cfg.n_embd
-        self.n_head, self.head_dim = cfg.n_head, d // cfg.n_head
-        self.recompute = not cfg.activation_checkpointing  # which recomputes the whole sublayer anyway
-        self.c_q = nn.Linear(d, d, bias=False)
-        self.c_k = nn.Linear(d, d, bias=False)
-        self.c_v = nn.Linear(d, d, bias=False)
-        self.c_proj = nn.Linear(d, d, bias=False)
-
-    def forward(self, h, cos, sin, layer, cache=None):
-        """h is the sublayer input h, or (h_QK, h_V) (RD-AttnRes routes values separately), or
-        (h_Q, h_K, h_V) (MUDDFormer). Each distinct input is normalised once (a K or V input of its
-        own again in backward: see normed)."""
-        h = h if isinstance(h, tuple) else (h,)
-        h_q, h_k, h_v = h if len(h) == 3 else (h[0], h[0], h[-1])
-        x_q = norm(h_q)
-        B, T, _ = x_q.shape
-        q = self.c_q(x_q).view(B, T, self.n_head, self.head_dim)
-        k = (self.c_k(x_q) if h_k is h_q else self.normed(self.c_k, h_k)).view(B, T, self.n_head, self.head_dim)
-        v = (self.c_v(x_q) if h_v is h_q else self.normed(self.c_v, h_v)).view(B, T, self.n_head, self.head_dim)
-        q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)  # QK-norm, then RoPE
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        mask, causal = None, True
-        if cache is not None:
-            P = cache.pos
-            k, v = cache.update(layer, k, v)
-            if P > 0:  # queries at P..P+T-1 see keys 0..their own position
-                causal = False
-                mask = torch.arange(P + T, device=q.device) <= torch.arange(P, P + T, device=q.device)[:, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-    def normed(self, linear, h):
-        """linear(norm(h)) for a K or V input of its own (RD-AttnRes' h_V, MUDDFormer's h_K, h_V). The
-        plain ops keep norm(h) for the projection's backward: one more [B, T, d] activation per layer
-        beside h, which the routing keeps anyway. routing.norm_project computes the same forward and
-        keeps h, the weight (references) and one float per token (1 / rms), rebuilding norm(h) in
-        backward. With activation_checkpointing the whole sublayer is recomputed anyway: the plain ops."""
-        if self.recompute and torch.is_grad_enabled() and h.requires_grad:
-            return norm_project(h, linear.weight)
-        return linear(norm(h))  # the reference: what norm_project computes
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        hidden = cfg.mlp_hidden or cfg.mlp_ratio * cfg.n_embd
-        self.c_fc = nn.Linear(cfg.n_embd, hidden, bias=False)
-        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
-
-    def forward(self, h):
-        return self.c_proj(F.relu(self.c_fc(norm(h))).square())
-
-
-class Block(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.attn = CausalSelfAttention(cfg)
-        self.mlp = MLP(cfg)
 
 
 # Every residual variant: its name (the `residual` key) and the module that implements it. This table
@@ -872,89 +772,33 @@ def make_residual(cfg):
     return RESIDUALS[cfg.residual](cfg)
 
 
-class GPT(nn.Module):
-    def __init__(self, cfg, seed=0):
-        super().__init__()
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.router = make_residual(cfg)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
-        cos, sin = rotary_tables(cfg)  # [T, 1, hd/2], on the CPU; on the meta device too for a meta model
-        self.register_buffer("cos", cos.to(self.wte.weight.device), persistent=False)
-        self.register_buffer("sin", sin.to(self.wte.weight.device), persistent=False)
-        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: depthres/sharded.py), values come later
-            self.init_weights(seed)
-
-    @torch.no_grad()
-    def init_weights(self, seed):
-        """Every parameter set to its initial value for this seed: InitialWeights states each one's."""
-        init = InitialWeights(self.cfg, seed)
-        for name, p in self.named_parameters():
-            p.copy_(init(name, p.shape))
-
-    @torch.no_grad()
-    def init_buffers(self):
-        """The rotary tables again (a model built on the meta device, then given storage, has none yet)."""
-        cos, sin = rotary_tables(self.cfg)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-
-    def param_groups(self, weight_decay):
-        """AdamW groups: matrices decay; depth-routing parameters (pseudo-queries, gates) never do."""
-        routing = {id(p) for p in self.router.parameters()}
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if p.requires_grad:
-                (no_decay if id(p) in routing or p.dim() < 2 else decay).append(p)
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-    def num_params(self, trainable_only=False):
-        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
-
-    def flops_per_token(self):
-        """Training FLOPs per token: 6 per matmul weight, plus attention's 12 * layers * d * T."""
-        c = self.cfg
-        n_matmul = self.num_params() - self.wte.weight.numel() * (not c.tie_embeddings)
-        return 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.block_size
-
-    def forward(self, idx, targets=None, kv_cache=None, routing=None):
-        """idx [B, T] token ids. Returns (logits, loss); loss is None without targets.
-        kv_cache: a KVCache for incremental decoding. routing: a dict to fill with each site's
-        depth-routing weights [n_sources, B, T] (RD-AttnRes attention sites: [n, 2, B, T], QK
-        route then V route; MUDDFormer: [4 ways, n, B, T] at the attention that reads a mix;
-        DenseFormer: "dwa.i", the static weights [|S(i)|] of the DWA after layer i)."""
-        B, T = idx.shape
-        P = kv_cache.pos if kv_cache is not None else 0
-        if P + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {P + T} positions exceeds block_size={self.cfg.block_size}")
-        cos, sin = self.cos[P:P + T].to(self.wte.weight.dtype), self.sin[P:P + T].to(self.wte.weight.dtype)
-        stream = self.router.start(self.wte(idx), routing)
-        # F_j(PreNorm_j(h_j)) is checkpointed, not the routing: its sources are read by later sites anyway
-        ckpt = self.cfg.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
-        sublayer = _checkpointed if ckpt else _call
-        for i, block in enumerate(self.blocks):
-            stream.write(2 * i, sublayer(block.attn, stream.read(2 * i), cos, sin, i, kv_cache))
-            stream.write(2 * i + 1, sublayer(block.mlp, stream.read(2 * i + 1)))
-        if kv_cache is not None:
-            kv_cache.pos += T
-        logits = self.lm_head(norm(stream.readout()))
-        logits = logits.to(compute_dtype(logits))  # float32 loss (float64 in tests)
-        if self.cfg.logit_softcap > 0:
-            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
+# ----------------------------------------------------------------------------------------------
+# The machinery: the key/value cache, activation checkpointing, compilation, rotary tables, the
+# initial weights (also for a model built on the meta device), old checkpoints, the config's checks.
 
 
-def _call(f, *args):
+class KVCache:
+    """Keys and values of past positions, per layer, for incremental decoding. Depth routing works
+    per position, so the attention keys and values are all that any residual variant needs cached."""
+
+    def __init__(self, cfg, batch_size, device=None, dtype=torch.float32):
+        shape = (cfg.n_layer, batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0  # positions filled so far
+
+    def update(self, layer, k, v):
+        T = k.size(2)
+        self.k[layer, :, :, self.pos:self.pos + T] = k
+        self.v[layer, :, :, self.pos:self.pos + T] = v
+        return self.k[layer, :, :, :self.pos + T], self.v[layer, :, :, :self.pos + T]
+
+
+def call(f, *args):
     return f(*args)
 
 
-def _checkpointed(f, *args):
+def checkpointed(f, *args):
     """f(*args) keeping only its inputs for backward, which recomputes the rest (activation_checkpointing)."""
     return torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False)
 
@@ -986,37 +830,101 @@ class InitialWeights:
     common weight bit for bit (section 8):
         wte, c_q, c_k, c_v, c_fc, lm_head   normal(0, 0.02)                    (GPT-2)
         attn.c_proj, mlp.c_proj             normal(0, 0.02 / sqrt(2 n_layer))  (GPT-2's scaled residual init)
-        router.*                            the variant's own: its reset_parameters (pseudo-queries zero),
+        residual.*                          the variant's own: its reset_parameters (pseudo-queries zero),
                                             run on a CPU copy of the residual module alone (its routing
                                             parameters: small), made once
-    """
+    A residual weight drawn at random (mHC's phi, MUDDFormer's W1) seeds its generator with its first
+    name, "router.<name>", so that every seed keeps drawing the same weights."""
 
     def __init__(self, cfg, seed):
-        self.cfg, self.seed, self._router = cfg, seed, None
+        self.cfg, self.seed, self._residual = cfg, seed, None
 
     def rng(self, name):
         return torch.Generator().manual_seed(param_seed(self.seed, name))
 
     @torch.no_grad()
     def __call__(self, name, shape):
-        if name.startswith("router."):
-            value = self.router()[name.removeprefix("router.")]
+        if name.startswith("residual."):
+            value = self.residual()[name.removeprefix("residual.")]
             if value.shape != torch.Size(shape):
                 raise ValueError(f"{name} has shape {tuple(value.shape)} in its module, not {tuple(shape)}")
             return value
         std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
         return torch.empty(shape, device="cpu").normal_(0.0, std, generator=self.rng(name))
 
-    def router(self):
+    def residual(self):
         """{name: value} of the residual module's parameters after its reset_parameters."""
-        if self._router is None:
+        if self._residual is None:
             with torch.device("cpu"):
                 module = make_residual(self.cfg)
             module.reset_parameters(lambda name: self.rng("router." + name))
-            self._router = {name: p.detach() for name, p in module.named_parameters()}
-        return self._router
+            self._residual = {name: p.detach() for name, p in module.named_parameters()}
+        return self._residual
 
 
 def param_seed(seed, name):
     """A stable 63-bit seed for one parameter (Python's hash() is salted per process)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+# Parameter names that changed, old prefix -> new: checkpoints written before still load.
+RENAMED = {"router.": "residual."}  # the residual module was GPT.router
+
+
+def renamed(key):
+    for old, new in RENAMED.items():
+        if key.startswith(old):
+            return new + key.removeprefix(old)
+    return key
+
+
+def renamed_keys(module, state_dict, prefix, *args):
+    """load_state_dict's pre-hook: a checkpoint's old parameter names under their new ones."""
+    for key in [k for k in state_dict if k.startswith(prefix) and renamed(k[len(prefix):]) != k[len(prefix):]]:
+        state_dict[prefix + renamed(key[len(prefix):])] = state_dict.pop(key)
+
+
+RD_MODES = ("decoupled", "tied", "average", "frozen_v")
+DAR_ROUTINGS = tuple(DAR_STREAMS)
+DEPTH_IMPLS = ("two_phase", "reference")
+
+
+def check_config(c):
+    """GPTConfig's values, each checked with a message that says what to do (a ValueError)."""
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(msg)
+
+    need(c.residual in RESIDUALS, f"unknown residual {c.residual!r}; choose one of {', '.join(RESIDUALS)}")
+    need(c.rd_mode is None or c.residual == "rd_attnres",
+         f"rd_mode={c.rd_mode!r} only applies to residual='rd_attnres' (got residual={c.residual!r}); drop rd_mode")
+    need(c.rd_mode is None or c.rd_mode in RD_MODES, f"unknown rd_mode {c.rd_mode!r}; choose one of {', '.join(RD_MODES)}")
+    need(c.dar_routing is None or c.residual == "dar",
+         f"dar_routing={c.dar_routing!r} only applies to residual='dar' (got residual={c.residual!r}); drop dar_routing")
+    need(c.dar_routing is None or c.dar_routing in DAR_ROUTINGS,
+         f"unknown dar_routing {c.dar_routing!r}; choose one of {', '.join(DAR_ROUTINGS)}")
+    need(c.dar_block_size >= 1, f"dar_block_size counts transformer layers and must be >= 1, got {c.dar_block_size}")
+    need(c.depth_chunk >= 1, f"depth_chunk counts sublayers and must be >= 1, got {c.depth_chunk}")
+    need(c.hc_streams >= 1, f"hc_streams must be >= 1, got {c.hc_streams}")
+    need(c.attnres_block_size >= 1, f"attnres_block_size counts sublayers and must be >= 1, got {c.attnres_block_size}")
+    need(c.depth_impl in DEPTH_IMPLS, f"unknown depth_impl {c.depth_impl!r}; choose one of {', '.join(DEPTH_IMPLS)}")
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+        need(getattr(c, name) >= 1, f"{name} must be >= 1, got {getattr(c, name)}")
+    for name, residual in (("denseformer_dilation", "denseformer"), ("denseformer_period", "denseformer"),
+                           ("delta_block_size", "delta_attnres")):
+        value = getattr(c, name)
+        need(value is None or c.residual == residual,
+             f"{name}={value!r} only applies to residual={residual!r} (got residual={c.residual!r}); drop {name}")
+    for name in ("denseformer_dilation", "denseformer_period"):
+        value = getattr(c, name)
+        need(value is None or 1 <= value <= c.n_layer,
+             f"{name} counts transformer layers and must be between 1 and n_layer={c.n_layer}, got {value}")
+    need(c.delta_block_size is None or c.delta_block_size >= 1,
+         f"delta_block_size counts sublayers and must be >= 1, got {c.delta_block_size}")
+    need(c.mlp_hidden is None or c.mlp_hidden >= 1, f"mlp_hidden must be >= 1, got {c.mlp_hidden}")
+    need(c.n_embd % c.n_head == 0, f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
+    need((c.n_embd // c.n_head) % 2 == 0, f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
+    need(math.isfinite(c.logit_softcap) and c.logit_softcap >= 0,
+         f"logit_softcap must be a finite number >= 0, got {c.logit_softcap}")
+    need(math.isfinite(c.rope_base) and c.rope_base > 0,
+         f"rope_base must be a finite number > 0 (rotary frequencies are base^(-2i/head_dim)), got {c.rope_base}")

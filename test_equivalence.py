@@ -1,5 +1,6 @@
 """Exact reductions between residual variants (float64), and the model's other contracts."""
 
+import hashlib
 import math
 
 import pytest
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 import model as model_module
 from model import GPT, GPTConfig, KVCache, MUDDFormer, depth_attention, norm
-from routing import norm_project
+from model_fast import norm_project
 from tools import bench
 
 VARIANTS = [
@@ -42,8 +43,8 @@ DAR = [v for v in VARIANTS if v["residual"] == "dar"]
 #   equal (zero at init) and the fusion gate alpha gets none;
 #   muddformer: W1 sits behind W2 = 0 (the reference's init), so W1 (router.W1.<layer>) gets none.
 # Each entry is a tuple of parameter-name prefixes, or a predicate on the name (docs/adding_a_variant.md).
-ZERO_GRAD_AT_INIT = {"hc": ("router.s_alpha", "router.s_beta", "router.Am"), "fixed_kv": ("router.theta_alpha",),
-                     "muddformer": ("router.W1.",)}
+ZERO_GRAD_AT_INIT = {"hc": ("residual.s_alpha", "residual.s_beta", "residual.Am"), "fixed_kv": ("residual.theta_alpha",),
+                     "muddformer": ("residual.W1.",)}
 
 
 def zero_grad_at_init(exempt, name):
@@ -65,7 +66,7 @@ def tokens(B=2, T=12, seed=0):
 @torch.no_grad()
 def randomize_routing(model, seed=1):
     g = torch.Generator().manual_seed(seed)
-    for p in model.router.parameters():
+    for p in model.residual.parameters():
         p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
 
 
@@ -118,7 +119,7 @@ def test_rd_tied_equals_block_attnres():
 def _with_value_queries_from_qk(model):
     """Set w_V of every layer to that attention sublayer's w_QK."""
     with torch.no_grad():
-        model.router.w_v.copy_(model.router.w[0:-1:2])
+        model.residual.w_v.copy_(model.residual.w[0:-1:2])
     return model
 
 
@@ -130,7 +131,7 @@ def test_rd_decoupled_with_copied_queries_equals_block_forward():
     _with_value_queries_from_qk(rd)
     torch.testing.assert_close(rd(idx)[0], block(idx)[0], rtol=0, atol=1e-10)
     with torch.no_grad():
-        rd.router.w_v.add_(0.5)
+        rd.residual.w_v.add_(0.5)
     assert (rd(idx)[0] - block(idx)[0]).abs().max() > 1e-4  # the V route matters
 
 
@@ -138,14 +139,14 @@ def test_rd_frozen_v_stays_zero_without_gradient():
     model = tiny(residual="rd_attnres", rd_mode="frozen_v")
     randomize_routing(model)
     with torch.no_grad():
-        model.router.w_v.zero_()
+        model.residual.w_v.zero_()
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-2)
     for step in range(2):
         loss_and_grads(model, tokens(seed=step))
         opt.step()
-    assert not model.router.w_v.requires_grad and model.router.w_v.grad is None
-    assert torch.count_nonzero(model.router.w_v) == 0
-    assert all(model.router.w_v is not p for g in model.param_groups(0.1) for p in g["params"])
+    assert not model.residual.w_v.requires_grad and model.residual.w_v.grad is None
+    assert torch.count_nonzero(model.residual.w_v) == 0
+    assert all(model.residual.w_v is not p for g in model.param_groups(0.1) for p in g["params"])
 
 
 def test_rd_average_differs_from_block_once_queries_differ():
@@ -156,7 +157,7 @@ def test_rd_average_differs_from_block_once_queries_differ():
     _with_value_queries_from_qk(avg)
     torch.testing.assert_close(avg(idx)[0], block(idx)[0], rtol=0, atol=1e-10)  # same queries: same
     with torch.no_grad():
-        avg.router.w_v.mul_(-1.0)
+        avg.residual.w_v.mul_(-1.0)
     assert (avg(idx)[0] - block(idx)[0]).abs().max() > 1e-4
 
 
@@ -184,6 +185,43 @@ def test_paired_init_shares_every_common_weight():
     other = dict(tiny(seed=8, dtype=torch.float32).named_parameters())
     assert all(not torch.equal(other[n], p) for n, p in ref.items())
 
+
+
+# The first 16 hex digits of sha256 over every parameter's name and float32 bytes, as the code before
+# the residual module's renaming (GPT.router -> GPT.residual, issue 35) drew them, the names mapped
+INITIAL_WEIGHTS_SHA256 = {
+    "standard/0": "ffadb8e982a8402c",
+    "standard/1": "42ac93a0744045dc",
+    "full_attnres/0": "af6859043fdaca09",
+    "full_attnres/1": "3a51ff7b4a9ac8fa",
+    "block_attnres/0": "af6859043fdaca09",
+    "block_attnres/1": "3a51ff7b4a9ac8fa",
+    "rd_attnres/0": "2c2ece084c1ae155",
+    "rd_attnres/1": "03d1df2eb35eccd9",
+    "dar/0": "b9b9ac6dc4a034f0",
+    "dar/1": "d71b9d6db7ae9d89",
+    "hc/0": "a5e4289f725e4762",
+    "hc/1": "27f80099ff77f778",
+    "mhc/0": "4e379d2754b15a67",
+    "mhc/1": "ff3950776dfcaef2",
+    "denseformer/0": "5e29b07e70db9924",
+    "denseformer/1": "2337fb9d6fc4953a",
+    "muddformer/0": "cd37ca131e8c4d9e",
+    "muddformer/1": "1ccffba94f14f9f5",
+    "delta_attnres/0": "cf0147f9b254d65f",
+    "delta_attnres/1": "755eb9b342626140",
+}
+
+
+@pytest.mark.parametrize("key", INITIAL_WEIGHTS_SHA256)
+def test_initial_weights_are_the_same_bits_as_before(key):
+    residual, seed = key.split("/")
+    m = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=32, residual=residual), seed=int(seed))
+    h = hashlib.sha256()
+    for n, p in m.named_parameters():
+        h.update(n.encode())
+        h.update(p.detach().numpy().tobytes())
+    assert h.hexdigest()[:16] == INITIAL_WEIGHTS_SHA256[key]
 
 # --- 6. causality ---------------------------------------------------------------------------------
 
@@ -366,16 +404,16 @@ def test_dar_self_kv_with_saturated_gates_is_block_attnres():
     randomize_routing(block)
     randomize_routing(dar)
     with torch.no_grad():
-        dar.router.w[:, 0] = block.router.w
-        dar.router.theta_alpha.copy_(torch.tensor([800.0, -800.0]))
-        dar.router.theta_beta.copy_(torch.tensor([0.0, -800.0]))
-        dar.router.theta_rho.fill_(800.0)
+        dar.residual.w[:, 0] = block.residual.w
+        dar.residual.theta_alpha.copy_(torch.tensor([800.0, -800.0]))
+        dar.residual.theta_beta.copy_(torch.tensor([0.0, -800.0]))
+        dar.residual.theta_rho.fill_(800.0)
     la, ga = loss_and_grads(block, idx)
     lb, gb = loss_and_grads(dar, idx)
     torch.testing.assert_close(lb, la, rtol=0, atol=1e-10)
-    shared = [n for n in ga if not n.startswith("router.")]
+    shared = [n for n in ga if not n.startswith("residual.")]
     assert_grads_equal(ga, gb, shared)
-    torch.testing.assert_close(gb["router.w"][:, 0], ga["router.w"], rtol=0, atol=1e-10)
+    torch.testing.assert_close(gb["residual.w"][:, 0], ga["residual.w"], rtol=0, atol=1e-10)
 
 
 def test_full_dar_reads_each_stream_through_the_other():
@@ -389,7 +427,7 @@ def test_full_dar_reads_each_stream_through_the_other():
     randomize_routing(self_kv)  # same parameter shapes and seed: the same weights
     assert all(torch.equal(p, q) for p, q in zip(cross.parameters(), self_kv.parameters()))
     record = {}
-    cross(idx, routing=record)
+    cross(idx, record=record)
     entry = record["state.1"]  # the first layer's entry, both streams [2, B, T, d]
     assert (norm(entry[0]) - norm(entry[1])).abs().max() > 1e-2
     assert (cross(idx)[0] - self_kv(idx)[0]).abs().max() > 1e-3
@@ -398,7 +436,7 @@ def test_full_dar_reads_each_stream_through_the_other():
 def dar_textbook_logits(model, idx):
     """VARIANTS.md section 5 spelled out target by target, stream by stream, with the model's weights:
     the specification the batched DAR stream must match."""
-    R, cfg = model.router, model.cfg
+    R, cfg = model.residual, model.cfg
     key_of, value_of = {"cross": ((1, 0), (0, 1)), "self_kv": ((0, 1), (0, 1)), "cross_v": ((0, 1), (1, 0)),
                         "fixed_kv": ((0, 0), (1, 1)), "sep_v": ((0, 1), (0, 1))}[cfg.dar_routing or "cross"]
     K = 2 * cfg.dar_block_size  # sublayers per history entry
@@ -437,11 +475,11 @@ def test_dar_matches_its_textbook_definition(variant):
     randomize_routing(model)
     if variant.get("dar_routing") == "sep_v":
         with torch.no_grad():
-            model.router.v_proj.mul_(0.2)  # random projections, at a scale that keeps activations sane
+            model.residual.v_proj.mul_(0.2)  # random projections, at a scale that keeps activations sane
     idx = tokens()
     textbook = dar_textbook_logits(model, idx)
     torch.testing.assert_close(model(idx)[0], textbook, rtol=0, atol=1e-10)
-    model.router.ablate = {j: () for j in range(-1, 2 * model.cfg.n_layer)}  # nothing ablated: the unfused path
+    model.residual.depth_impl = "reference"  # the plain stream too
     torch.testing.assert_close(model(idx)[0], textbook, rtol=0, atol=1e-10)
 
 
@@ -449,7 +487,7 @@ def test_dar_matches_its_textbook_definition(variant):
 def test_dar_streams_differ_at_init(variant):
     model = tiny(**variant)
     record = {}
-    model(tokens(), routing=record)
+    model(tokens(), record=record)
     last = record[f"state.{2 * model.cfg.n_layer - 1}"]  # [2, B, T, d]
     assert (last[0] - last[1]).abs().max() > 1e-3 * last.abs().max()
 
@@ -463,9 +501,9 @@ def test_hc_at_init_is_standard():
 def test_mhc_mixing_matrices_are_doubly_stochastic(streams):
     model = tiny(residual="mhc", hc_streams=streams)
     with torch.no_grad():
-        model.router.a.fill_(0.1)  # ten times the init's dynamic part
+        model.residual.a.fill_(0.1)  # ten times the init's dynamic part
     record = {}
-    model(tokens(), routing=record)
+    model(tokens(), record=record)
     res = [v for k, v in record.items() if k.endswith("/res")]
     assert len(res) == 2 * model.cfg.n_layer
     for H in res:
@@ -480,7 +518,7 @@ def test_block_sums_accumulate_in_the_embedding_dtype_under_bf16():
     model = tiny(residual="block_attnres", dtype=torch.float32)
     x0 = torch.randn(2, 3, 32)
     ys = [torch.randn(2, 3, 32).bfloat16() for _ in range(3)]
-    stream = model.router.start(x0)
+    stream = model.residual.start(x0)
     for j, y in enumerate(ys):
         stream.write(j, y)
     assert stream.partial.dtype == torch.float32
@@ -490,11 +528,11 @@ def test_block_sums_accumulate_in_the_embedding_dtype_under_bf16():
 def test_mhc_coefficients_stay_float32_under_bf16_autocast():
     model = tiny(residual="mhc", dtype=torch.float32)
     with torch.no_grad():
-        model.router.a.fill_(0.5)  # a dynamic part large enough for bf16 rounding to show
+        model.residual.a.fill_(0.5)  # a dynamic part large enough for bf16 rounding to show
     H = torch.randn(2, 3, 4, 32, generator=torch.Generator().manual_seed(0))
-    plain = model.router.coefficients(1, H)
+    plain = model.residual.coefficients(1, H)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mixed = model.router.coefficients(1, H)
+        mixed = model.residual.coefficients(1, H)
     for p, m in zip(plain, mixed):
         torch.testing.assert_close(m, p, rtol=0, atol=0)
 
@@ -502,8 +540,8 @@ def test_mhc_coefficients_stay_float32_under_bf16_autocast():
 def test_mhc_has_no_underflowed_gradients_in_float32():
     model = tiny(residual="mhc", dtype=torch.float32)
     loss_and_grads(model, tokens())
-    for n, p in model.router.named_parameters():
-        assert (p.grad != 0).float().mean() > 0.5, f"router.{n}: most of its gradient is exactly zero"
+    for n, p in model.residual.named_parameters():
+        assert (p.grad != 0).float().mean() > 0.5, f"residual.{n}: most of its gradient is exactly zero"
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
@@ -539,7 +577,7 @@ def denseformer_textbook_logits(model, idx):
         if i % p:
             return X[i], X[i]
         S = [j for j in range(i + 1) if j % k == i % k]
-        Y = sum(model.router.alpha[str(i)][n] * X[j] for n, j in enumerate(S))
+        Y = sum(model.residual.alpha[str(i)][n] * X[j] for n, j in enumerate(S))
         return Y, Y
 
     return run_layers(model, idx, dwa)
@@ -575,7 +613,7 @@ def mudd_textbook_logits(model, idx):
     """A_i = W2_i GELU(W1_i RMSNorm(X_{i+1})) + a_i per token, way-major [C, n]; Z^c = sum_j A[c, j] X_j;
     the next attention reads (Z^Q, Z^K, Z^V), the next residual base is Z^R; the readout is the last
     layer's one way."""
-    R = model.router
+    R = model.residual
 
     def mix(i, X):
         A = F.gelu(norm(X[-1]) @ R.W1[i]) @ R.W2[i] + R.a[i].flatten()  # [B, T, C * n]
@@ -595,7 +633,7 @@ def test_muddformer_matches_its_textbook_definition(n_layer):
     model = tiny(residual="muddformer", n_layer=n_layer)
     randomize_routing(model)
     with torch.no_grad():
-        for W in model.router.W2:
+        for W in model.residual.W2:
             W.mul_(0.1)  # random dynamic weights at a scale that keeps activations sane
     idx = tokens()
     torch.testing.assert_close(model(idx)[0], mudd_textbook_logits(model, idx), rtol=0, atol=1e-10)
@@ -637,7 +675,7 @@ def test_attention_reads_one_two_or_three_inputs_and_normalises_each_once(monkey
 def delta_textbook_logits(model, idx):
     """h_j = h~_j + depth_attention([x0, b_1, .., b_m], w_j), b_m = sum of the y of completed block m
     (S sublayers each); y_j = F_j(norm(h_j)); h~_{j+1} = h~_j + y_j; the readout is h~_L."""
-    S, w = model.cfg.delta_block_size or 1, model.router.w
+    S, w = model.cfg.delta_block_size or 1, model.residual.w
     cos, sin = model.cos[:idx.size(1)], model.sin[:idx.size(1)]
     x0 = model.wte(idx)
     h, ys = x0, []

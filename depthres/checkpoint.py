@@ -205,15 +205,39 @@ def export_advice(path):
 
 
 def read_manifest(path):
+    """The manifest of the sharded checkpoint at `path`, every field it must have checked (manifest_problem)."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        ok = manifest.get("format") == SHARDED_FORMAT and isinstance(manifest.get("files"), dict)
-    except (OSError, ValueError, AttributeError):
-        ok = False
-    if not ok:
-        raise CheckpointError(f"{path} is not a whole sharded checkpoint (its {MANIFEST} is missing or unreadable, "
-                              f"or not of format {SHARDED_FORMAT!r}); use an intact copy or another checkpoint")
+    except (OSError, ValueError):
+        manifest = None
+    why = manifest_problem(manifest)
+    if why is not None:
+        raise CheckpointError(f"{path} is not a whole sharded checkpoint: its {MANIFEST} {why}; use an intact copy "
+                              "or another checkpoint")
     return manifest
+
+
+def manifest_problem(manifest):
+    """What is wrong with a manifest (as a phrase), or None: its format, its step and world size (whole numbers),
+    and its files (at least the index and the run state: each a plain name, its bytes and its sha256)."""
+    def whole(x, low):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+    if manifest is None:
+        return "is missing or not JSON"
+    if not isinstance(manifest, dict) or manifest.get("format") != SHARDED_FORMAT:
+        return f"is not of format {SHARDED_FORMAT!r}"
+    for name, low in (("step", 0), ("world_size", 1)):
+        if not whole(manifest.get(name), low):
+            return f"has no {name} (a whole number >= {low}), got {manifest.get(name)!r}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not {INDEX, STATE} <= set(files):
+        return f"does not list the files it holds ({INDEX} and {STATE} at least), got {files!r:.80}"
+    for name, entry in files.items():
+        if Path(name).name != name or name in (".", "..") or not isinstance(entry, dict) \
+                or not whole(entry.get("bytes"), 0) or not isinstance(entry.get("sha256"), str):
+            return f"lists {name!r} as {entry!r:.80}, not a file name with its bytes and sha256"
+    return None
 
 
 def file_digest(path):
@@ -296,10 +320,15 @@ def read_sharded(path):
                               "use an intact copy or another checkpoint")
     verify_files(path, [STATE], files)
     read_index(path)  # refused here, before a run starts, if it is not plain data
-    state = torch.load(path / STATE, map_location="cpu", weights_only=True)
-    if state.get("format") != CKPT_FORMAT or any(k not in state for k in STATE_KEYS):
-        raise CheckpointError(f"{path / STATE} is not a run state of format {CKPT_FORMAT!r}")
-    return {**state, "sharded": path}
+    try:
+        state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's own message may advise weights_only=False, which is unsafe: not quoted
+        state = f"{type(e).__name__} reading it"
+    if not isinstance(state, dict) or state.get("format") != CKPT_FORMAT or any(k not in state for k in STATE_KEYS):
+        why = state if isinstance(state, str) else f"a {type(state).__name__} without the keys of format {CKPT_FORMAT!r}"
+        raise CheckpointError(f"{path / STATE} is not a run state ({why}): it was not written by train.py, or was "
+                              "altered after; use an intact copy or another checkpoint")
+    return {**state, "world_size": manifest["world_size"], "sharded": path}  # the ranks that wrote it
 
 
 def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):

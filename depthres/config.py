@@ -10,6 +10,7 @@ optimizer steps; with max_steps = 0, max_tokens // batch_tokens of them.
 
 import difflib
 import math
+import os
 import runpy
 import traceback
 import types
@@ -20,6 +21,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from model import GPTConfig
+
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
+TRAINING_BYTES_PER_PARAM = 16  # float32 weight and gradient, AdamW's two moments (docs/training.md)
 
 
 class ConfigError(ValueError):
@@ -108,7 +112,11 @@ class TrainConfig:
              f"(got max_tokens={self.max_tokens})")
         need(0 <= self.min_lr <= self.lr and self.lr > 0,
              f"need 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
-        need(self.eps >= 0, f"eps must be >= 0, got {self.eps}")
+        # AdamW's update is m / (sqrt(v) + eps): a parameter whose gradient is 0 (an embedding row no batch
+        # used) has m = v = 0, so eps = 0 (or one below float32's smallest normal, which rounds to 0) is 0/0
+        need(self.eps >= FLOAT32_TINY, f"eps must be > 0 (AdamW divides by sqrt(v) + eps, and v = 0 for a parameter "
+             f"whose gradient is 0: NaN) and at least float32's smallest normal {FLOAT32_TINY:.3g}, got {self.eps}; "
+             "the default is 1e-8")
         need(self.eval_tokens >= self.seq_len, f"eval_tokens={self.eval_tokens} is less than one sequence of "
              f"seq_len={self.seq_len} tokens: set eval_tokens >= {self.seq_len}")
         need(self.lr_schedule in ("cosine", "wsd"), f"lr_schedule must be cosine or wsd, got {self.lr_schedule!r}")
@@ -224,6 +232,29 @@ def build_model_config(model_settings, tc, meta):
         return GPTConfig(**kv)
     except ValueError as e:
         raise ConfigError(f"model config: {e}") from None
+
+
+def check_memory(mc, tc, world_size):
+    """A model whose training state (TRAINING_BYTES_PER_PARAM a parameter, split over the ranks under FSDP)
+    cannot fit in one rank's memory (a GPU's, or the whole host's) is a ConfigError, before any tensor is
+    allocated: the parameters are counted on the meta device."""
+    import torch
+
+    from model import GPT
+
+    with torch.device("meta"):
+        n = GPT(mc).num_params()
+    need = TRAINING_BYTES_PER_PARAM * n / (world_size if tc.fsdp else 1)
+    cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
+    if cuda and torch.cuda.is_available():
+        have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
+    if need > have:
+        raise ConfigError(f"the model would have {n:,} parameters ({mc.vocab_size:,} x {mc.n_embd} in the embedding "
+                          f"alone): training them needs about {need / 2**30:,.0f} GiB per rank ({TRAINING_BYTES_PER_PARAM} "
+                          f"bytes a parameter{', split over the ranks' if tc.fsdp else ''}), more than the "
+                          f"{have / 2**30:,.0f} GiB of {where}; set a smaller vocab_size, n_embd or n_layer")
 
 
 def grad_accum_steps(tc, world_size):

@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import warnings
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from depthres.checkpoint import (
     MANIFEST,
     NAME,
     OLD,
+    RUN_FILES,
     SHARDED_FORMAT,
     STATE,
     STATE_KEYS,
@@ -58,7 +60,7 @@ from depthres.checkpoint import (
 )
 from depthres.distributed import agreed, shard
 from depthres.files import DirLock, os_error_message, sync_dir, write_file, writing
-from model import GPT, GPTConfig, InitialWeights
+from model import GPT, RENAMED, GPTConfig, InitialWeights, renamed
 
 
 def sharded_model(mc, seed, dist, weights=None, init=True):
@@ -74,6 +76,7 @@ def sharded_model(mc, seed, dist, weights=None, init=True):
     if weights is None and not init:
         return model
     values = InitialWeights(mc, seed)
+    weights = None if weights is None else {renamed(k): v for k, v in weights.items()}  # older names too
     with torch.no_grad():
         for name, p in model.named_parameters():
             whole = values(name, p.shape) if weights is None else weights[name]
@@ -141,17 +144,37 @@ def load_sharded(path, model, optimizer, dist=None):
         verify_files(path, mine, files)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's tensors, filled in place
     state = {"model": model_sd, "optim": optim_sd}
+    older = _older_names(path)
     alone = not torch.distributed.is_initialized()  # one process (no process group): said to DCP, which warns anyway
     reader, planner = _safe_dcp(path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        state = _names(state, older)  # as the checkpoint names the parameters
         try:
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=alone)
         except CheckpointException as e:  # raised on every rank: the first rank's error
             errors = [exc for exc, _ in getattr(e, "failures", {}).values()]
             raise next((x for x in errors if isinstance(x, CheckpointError)), CheckpointError(
                 f"{path} cannot be loaded into this model ({e}); use an intact copy or another checkpoint")) from None
+        state = _names(state, renamed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _older_names(path):
+    """name -> the name a sharded checkpoint written before model.RENAMED's renames gives it (or itself)."""
+    keys = read_index(path).state_dict_metadata
+    old = [(o, n) for o, n in RENAMED.items() if any(k.startswith("model." + o) for k in keys)]
+    return lambda name: next((o + name.removeprefix(n) for o, n in old if name.startswith(n)), name)
+
+
+def _names(state, rename):
+    """A (model, optimizer) state dict with every parameter name in it (dict keys, param_groups'
+    "params") passed through rename; the tensors are the same objects."""
+    if isinstance(state, dict):
+        return {_names(k, rename): _names(v, rename) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_names(v, rename) for v in state]
+    return rename(state) if isinstance(state, str) else state
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,25 +182,34 @@ def load_sharded(path, model, optimizer, dist=None):
 
 
 def _failed_save(e, tmp):
-    """A DCP CheckpointException (raised on every rank) as one RunDirError line."""
+    """A DCP CheckpointException (raised on every rank) as one RunDirError line. torch reports a failed write
+    of a shard as a RuntimeError ("[enforce fail at inline_container.cc...] file write failed"), without its
+    errno: the cause is found from the file system and the file-size limit instead."""
     errors = [exc for exc, _ in getattr(e, "failures", {}).values()]
     os_errors = [exc for exc in errors if isinstance(exc, OSError)]
     if os_errors:
         return RunDirError(os_error_message(os_errors[0], tmp))
-    return RunDirError(f"cannot write {tmp}: {errors[0] if errors else e}")
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    with suppress(OSError):
+        disk = os.statvfs(tmp.parent)
+        if disk.f_bavail * disk.f_frsize < 1 << 20:
+            return RunDirError(f"no space left on device writing {tmp}")
+    if limit != resource.RLIM_INFINITY:
+        return RunDirError(f"cannot write {tmp}: a shard would pass this process' file-size limit of {limit:,} "
+                           "bytes (ulimit -f); raise it, or give the run more ranks")
+    return RunDirError(f"cannot write {tmp}: writing a shard failed ({type(errors[0]).__name__ if errors else e}): "
+                       "a full disk, a quota or a failing device")
 
 
 def save_sharded(run_dir, model, optimizer, state, dist):
     """Write the sharded checkpoint of `model`, `optimizer` and the run `state` (STATE_KEYS) into
     run_dir/ckpt, every rank its own shards, atomically (see the module's doc); a collective. Removes a
     ckpt.pt it supersedes. Returns the checkpoint's path. A failed write on any rank is a RunDirError on
-    every rank, the previous checkpoint kept."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+    every rank, the previous checkpoint kept and the partial new one removed."""
     run_dir = Path(run_dir)
-    tmp, final, old = run_dir / TMP, run_dir / NAME, run_dir / OLD
+    tmp, final = run_dir / TMP, run_dir / NAME
 
     def fresh():  # rank 0: an empty .ckpt.tmp (a killed save leaves one)
         with writing(tmp, RunDirError):
@@ -190,6 +222,22 @@ def save_sharded(run_dir, model, optimizer, state, dist):
             raise RunDirError(f"rank {dist.rank} cannot see {tmp}: under FSDP every rank writes its shards into the "
                               "run directory, so out_dir must be on storage that every node shares")
     agreed(dist, visible)
+    try:
+        _write_sharded(tmp, model, optimizer, state, dist)
+    except RunDirError:  # on every rank: rank 0 removes the partial shards (a full disk is left as it was)
+        if dist.master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    agreed(dist, lambda: _commit(run_dir) if dist.master else None)
+    return final
+
+
+def _write_sharded(tmp, model, optimizer, state, dist):
+    """Every rank's shards, the run state and the manifest (rank 0), into tmp; a collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensors: this rank's shards, nothing gathered
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
@@ -205,23 +253,27 @@ def save_sharded(run_dir, model, optimizer, state, dist):
         torch.distributed.all_gather_object(gathered, digests, group=dist.objects)
         digests = {k: v for d in gathered for k, v in d.items()}
 
-    def commit():  # rank 0: the run state, the manifest last, then the renames
+    def run_state():  # rank 0: the run state, the manifest last
         write_file(tmp / STATE, _saved(state), RunDirError)
         with writing(tmp, RunDirError):
             files = {n: digests.get(n) or file_digest(tmp / n) for n in sorted(os.listdir(tmp))}  # .metadata, state.pt
         manifest = {"format": SHARDED_FORMAT, "step": state["step"], "world_size": dist.world_size, "files": files}
         write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode(), RunDirError)
-        with writing(final, RunDirError):
-            sync_dir(tmp)
-            if final.is_dir():  # else .ckpt.old, if any, is the last checkpoint: kept until the new one is in place
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            sync_dir(run_dir)
+    agreed(dist, lambda: run_state() if dist.master else None)
+
+
+def _commit(run_dir):
+    """Rank 0: the whole new checkpoint (.ckpt.tmp) renamed into place, the previous one removed."""
+    tmp, final, old = run_dir / TMP, run_dir / NAME, run_dir / OLD
+    with writing(final, RunDirError):
+        sync_dir(tmp)
+        if final.is_dir():  # else .ckpt.old, if any, is the last checkpoint: kept until the new one is in place
             shutil.rmtree(old, ignore_errors=True)
-            (run_dir / "ckpt.pt").unlink(missing_ok=True)  # an older single file (a run resumed under FSDP)
-    agreed(dist, lambda: commit() if dist.master else None)
-    return final
+            os.replace(final, old)
+        os.replace(tmp, final)
+        sync_dir(run_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        (run_dir / "ckpt.pt").unlink(missing_ok=True)  # an older single file (a run resumed under FSDP)
 
 
 def _saved(state):
@@ -256,20 +308,24 @@ def whole_checkpoint(path):
     optimizer = torch.optim.AdamW(model.param_groups(state["train_config"]["weight_decay"]))  # its hyperparameters
     load_sharded(state["sharded"], model, optimizer)                                        # come from the checkpoint
     return {**{k: state[k] for k in STATE_KEYS}, "format": CKPT_FORMAT, "model": model.state_dict(),
-            "optimizer": optimizer.state_dict()}
+            "optimizer": optimizer.state_dict(), "world_size": state["world_size"]}
 
 
-def export(path, out=None):
+def export(path, out=None, overwrite=False):
     """Write the sharded checkpoint that `path` (a run directory or the checkpoint's directory) names as one
-    checksummed file, `out` or the run directory's ckpt.pt (then under the run's lock: not while it runs).
-    Returns (out, step)."""
+    checksummed file, `out` or the run directory's ckpt.pt, under the lock of the run directory it writes into
+    (not while that run runs). Never inside the run's checkpoints; over an existing file (but the run's own
+    ckpt.pt) or into another run's directory only with `overwrite`. Returns (out, step)."""
     kind, found = locate(path, prefer_sharded=True)
     if kind != "sharded":
         raise CheckpointError(f"{path} holds no sharded checkpoint" + (f" ({found} is one file already)"
                                                                      if found.exists() else ""))
     run_dir = found.parent
     out = Path(out) if out is not None else run_dir / "ckpt.pt"
-    lock = DirLock(run_dir, "run", RunDirError) if out.resolve().parent == run_dir.resolve() else None
+    check_export_target(out, run_dir, overwrite)
+    into = out.resolve().parent
+    lock = DirLock(into, "run", RunDirError) if (into / ".lock").exists() or any(
+        (into / name).exists() for name in RUN_FILES) else None  # a run directory: not while a run holds it
     try:
         ckpt = whole_checkpoint(found)
         save_checkpoint(out, ckpt)
@@ -277,3 +333,26 @@ def export(path, out=None):
         if lock is not None:
             lock.release()
     return out, ckpt["step"]
+
+
+def check_export_target(out, run_dir, overwrite):
+    """Where export may write: not a directory, nothing inside the run's checkpoints (ckpt/, .ckpt.old/,
+    .ckpt.tmp/), and, unless `overwrite`, no existing file but the run's own ckpt.pt and no other run's
+    directory (whose --resume=true would continue from the export)."""
+    target, own = out.resolve(), (run_dir / "ckpt.pt").resolve()
+    for name in (NAME, OLD, TMP):
+        if (run_dir / name).resolve() in (target, *target.parents):
+            raise CheckpointError(f"--out {out} is inside the checkpoint being exported ({run_dir / name}): writing "
+                                  f"it would destroy what it reads; write to {run_dir / 'ckpt.pt'} (the default) or "
+                                  "outside the run directory")
+    if out.is_dir():
+        raise CheckpointError(f"--out {out} is a directory: give the path of the file to write")
+    if target == own or overwrite:
+        return
+    if out.exists() or out.is_symlink():
+        raise CheckpointError(f"--out {out} exists: pass --overwrite to replace it, or choose another path")
+    held = [name for name in RUN_FILES if (target.parent / name).exists()]
+    if held and target.parent != run_dir.resolve():
+        raise CheckpointError(f"--out {out} is in another run's directory ({', '.join(held)}): that run's "
+                              "--resume=true would continue from this export; pass --overwrite if it should, or "
+                              "choose another path")

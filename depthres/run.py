@@ -39,7 +39,7 @@ from depthres.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from depthres.config import TrainConfig, build_model_config, grad_accum_steps, total_steps
+from depthres.config import TrainConfig, build_model_config, check_memory, grad_accum_steps, total_steps
 from depthres.distributed import (
     SHARED_ERRORS,
     Dist,
@@ -166,6 +166,7 @@ def open_run(tc, model_settings, config_path=None):
     meta = load_meta(tc.data_dir)
     mc = build_model_config(model_settings, tc, meta)
     grad_accum_steps(tc, world_size)  # a batch that does not split over the ranks: an error before any compute
+    check_memory(mc, tc, world_size)  # a model too large for any rank's memory (vocab_size=1e10): the same
     if tc.warmup_steps > total_steps(tc) and rank == 0:  # the last step's lr is lr * steps / warmup_steps
         print(f"warning: warmup_steps={tc.warmup_steps} is more than the run's {total_steps(tc)} steps: the "
               f"learning rate ends its warmup at {tc.lr * total_steps(tc) / tc.warmup_steps:.3g}, "

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import model
 import sample
-from model import GPT, AttnRes, GPTConfig, _SumStream
+from model import GPT, AttnRes, GPTConfig, SumStream
 from test_equivalence import zero_grad_at_init
 from tools import diagnose
 
@@ -32,7 +32,7 @@ class ReZero(nn.Module):
         return _ReZeroStream(self, x0)
 
 
-class _ReZeroStream(_SumStream):
+class _ReZeroStream(SumStream):
     def __init__(self, mod, x0):
         super().__init__(x0)
         self.m = mod
@@ -44,7 +44,7 @@ class _ReZeroStream(_SumStream):
 class TemperedAttnRes(AttnRes):
     """Block AttnRes with a learnable temperature per site: logit_r = (w / tau) . RMSNorm(s_r),
     tau = exp(log_tau) = 1 at init. A temperature only changes the query rows a router receives, so
-    it is one override of chunk_queries, and both depth_impl paths run it unchanged."""
+    it is one override of queries, and both depth_impl paths run it unchanged."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -55,18 +55,14 @@ class TemperedAttnRes(AttnRes):
         super().reset_parameters(rng)
         self.log_tau.zero_()  # tau = 1: exactly Block AttnRes
 
-    def chunk_queries(self, j0):
-        W, rows = super().chunk_queries(j0)
-        site = torch.empty(len(W), dtype=torch.long)  # the site of each query row
-        for j, site_rows in rows.items():
-            site[list(site_rows)] = j
-        return W / self.log_tau[site].exp().to(W.dtype)[:, None], rows
+    def queries(self, j):
+        return super().queries(j) / self.log_tau[j].exp()
 
 
 # Parameters that start with a zero gradient by construction (the guide's exemptions, by predicate):
 #   rezero: alpha = 0 hides every sublayer's output, so no sublayer weight gets a gradient;
 #   tempered: with zero queries, w / tau = 0 whatever tau, so log_tau gets none.
-ZERO_GRAD = {"rezero": lambda name: name.startswith("blocks."), "tempered": ("router.log_tau",)}
+ZERO_GRAD = {"rezero": lambda name: name.startswith("blocks."), "tempered": ("residual.log_tau",)}
 
 
 @pytest.fixture
@@ -123,15 +119,15 @@ def test_a_temperature_of_one_is_block_attnres_on_both_paths(registered):
         net = tiny("tempered", depth_impl=impl)
         with torch.no_grad():
             g = torch.Generator().manual_seed(1)
-            for p in net.router.parameters():
+            for p in net.residual.parameters():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
         logits, loss = net(idx, idx.roll(-1, 1))
         loss.backward()
-        out.append((logits, net.router.log_tau.grad, net.router.w.grad))
+        out.append((logits, net.residual.log_tau.grad, net.residual.w.grad))
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-    with torch.no_grad():  # the readout's query is tempered too: it comes from chunk_queries as well
-        net.router.log_tau[-1] += 1.0
+    with torch.no_grad():  # the readout's query is tempered too: it comes from queries as well
+        net.residual.log_tau[-1] += 1.0
     assert not torch.allclose(net(idx)[0], out[-1][0])
 
 
@@ -144,7 +140,7 @@ def test_reset_parameters_zeroes_only_what_the_papers_zero(registered):
 
     model.RESIDUALS["with_gain"] = WithGain
     try:
-        assert torch.equal(tiny("with_gain").router.gain, torch.ones(3, dtype=torch.float64))
+        assert torch.equal(tiny("with_gain").residual.gain, torch.ones(3, dtype=torch.float64))
     finally:
         del model.RESIDUALS["with_gain"]
 

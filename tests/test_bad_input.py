@@ -78,7 +78,10 @@ def test_config_values_out_of_range_are_config_errors(data_dir, tmp_path, capsys
                          ("--lr=nan", "lr must be a finite number, got nan"),
                          ("--grad_clip=inf", "grad_clip must be a finite number"),
                          ("--lr=0", "lr > 0"),
-                         ("--eps=-1", "eps must be >= 0"),
+                         ("--eps=-1", "eps must be > 0"),
+                         ("--eps=0", r"eps must be > 0 \(AdamW divides by sqrt\(v\) \+ eps, and v = 0 for a "
+                                     r"parameter whose gradient is 0: NaN\)"),
+                         ("--eps=1e-40", "at least float32's smallest normal 1.18e-38, got 1e-40"),
                          ("--wandb_project=me/runs", "wandb_project must be a non-empty name without /"),
                          ("--wandb_tags=seed0," + "x" * 65, "wandb_tags: a W&B tag is at most 64 characters")]:
         with pytest.raises(ConfigError, match=message):
@@ -173,3 +176,17 @@ def test_a_bad_meta_json_is_refused_before_step_1(data_dir, tmp_path, monkeypatc
     with pytest.raises(DataError, match=message):
         run(data, tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_model_too_large_for_memory_is_refused_before_it_is_built(data_dir, tmp_path, monkeypatch):
+    """vocab_size=1e10 would allocate 1.28 TB for the embedding alone (and as much again for the head): the
+    parameters are counted on the meta device and the training state compared with the memory there is."""
+    import model
+    monkeypatch.setattr(model.GPT, "init_weights", None)  # never reached: no weight is allocated
+    monkeypatch.setattr(train, "train_step", None)
+    message = (r"the model would have 640,000,0[0-9,]+ parameters \(10,000,000,000 x 32 in the embedding alone\): "
+               r"training them needs about 9,537 GiB per rank \(16 bytes a parameter\), more than the [0-9,]+ GiB "
+               "of (this host's|a GPU's) memory; set a smaller vocab_size, n_embd or n_layer")
+    with pytest.raises(ConfigError, match=message):
+        run(data_dir, tmp_path, "--vocab_size=10000000000")
+    assert not (tmp_path / "test").exists()

@@ -271,7 +271,7 @@ def test_diagnostics_on_every_variant_family():
     for kw in (dict(residual="rd_attnres"), dict(residual="dar"), dict(residual="mhc", hc_streams=2)):
         model = GPT(GPTConfig(vocab_size=50, block_size=12, n_layer=2, n_head=2, n_embd=16, **kw))
         with torch.no_grad():
-            for p in model.router.parameters():
+            for p in model.residual.parameters():
                 p.add_(torch.randn(p.shape, generator=g))
         loss, records = diagnose.collect(model, batches)
         if kw["residual"] == "rd_attnres":
@@ -283,7 +283,7 @@ def test_diagnostics_on_every_variant_family():
         elif kw["residual"] == "dar":
             assert all(0 < c < 1 for c in diagnose.dar_cka_per_layer(records, 2))
             gains = diagnose.dar_rescue_gains(model, batches, loss)
-            assert len(gains) == 2 and model.router.ablate == {}
+            assert len(gains) == 2 and "start" not in vars(model.residual)  # the ablation undone
             assert all(g[2] != 0 for g in gains)  # ablating both streams changes the loss
         else:
             mix = diagnose.mixing_matrices(records, 2)
@@ -300,14 +300,14 @@ def test_diagnostics_of_denseformer_muddformer_and_delta():
                dict(residual="delta_attnres")):
         model = GPT(GPTConfig(vocab_size=50, block_size=12, n_layer=3, n_head=2, n_embd=16, **kw))
         with torch.no_grad():
-            for p in model.router.parameters():
+            for p in model.residual.parameters():
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
         _, records = diagnose.collect(model, batches)
         if kw["residual"] == "denseformer":  # k = 2: S(1) = {1}, S(2) = {0, 2}, S(3) = {1, 3}
             dwa = diagnose.dwa_weights(records, 3, 2)
             assert [torch.isnan(v).tolist() for v in dwa.values()] == [
                 [True, False, True, True], [False, True, False, True], [True, False, True, False]]
-            assert torch.equal(dwa["dwa.3"][[1, 3]], model.router.alpha["3"].detach())
+            assert torch.equal(dwa["dwa.3"][[1, 3]], model.residual.alpha["3"].detach())
         elif kw["residual"] == "muddformer":
             maps = diagnose.routing_maps(records, 3)
             assert list(maps) == ["attn.1", "attn.2", "readout"]

@@ -32,7 +32,7 @@ def tiny(**kw):
 
 def randomized(model):
     with torch.no_grad():
-        for p in model.router.parameters():
+        for p in model.residual.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     return model
 

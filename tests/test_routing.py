@@ -1,12 +1,13 @@
-"""routing.py, the two-phase depth routing, equals model.py's reference (float64): the operations
-alone (values, every gradient, gradcheck) and every routed variant, block size and chunk size."""
+"""model_fast.py, the fast path, equals model.py's plain references (float64): the two-phase router
+alone (values, every gradient, gradcheck) and every routed variant's stream, block size and chunk size."""
 
 import pytest
 import torch
 
-from model import DAR_STREAMS, GPT, GPTConfig, ReferenceRouter
-from routing import TwoPhaseRouter, rms_inv
+from model import DAR_STREAMS, GPT, GPTConfig
+from model_fast import TwoPhaseRouter, rms_inv
 from tools import bench
+from tools.bench import ReferenceRouter
 
 # --- the router alone: phase 1 over the completed sources, phase 2 with the recent ones ----------------
 
@@ -129,10 +130,10 @@ def model(**kw):
     m = GPT(cfg, seed=0).double()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for p in m.router.parameters():
+        for p in m.residual.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
         if cfg.dar_routing == "sep_v":
-            m.router.v_proj.mul_(0.3)
+            m.residual.v_proj.mul_(0.3)
     return m
 
 
@@ -183,7 +184,7 @@ def test_saved_activations_stay_linear_in_the_sources(residual, per_site):
 
 def test_dar_transport_equals_its_reference():
     from model import transport_reference
-    from routing import transport
+    from model_fast import transport
     g = torch.Generator().manual_seed(0)
     P = torch.randn(2, B, T, d, generator=g, dtype=torch.float64).requires_grad_()
     y = torch.randn(B, T, d, generator=g, dtype=torch.float64).requires_grad_()

@@ -1,7 +1,9 @@
 """The run directory's promises (docs/reliability.md): kills, signals, full disks, locks, checksums,
 resumes that log every record once."""
 
+import argparse
 import errno
+import io
 import json
 import math
 import os
@@ -21,6 +23,7 @@ from depthres import checkpoint, files, runlog
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
 from depthres.run import DivergedError, Stopped
+from model import GPT, GPTConfig
 
 from runs import (
     CONFIG,
@@ -283,6 +286,137 @@ def test_a_sharded_checkpoint_of_one_process_exports_bit_for_bit(tmp_path, strai
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(x, y) for i in a["optimizer"]["state"] for x, y in
                zip(a["optimizer"]["state"][i].values(), b["optimizer"]["state"][i].values(), strict=True))
+
+
+def test_export_never_writes_inside_its_source_nor_over_another_run(tmp_path, capsys, straight):
+    """export_ckpt --out into the checkpoint it reads is refused (it overwrote a shard, exit 0); into another
+    run's directory or over a file only with --overwrite; never into a run directory a live run holds."""
+    from depthres.files import DirLock
+    from tools import export_ckpt
+
+    run_dir = sharded_copy(straight, tmp_path / "run")
+    before = contents(run_dir / "ckpt")
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("config.json", "log.jsonl", "ckpt.pt"):
+        (other / name).write_bytes((straight / name).read_bytes())
+    stranger = tmp_path / "x.pt"
+    stranger.write_text("a user's file")
+
+    def export(*args):
+        status = export_ckpt.main([str(run_dir), *args])
+        return status, capsys.readouterr().err
+
+    for out in (run_dir / "ckpt" / "__0_0.distcp", run_dir / "ckpt" / "new.pt", run_dir / ".ckpt.tmp" / "x.pt"):
+        assert export("--out", str(out), "--overwrite") == (2, f"error: --out {out} is inside the checkpoint being "
+                                                               f"exported ({out.parent}): writing it would destroy what "
+                                                               f"it reads; write to {run_dir / 'ckpt.pt'} (the default) "
+                                                               "or outside the run directory\n")
+    assert contents(run_dir / "ckpt") == before and not (run_dir / ".ckpt.tmp").exists()
+    assert export("--out", str(other / "ckpt.pt")) == (2, f"error: --out {other / 'ckpt.pt'} exists: pass --overwrite to "
+                                                          "replace it, or choose another path\n")
+    (other / "ckpt.pt").unlink()
+    assert export("--out", str(other / "ckpt.pt")) == (
+        2, f"error: --out {other / 'ckpt.pt'} is in another run's directory (config.json, log.jsonl): that run's "
+           "--resume=true would continue from this export; pass --overwrite if it should, or choose another path\n")
+    assert export("--out", str(stranger))[0] == 2 and stranger.read_text() == "a user's file"
+    lock = DirLock(other, "run")  # a live run in it
+    try:
+        status, err = export("--out", str(other / "ckpt.pt"), "--overwrite")
+        assert status == 2 and err == f"error: {other} is in use by another run (pid {os.getpid()})\n"
+    finally:
+        lock.release()
+    assert not (other / "ckpt.pt").exists()
+    assert export("--out", str(other / "ckpt.pt"), "--overwrite") == (0, "")
+    assert export() == (0, "") and load_checkpoint(run_dir / "ckpt.pt")["step"] == 6  # its own ckpt.pt, again
+    assert export() == (0, "")
+
+
+def test_a_failed_sharded_save_leaves_no_partial_shards_and_says_why(tmp_path, straight):
+    """A shard write that fails (here: past a file-size limit; torch says only "[enforce fail at
+    inline_container.cc:...] file write failed") is one line; the partial shards go, the previous
+    checkpoint stays."""
+    import resource
+
+    from depthres.distributed import Dist
+    from depthres.fsdp import save_sharded
+
+    run_dir = sharded_copy(straight, tmp_path / "run")
+    before = contents(run_dir / "ckpt")
+    ckpt = load_checkpoint(straight / "ckpt.pt")
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    optimizer = torch.optim.AdamW(model.param_groups(0.1))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the shard is about 600 kB
+    try:
+        with pytest.raises(checkpoint.RunDirError) as e:
+            save_sharded(run_dir, model, optimizer, {k: ckpt[k] for k in checkpoint.STATE_KEYS},
+                         Dist(0, 1, torch.device("cpu")))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(e.value) == (f"cannot write {run_dir / '.ckpt.tmp'}: a shard would pass this process' file-size "
+                            "limit of 100,000 bytes (ulimit -f); raise it, or give the run more ranks")
+    assert not (run_dir / ".ckpt.tmp").exists() and contents(run_dir / "ckpt") == before
+
+
+def test_a_sharded_resume_records_the_change_of_world_size(data_dir, tmp_path, capsys, straight):
+    """As a ckpt.pt resume does: the ranks that wrote a sharded checkpoint are in its manifest."""
+    run_dir = sharded_copy(straight, tmp_path / "straight")
+    manifest = json.loads((run_dir / "ckpt" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1
+    manifest["world_size"] = 2  # as if two FSDP ranks wrote it: this resume runs in one process
+    (run_dir / "ckpt" / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    run(data_dir, tmp_path, "--run_name=straight", "--resume=true")
+    out = "".join(capsys.readouterr().out.split())  # the line is wrapped at the terminal's width
+    assert f"resumedatstep6from{run_dir};changed:" in out and "world_size2->1" in out  # (and out_dir: a copy)
+    [record] = records(run_dir, "resume")
+    assert record["changed"]["world_size"] == [2, 1]
+
+
+def torch_saved(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def edit_manifest(change):
+    def edit(ckpt_dir):
+        manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+        change(manifest)
+        (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))
+    return edit
+
+
+@pytest.mark.parametrize("change, message", [
+    (edit_manifest(lambda m: m["files"].update({"state.pt": 5})),
+     "its manifest.json lists 'state.pt' as 5, not a file name with its bytes and sha256"),
+    (edit_manifest(lambda m: m.pop("step")), "its manifest.json has no step (a whole number >= 0), got None"),
+    (edit_manifest(lambda m: m.update(files={})),
+     "its manifest.json does not list the files it holds (.metadata and state.pt at least), got {}"),
+    (edit_manifest(lambda m: m["files"].update({"../../x": m["files"]["state.pt"]})),
+     "its manifest.json lists '../../x' as"),
+    (lambda d: replace_in_sharded(d, "state.pt", torch_saved(argparse.Namespace(format="depthres-ckpt-2"))),
+     "state.pt is not a run state (UnpicklingError reading it): it was not written by train.py, or was altered"),
+    (lambda d: replace_in_sharded(d, "state.pt", torch_saved([1, 2])),
+     "state.pt is not a run state (a list without the keys of format 'depthres-ckpt-2')"),
+], ids=["entry_not_an_object", "no_step", "empty_files", "path_in_files", "non_tensor_state", "list_state"])
+def test_a_bad_manifest_or_run_state_is_one_line_for_every_reader(data_dir, tmp_path, capsys, straight, change,
+                                                                   message):
+    """Beside a ckpt.pt (sample.py reads the manifest's step to pick the newer one) or alone."""
+    run_dir = sharded_copy(straight, tmp_path / "run")
+    change(run_dir / "ckpt")
+    capsys.readouterr()
+    for name, status in readers(data_dir, run_dir):
+        err = capsys.readouterr().err
+        assert status in (1, 2) and err.startswith("error: ") and err.count("\n") == 1, (name, err)
+        assert "weights_only" not in err and (name in ("sample", "diagnose") or message in err), (name, err)
+    if "manifest.json" in message:  # beside a ckpt.pt, whose step the manifest's is compared with
+        (run_dir / "ckpt.pt").write_bytes((straight / "ckpt.pt").read_bytes())
+        assert __import__("sample").main(["--ckpt", str(run_dir), "--max_new_tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {run_dir / 'ckpt'} is not a whole sharded checkpoint: {message}"), err
+        assert err.endswith("; use an intact copy or another checkpoint\n") and err.count("\n") == 1, err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def one_thread():
 def randomize_routing(model):
     """Random routing parameters, so that depth routing differs from its uniform start."""
     g = torch.Generator().manual_seed(1)
-    for p in model.router.parameters():
+    for p in model.residual.parameters():
         p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 

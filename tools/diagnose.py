@@ -25,6 +25,7 @@ import math
 import os
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from depthres.config import need
 from depthres.files import os_error_message, write_figure, write_file
 from depthres.runlog import perplexity
 from depthres.token_data import DataError, eval_batches, load_meta
-from model import _site_name
+from model import DARStream, site_name
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs
 
@@ -81,13 +82,13 @@ def collect(model, batches):
     losses, records = [], []
     for x, y in batches:
         rec = {}
-        losses.append(model(x, y, routing=rec)[1].item())
+        losses.append(model(x, y, record=rec)[1].item())
         records.append({k: v.cpu() for k, v in rec.items()})
     return sum(losses) / len(losses), records
 
 
 def site_names(n_layer):
-    return [_site_name(j) for j in range(2 * n_layer)] + ["readout"]
+    return [site_name(j) for j in range(2 * n_layer)] + ["readout"]
 
 
 def routing_maps(records, n_layer):
@@ -119,17 +120,42 @@ def dar_cka_per_layer(records, n_layer):
     return out
 
 
+class AblatedDARStream(DARStream):
+    """model.DARStream with the retrievals r_t of the targets t in ablate[j] replaced, at sublayer j,
+    by their token means (the readout is j = -1)."""
+
+    def __init__(self, mod, x0, record=None, ablate=None):
+        super().__init__(mod, x0, record)
+        self.ablate = ablate or {}
+
+    def retrieve(self, j, site):
+        r = super().retrieve(j, site)
+        for t in self.ablate.get(j, ()):
+            r[t] = r[t].mean(dim=(0, 1), keepdim=True).expand_as(r[t])
+        return r
+
+
+@contextmanager
+def ablated(model, ablate):
+    """The model's DAR streams ablated as AblatedDARStream says, inside the with block."""
+    module = model.residual
+    module.start = lambda x0, record=None: AblatedDARStream(module, x0, record, ablate)
+    try:
+        yield model
+    finally:
+        del module.start
+
+
 @torch.no_grad()
 def dar_rescue_gains(model, batches, base_loss):
     """Per layer: replace both streams' retrievals at the layer's sublayers with their token means
     (D_none = loss increase), then keep stream m intact (D_m); gain_m = 1 - D_m / D_none."""
-    router, gains = model.router, []
+    gains = []
     for i in range(model.cfg.n_layer):
         d = {}
-        for kept, ablated in (("none", (0, 1)), (0, (1,)), (1, (0,))):
-            router.ablate = {2 * i: ablated, 2 * i + 1: ablated}
-            d[kept] = collect(model, batches)[0] - base_loss
-        router.ablate = {}
+        for kept, ablate in (("none", (0, 1)), (0, (1,)), (1, (0,))):
+            with ablated(model, {2 * i: ablate, 2 * i + 1: ablate}):
+                d[kept] = collect(model, batches)[0] - base_loss
         gains.append([rescue_gain(d["none"], d[0]), rescue_gain(d["none"], d[1]), d["none"]])
     return gains
 

@@ -1,11 +1,12 @@
 """
-Two-phase depth routing: how model.py's depth attention is computed fast. model.py holds the math
-(`depth_attention` and a `ReferenceRouter` that applies it site by site); this file computes the same
-numbers, tested equal in float64 (test_routing.py), and is chosen by `depth_impl="two_phase"`.
+The fast path of model.py: the same numbers as its plain references, with less memory traffic. Every
+stream here is tested equal to its reference in model.py, in float64, values and gradients
+(tests/test_routing.py); `depth_impl="two_phase"`, the default, runs them. Reading model.py needs
+nothing from this file.
 
-The pseudo-queries are parameters, so when a chunk of consecutive sites opens (a block of Block
-AttnRes, a few sublayers of Full AttnRes), every query the chunk will use is known (AttnRes paper,
-block-wise computation):
+Two-phase depth attention. The pseudo-queries are parameters, so when a chunk of consecutive sites
+opens (a block of Block AttnRes, a few sublayers of Full AttnRes), every query the chunk will use is
+known (AttnRes paper, block-wise computation):
 
   phase 1, once per chunk: one pass over the n sources completed before the chunk gives, for all of
            its Q queries at once (per token),
@@ -29,11 +30,14 @@ Queries are grouped by target t (AttnRes: one target; DAR: two), rows target-maj
 reads keys from stream streams[t][0] and values from stream streams[t][1] of every source.
 Everything runs in float32 (float64 for float64 models) with autocast off, forward and backward.
 
-Beside the routing: `norm_project`, RMSNorm then a projection, for an attention K or V input of its
-own (RD-AttnRes' h_V, MUDDFormer's h_K and h_V), which keeps one float per token for backward instead
-of the normalised input.
+Also here, each equal to the plain ops it replaces: DAR's transport as one elementwise pass;
+`matmul32`, a float32 matmul whose backward stays float32 under autocast (mHC, MUDDFormer); and
+`norm_project`, RMSNorm then a projection, for an attention K or V input of its own (RD-AttnRes' h_V,
+MUDDFormer's h_K and h_V), which keeps one float per token for backward instead of the normalised input.
 """
 
+import functools
+import math
 from contextlib import nullcontext
 
 import torch
@@ -43,6 +47,20 @@ from torch.autograd import Function
 
 def compute_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def in_float32(f):
+    """f(w, keys, values=None) on its inputs cast to the compute dtype (float32; float64 for float64
+    models) with autocast off, its output h cast back to the values' dtype: depth attention in float32,
+    also inside bf16 autocast regions, where only the sources stay bf16."""
+    @functools.wraps(f)
+    def wrapped(w, keys, values=None):
+        values = keys if values is None else values
+        dt = compute_dtype(keys[0])
+        with float32_routing(w):
+            h, a = f(w.to(dt), [k.to(dt) for k in keys], [v.to(dt) for v in values])
+        return h.to(values[0].dtype), a
+    return wrapped
 
 
 def float32_routing(t):
@@ -391,7 +409,7 @@ def fused_merge(o, lse, a, alpha, W, streams, recent, inv, completed):
 
 
 # ----------------------------------------------------------------------------------------------
-# The router: what the residual streams of model.py call (the same interface as ReferenceRouter).
+# The router: what the fast streams below call, one per chunk.
 
 
 class TwoPhaseRouter:
@@ -573,3 +591,145 @@ def norm_project(h, W):
     if _needs_grad(h, W):
         return _NormProject.apply(h, W)
     return F.linear(_rms_norm(h)[0], W)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fast streams: model.py's AttnRes, DAR and Delta AttnRes streams, routed a chunk at a time.
+
+
+def chunk_size(block, depth_chunk):
+    """Sites per router: whole blocks, at least depth_chunk sites (performance only; same math)."""
+    return block * math.ceil(depth_chunk / block)
+
+
+class _BlockHistory:
+    """What the fast AttnRes, DAR and Delta streams share: completed blocks with their norm factors,
+    the in-block partial sum, and the chunk's router. A router opens at every chunk boundary over the
+    blocks completed by then; a site reads with the blocks completed since (Full AttnRes: each output
+    is a block) plus the partial sum."""
+
+    def __init__(self, mod, x0):
+        self.m, self.chunk = mod, chunk_size(mod.S, mod.depth_chunk)
+        self.completed, self.inv = [x0], [rms_inv(x0)]  # block representations b_0 = x0, b_1, ..
+        self.partial, self.router, self.routed = None, None, 0  # routed: blocks the open router covers
+        self.dtype = x0.dtype  # block sums accumulate in x0's dtype (float32 under bf16 autocast)
+
+    def _close_block(self):
+        self.completed.append(self.partial)
+        self.inv.append(rms_inv(self.partial))
+        self.partial = None
+
+    def _open(self, W, streams=None):
+        self.router = TwoPhaseRouter(W, list(self.completed), list(self.inv), streams)
+        self.routed = len(self.completed)
+
+    def _recent(self, with_partial=True):
+        """The sources that arrived since the router opened, and their norm factors."""
+        if not with_partial or self.partial is None:
+            return self.completed[self.routed:], self.inv[self.routed:]
+        return self.completed[self.routed:] + [self.partial], self.inv[self.routed:] + [rms_inv(self.partial)]
+
+    def _add_to_partial(self, y):
+        self.partial = y if self.partial is None else self.partial.to(self.dtype) + y
+
+
+class AttnResStream(_BlockHistory):
+    """model.AttnResStream, a chunk of sites per router. The chunk's query rows: each site's first
+    route (w_j), then the second routes (RD-AttnRes' w_V) of its attention sites, in site order."""
+
+    def chunk_queries(self, j0):
+        """(W [Q, d], {j: rows of site j}) for the chunk that starts at site j0 (j0 = L: the readout's)."""
+        L = self.m.L
+        sites = range(j0, min(j0 + self.chunk, L)) if j0 < L else range(L, L + 1)
+        routes = [self.m.queries(j) for j in sites]
+        second = [j for j, w in zip(sites, routes) if len(w) > 1]
+        rows = {j: (i,) if j not in second else (i, len(sites) + second.index(j)) for i, j in enumerate(sites)}
+        return torch.cat([w[:1] for w in routes] + [w[1:] for w in routes if len(w) > 1]), rows
+
+    def read(self, j):
+        m = self.m
+        if j > 0 and j % m.S == 0:  # Eq. 5: a block boundary closes the partial sum
+            self._close_block()
+        if j % self.chunk == 0:
+            W, self.rows = self.chunk_queries(j)
+            self._open(W)
+        h = self.router.read_rows(self.rows[j], *self._recent())
+        if len(h) == 1:
+            return h[0]
+        return 0.5 * (h[0] + h[1]) if m.rd_mode == "average" else (h[0], h[1])
+
+    def write(self, j, y):
+        self._add_to_partial(y)
+
+    def readout(self):
+        self._close_block()
+        W, rows = self.chunk_queries(self.m.L)
+        self._open(W)
+        return self.router.read_rows(rows[self.m.L], *self._recent())[0]
+
+
+class DARStream(_BlockHistory):
+    """model.DARStream, a chunk of sites per router. Every state holds both streams in one tensor
+    [2, B, T, d], so that one router serves both targets; the query rows of a chunk are target 0's,
+    then target 1's; both targets' retrievals and the fusion gates are merged in one pass."""
+
+    def __init__(self, mod, x0):
+        super().__init__(mod, x0.expand(2, *x0.shape))  # both streams start as x0 (a view)
+
+    def _open_chunk(self, w):
+        """w [C, 2, d]: the chunk's queries, site by site."""
+        self.C = len(w)
+        self._open(torch.cat([w[:, 0], w[:, 1]]), self.m.streams)
+
+    def _retrieve(self, j):
+        """h = alpha_0 r_0 + alpha_1 r_1,  r_t = sum softmax(w_t . RMSNorm(keys of t)) values of t."""
+        m = self.m
+        i = j % self.chunk if j >= 0 else 0  # the readout (j = -1) has its own chunk
+        rows = (i, self.C + i)
+        recent, inv = self._recent(m.include_partial)
+        alpha = m.theta_alpha[j].softmax(0)
+        if m.routing != "sep_v":
+            return self.router.read_fused(rows, alpha, recent, inv)
+        r = [self.router.read(q, recent, inv) @ m.v_proj[t].T for t, q in enumerate(rows)]
+        return alpha[0] * r[0] + alpha[1] * r[1]
+
+    def read(self, j):
+        if j > 0 and j % self.m.S == 0:
+            self._close_block()
+        if j % self.chunk == 0:
+            self._open_chunk(self.m.w[j:j + self.chunk])
+        return self._retrieve(j)
+
+    def write(self, j, y):
+        beta = 2 * torch.sigmoid(self.m.theta_beta[j])
+        if self.partial is None:  # first sublayer of a block
+            self.partial = beta.view(2, 1, 1, 1) * y
+        else:
+            self.partial = transport(self.partial, torch.sigmoid(self.m.theta_rho[j]), beta, y)
+
+    def readout(self):
+        self._close_block()
+        self._open_chunk(self.m.w[self.m.L:])
+        return self._retrieve(-1)
+
+
+class DeltaStream(_BlockHistory):
+    """model.DeltaStream, a chunk of sites per router."""
+
+    def __init__(self, mod, x0):
+        super().__init__(mod, x0)
+        self.h = x0  # h~, the standard stream
+
+    def read(self, j):
+        if j > 0 and j % self.m.S == 0:  # a block boundary closes the partial sum: b = sum of the block's y
+            self._close_block()
+        if j % self.chunk == 0:
+            self._open(self.m.w[j:j + self.chunk])
+        return self.h + self.router.read(j % self.chunk, *self._recent(with_partial=False))  # completed blocks only
+
+    def write(self, j, y):
+        self.h = self.h + y
+        self._add_to_partial(y)
+
+    def readout(self):
+        return self.h

@@ -1,0 +1,49 @@
+"""A checkpoint written before parameters were renamed still works: model.RENAMED maps its names."""
+
+import shutil
+from pathlib import Path
+
+import torch
+
+import sample
+from depthres.checkpoint import load_checkpoint
+from depthres.fsdp import whole_checkpoint
+from model import GPT, GPTConfig, renamed
+from tools import diagnose
+
+from runs import losses, run
+
+BEFORE_ISSUE35 = Path(__file__).parent / "fixtures" / "before_issue35"  # written by commit 22037cb (its README)
+
+
+def test_renamed_maps_only_the_old_names():
+    assert renamed("router.w") == "residual.w" and renamed("router.W1.0") == "residual.W1.0"
+    assert renamed("residual.w") == "residual.w" and renamed("blocks.0.attn.c_q.weight") == "blocks.0.attn.c_q.weight"
+
+
+def test_a_checkpoint_from_before_the_renaming_loads_samples_diagnoses_and_resumes(data_dir, tmp_path, straight):
+    run_dir = tmp_path / "old"
+    shutil.copytree(BEFORE_ISSUE35, run_dir, ignore=shutil.ignore_patterns("README.md", "ckpt"))  # ckpt.pt alone
+    ckpt = load_checkpoint(run_dir)
+    assert "router.w" in ckpt["model"] and ckpt["step"] == 3  # the old names
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])  # strict: every weight found under its new name
+    assert torch.equal(model.residual.w, ckpt["model"]["router.w"])
+    assert sample.main(["--ckpt", str(run_dir), "--max_new_tokens", "2"]) == 0
+    found = diagnose.diagnose(str(run_dir), str(tmp_path / "diag"), tokens=256, batch_size=2, data_dir=str(data_dir))
+    assert "routing_maps" in found
+    run(data_dir, tmp_path, "--run_name=old", "--resume=true")
+    assert losses(run_dir) == losses(straight)  # steps 4-6 trained by this code: bit for bit the straight run's
+
+
+def test_a_sharded_checkpoint_from_before_the_renaming_loads_and_resumes(data_dir, tmp_path, straight):
+    """The same step-3 state saved by that code's save_sharded (one process): DCP's index names the
+    parameters router.*; load_sharded reads them under their new names, weights and AdamW state."""
+    run_dir = tmp_path / "old"
+    shutil.copytree(BEFORE_ISSUE35, run_dir, ignore=shutil.ignore_patterns("README.md", "ckpt.pt"))  # ckpt/ alone
+    whole = load_checkpoint(BEFORE_ISSUE35 / "ckpt.pt")
+    gathered = whole_checkpoint(run_dir / "ckpt")
+    assert gathered["model"].keys() == {renamed(k) for k in whole["model"]}
+    assert all(torch.equal(v, gathered["model"][renamed(k)]) for k, v in whole["model"].items())
+    run(data_dir, tmp_path, "--run_name=old", "--resume=true")
+    assert losses(run_dir) == losses(straight)
