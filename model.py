@@ -142,7 +142,7 @@ class GPT(nn.Module):
         self.register_buffer("cos", cos.to(self.wte.weight.device), persistent=False)
         self.register_buffer("sin", sin.to(self.wte.weight.device), persistent=False)
         self.register_load_state_dict_pre_hook(renamed_keys)  # checkpoints written under older names
-        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: depthres/sharded.py), values come later
+        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: depthres/fsdp.py), values come later
             self.init_weights(seed)
 
     def forward(self, idx, targets=None, kv_cache=None, record=None):
@@ -825,7 +825,7 @@ def rotary_tables(cfg):
 class InitialWeights:
     """Every parameter's initial value, by name, without a model: init(name, shape) is a float32 CPU
     tensor. GPT.init_weights sets a model's parameters to these; a model built on the meta device
-    (FSDP, depthres/sharded.py) gives each rank its shards of them, bit for bit the same. Each weight
+    (FSDP, depthres/fsdp.py) gives each rank its shards of them, bit for bit the same. Each weight
     draws from its own generator seeded by (seed, name), so two variants built with one seed share every
     common weight bit for bit (section 8):
         wte, c_q, c_k, c_v, c_fc, lm_head   normal(0, 0.02)                    (GPT-2)
