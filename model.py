@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import model_fast as fast
-from model_fast import compute_dtype, float32_routing, in_float32, matmul32, norm_project
+from kernels import compute_dtype, float32_routing, in_float32, matmul32, norm_project
 
 
 @dataclass
@@ -102,7 +102,7 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def normed(self, linear, h):
-        """linear(norm(h)) for a K or V input of its own. model_fast.norm_project computes the same
+        """linear(norm(h)) for a K or V input of its own. kernels.norm_project computes the same
         forward, keeping one float per token for backward instead of norm(h) (not needed when
         activation_checkpointing recomputes the whole sublayer)."""
         if self.recompute and torch.is_grad_enabled() and h.requires_grad:
@@ -396,7 +396,7 @@ class DualAttnRes(nn.Module):
 
 def transport_reference(P, rho, beta, y):
     """P'_m = rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams P
-    [2, B, T, d], then the gated write (model_fast.transport computes it with less memory traffic)."""
+    [2, B, T, d], then the gated write (kernels.transport computes it with less memory traffic)."""
     P_0 = rho * P[0] + (1 - rho) * P[1] + beta[0] * y
     P_1 = (1 - rho) * P[0] + rho * P[1] + beta[1] * y
     return torch.stack([P_0, P_1])

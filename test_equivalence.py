@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import model as model_module
+from kernels import norm_project
 from model import GPT, GPTConfig, KVCache, MUDDFormer, depth_attention, norm
-from model_fast import norm_project
 from tools import bench
 
 VARIANTS = [

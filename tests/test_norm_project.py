@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import model as model_module
+from kernels import norm_project
 from model import GPT, GPTConfig, norm
-from model_fast import norm_project
 from tools import bench
 
 B, T, d, n = 2, 5, 16, 12
