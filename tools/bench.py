@@ -39,7 +39,7 @@ import torch
 import torch._dynamo
 
 from depthres.config import need
-from depthres.files import write_file
+from depthres.files import check_writable, write_file
 from model import GPT, GPTConfig, compile_model, depth_attention
 from model_fast import TwoPhaseRouter, rms_inv
 
@@ -155,11 +155,8 @@ def check_args(args):
     for spec in specs:
         variant_config(spec, args)
     need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write", BenchError)
-    probe = os.path.join(os.path.dirname(args.out) or ".", f".bench-probe-{os.getpid()}")
     try:
-        with open(probe, "xb"):
-            pass
-        os.unlink(probe)
+        check_writable(os.path.dirname(args.out) or ".")
     except OSError as e:
         raise BenchError(f"cannot write {args.out}: {e.strerror}") from None
     return device, specs

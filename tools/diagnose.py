@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from depthres import files
 from depthres.checkpoint import CheckpointError, load_model
 from depthres.config import need
 from depthres.files import os_error_message, write_figure, write_file
@@ -324,12 +325,9 @@ def default_out(ckpt_path):
 def check_writable(directory, what):
     """Create `directory` if needed and write a probe file into it, so that results computed later
     have somewhere to go; UsageError if not."""
-    probe = os.path.join(directory, f".diagnose-probe-{os.getpid()}")
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(probe, "xb"):
-            pass
-        os.unlink(probe)
+        files.check_writable(directory)
     except OSError as e:
         reason = os_error_message(e, directory).removeprefix(f"cannot write {directory}: ")
         raise UsageError(f"cannot write {what} into {directory}: {reason}: pass --out with a writable "

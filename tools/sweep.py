@@ -80,6 +80,7 @@ from collections import Counter
 from contextlib import suppress
 from pathlib import Path
 
+from depthres import files
 from depthres.checkpoint import holds_checkpoint
 from depthres.config import build_model_config, control_character, parse_config
 from depthres.files import os_error_message
@@ -383,13 +384,11 @@ def holder(d):
 def check_writable(spec):
     """out_dir exists (made if need be) and takes a file: one `error:` line before any run if not."""
     out = Path(spec["out_dir"])
-    probe = out / f".sweep-probe-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        files.check_writable(out)
     except OSError as e:
-        where = out if e.filename in (None, str(probe)) else e.filename
+        where = out if e.filename is None or Path(e.filename).parent == out else e.filename  # the probe: out
         fail(f"{os_error_message(e, where)}: the sweep writes its runs under {out}; make it writable, "
              "or choose another out_dir (--table_only only reads the runs)")
 
