@@ -500,4 +500,9 @@ def exit_status(main, argv=None):
     except KeyboardInterrupt:
         print("interrupted; the last checkpoint, if any, is kept (--resume=true continues from it)", file=sys.stderr)
         return 130
+    finally:
+        # An exception's traceback kept the run alive past open_run's own collection: free the model now
+        # (FSDP's and DDP's sit in reference cycles holding the process group), not in interpreter
+        # teardown, where gloo's threads are destroyed unjoined and abort the process (exit -6)
+        gc.collect()
     return 0
