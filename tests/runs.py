@@ -117,7 +117,7 @@ def two_ranks(args_of_rank, code_of_rank=(None, None)):
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
     try:
-        return [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+        return [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     finally:
         for p in procs:
             p.kill()
