@@ -109,6 +109,7 @@ BAD_DESIGNS = {
     "reference": (dict(reference='"c"'), "reference 'c' is not one of the variants"),
     "missing": (dict(ladder=None), "must set ladder"),
     "power_short": (dict(fit='"power"'), "the ladder needs at least 4 lengths"),
+    "score": (dict(score='"test"'), "score must be one of val, val_prefix, got 'test'"),
     "unknown_key": (dict(variants='{"a": "", "b": "n_layers=4"}'), "unknown key 'n_layers' in the command line"),
     "raises": (dict(steps="[6] + 1"), "line 7: TypeError"),
     "seed_too_large": (dict(seeds="[0, 2**32]"), "error: seed 4294967296 (each run's seed and data_seed): seed must be "
@@ -141,16 +142,25 @@ TINY = dict(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
 BATCH = 256
 
 
-def fake_run(out, name, seed, loss, steps, residual="standard", lr=1e-2):
-    """A finished run's directory as train.py leaves it (the files the report reads)."""
+PREFIX = 0.05  # a fake run's eval_tokens prefix scores this much above its whole validation split
+
+
+def fake_run(out, name, seed, loss, steps, residual="standard", lr=1e-2, scored=True):
+    """A finished run's directory as train.py and the sweep leave it (the files the report reads): `loss` on
+    the whole validation split (scores.json, unless not `scored`), loss + PREFIX on the logged prefix."""
     d = Path(out) / name / f"seed{seed}"
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(dict(
         train=dict(batch_tokens=BATCH, max_steps=steps, lr=lr, min_lr=lr / 10, eval_tokens=1024),
         model=dict(TINY, residual=residual))))
-    (d / "summary.json").write_text(json.dumps(dict(run_dir=str(d), step=steps, val_loss=loss, test_loss=loss + 0.01,
+    prefix = loss + PREFIX
+    (d / "summary.json").write_text(json.dumps(dict(run_dir=str(d), step=steps, val_loss=prefix, test_loss=prefix + 0.01,
                                                     params=1000, seconds=60.0, tokens_per_s=1.0)))
-    (d / "log.jsonl").write_text(json.dumps(dict(kind="eval", split="val", step=steps, loss=loss)) + "\n")
+    (d / "log.jsonl").write_text(json.dumps(dict(kind="eval", split="val", step=steps, loss=prefix)) + "\n")
+    if scored:
+        (d / "scores.json").write_text(json.dumps(dict(step=steps, max_tokens=None, data_dir="data", own_data=True,
+                                                       val=dict(loss=loss, tokens=9999), test=dict(loss=loss + 0.01,
+                                                                                                   tokens=9999))))
 
 
 def design_file(tmp_path, **keys):
@@ -342,7 +352,7 @@ def test_a_partial_design_reports_what_exists_and_what_is_missing(tmp_path):
     assert result["gaps"]["12"][0]["n"] == 0 and result["gaps"]["12"][0]["mean"] is None
     assert "mudd--steps12/seed0" in result["missing"]["compare"]
     text = (tmp_path / "runs" / "robust.md").read_text()
-    assert "(partial)" in text and "not whole-split scores" in text and "first 1,024 tokens" in text
+    assert "(partial)" in text and "on the whole validation split (each run's scores.json" in text
     assert "## c. Compute along the data axis" in text and "not the papers' multiplier across model sizes" in text
     assert str(tmp_path) not in text + (tmp_path / "runs" / "robust.json").read_text()  # run paths relative
     for s in (1, 2):  # one seed left: a read-off, no interval
@@ -350,6 +360,28 @@ def test_a_partial_design_reports_what_exists_and_what_is_missing(tmp_path):
             f.unlink()
     one = robust.analyze(d)["multipliers"]["mudd"]["4"]
     assert one["seeds"] == [0] and one["flops"] > 1 and one["interval"] is None
+
+
+def test_the_score_is_the_whole_split_and_an_unscored_run_waits(tmp_path):
+    """The declared score is the whole validation split: a finished run without scores.json is left out
+    and listed as unscored (not unfinished); score = "val_prefix" reads the logged prefix instead."""
+    d = noisy_design(tmp_path)
+    whole = robust.analyze(d)
+    assert whole["design"]["score"] == "val" and whole["unscored"] == dict(tune=[], compare=[], best=[])
+    (tmp_path / "runs" / "mudd" / "seed1" / "scores.json").unlink()
+    partial = robust.analyze(d)
+    assert partial["unscored"]["compare"] == ["mudd/seed1"] and partial["missing"]["compare"] == []
+    assert partial["gaps"]["4"][0]["n"] == 2 and partial["multipliers"]["mudd"]["4"]["seeds"] == [0, 2]
+    robust.report(d)
+    text = (tmp_path / "runs" / "robust.md").read_text()
+    assert "1 finished run(s) have no whole-split scores yet and are left out" in text and "1 unscored: `mudd/seed1`" in text
+    d["score"] = "val_prefix"  # as --score val_prefix sets it
+    prefix = robust.analyze(d)
+    assert prefix["unscored"]["compare"] == [] and prefix["gaps"]["4"][0]["n"] == 3
+    assert {r["dir"]: r["val_loss"] for r in prefix["runs"]}["standard/seed0"] == pytest.approx(
+        {r["dir"]: r["val_loss"] for r in whole["runs"]}["standard/seed0"] + PREFIX)
+    robust.report(d)
+    assert "not whole-split scores" in (tmp_path / "runs" / "robust.md").read_text()
 
 
 # --- a tiny design, end to end ---------------------------------------------------------------------------

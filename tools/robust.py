@@ -19,6 +19,7 @@ A design file is Python, like a sweep file (tools/sweep.py), and sets:
                   recipe's own length
     ladder        the reference's lengths for the compute fit, e.g. [400, 600, 800, 1200] (>= 2)
     overrides     (optional) "key=value ..." for every run
+    score         (optional) "val" (default: the whole validation split) or "val_prefix" (see Scores below)
     out_dir       (optional) where runs, and the report, go; default runs/<design file name>
     fit           (optional) "loglinear" (default) or "power": the ladder's curve (see fit_ladder)
     min_lr_ratio  (optional, 0.1) an lr-grid run at lr x ends its cosine at min_lr = x * min_lr_ratio
@@ -51,8 +52,11 @@ to out_dir), each file whole or not at all; a file that cannot be written (a ful
        charged its own FLOPs per token) and X in steps (step-matched: the same tokens), with a
        bootstrap interval over the comparison seeds, and the loss-vs-FLOPs plot
     d. wall-clock, only as the bench file's measured speed ratios
-Scores are the runs' summary.json val_loss: whatever chunk the runs evaluate (the report states the
-eval_tokens it read from their config.json).
+Scores: `score = "val"` (the default) is the whole validation split, each run's scores.json (tools/rescore.py;
+each stage's sweep scores the runs it finishes, and any finished run it finds unscored): a finished run without
+it is left out and listed as unscored. `score = "val_prefix"` reads summary.json's val_loss instead, the fixed
+eval_tokens prefix the runs log (the report states it, read from their config.json). The test split is reported
+beside the runs, never tested.
 """
 
 import argparse
@@ -67,8 +71,8 @@ from depthres.files import write_file
 from model import GPT, GPTConfig
 from tools import sweep
 from tools.multiplier import bootstrap, fit_ladder, inside, multiple
-from tools.report import save_outputs
-from tools.robust_design import STAGES, bench_path, check_design_runs, load_design, lr_name, stage_spec, steps_name
+from tools.report import save_outputs, whole_split_scores
+from tools.robust_design import SCORES, STAGES, bench_path, check_design_runs, load_design, lr_name, stage_spec, steps_name
 from tools.robust_report import plot, render, strict
 from tools.stats import holm, paired_t
 
@@ -87,8 +91,10 @@ def flops_per_token(model_config):
     return _FLOPS[key]
 
 
-def read_run(out_dir, name, seed):
-    """A finished run (summary.json and config.json) as one flat record, or None."""
+def read_run(out_dir, name, seed, score="val"):
+    """A finished run (summary.json and config.json) as one flat record, or None. Its val_loss and
+    test_loss are the design's score: the whole splits (scores.json; None while the run is unscored) for
+    "val", the logged eval_tokens prefix (summary.json) for "val_prefix"."""
     d = Path(out_dir) / name / f"seed{seed}"
     try:
         summary = json.loads((d / "summary.json").read_text())
@@ -97,27 +103,39 @@ def read_run(out_dir, name, seed):
         return None
     steps, bt = summary.get("step"), cfg["train"]["batch_tokens"]
     f = flops_per_token(cfg["model"])
-    return dict(name=name, seed=seed, dir=f"{name}/seed{seed}", val_loss=summary["val_loss"],
-                test_loss=summary.get("test_loss"), params=summary.get("params"), seconds=summary.get("seconds"),
+    whole = whole_split_scores(d, steps) if score == "val" else {}
+    val, test = (whole.get("val"), whole.get("test")) if score == "val" else (summary["val_loss"], summary.get("test_loss"))
+    return dict(name=name, seed=seed, dir=f"{name}/seed{seed}", val_loss=val,
+                test_loss=test, params=summary.get("params"), seconds=summary.get("seconds"),
                 steps=steps, tokens=steps * bt, lr=cfg["train"]["lr"], min_lr=cfg["train"]["min_lr"],
                 eval_tokens=cfg["train"].get("eval_tokens"), flops_per_token=f, flops=f * steps * bt)
 
 
 def read_stage(spec):
-    """{(name, seed): record} of a stage's finished runs: only its own seeds are read."""
+    """{(name, seed): record} of a stage's finished runs that have the stage's score (spec["score"]):
+    only its own seeds are read."""
     if spec is None:
         return {}
     out = {}
     for name in spec["variants"]:
         for s in spec["seeds"]:
-            r = read_run(spec["out_dir"], name, s)
-            if r is not None:
+            r = read_run(spec["out_dir"], name, s, spec["score"])
+            if r is not None and r["val_loss"] is not None:
                 out[(name, s)] = r
     return out
 
 
+def unscored(spec, runs):
+    """The stage's runs that finished but lack its score (not yet scored on the whole splits)."""
+    return [] if spec is None else [(n, s) for s in spec["seeds"] for n in spec["variants"] if (n, s) not in runs
+                                    and read_run(spec["out_dir"], n, s, spec["score"]) is not None]
+
+
 def unfinished(spec, runs):
-    return [] if spec is None else [(n, s) for s in spec["seeds"] for n in spec["variants"] if (n, s) not in runs]
+    """The stage's runs that have not finished (neither in `runs` nor unscored)."""
+    waiting = set(unscored(spec, runs))
+    return [] if spec is None else [(n, s) for s in spec["seeds"] for n in spec["variants"]
+                                    if (n, s) not in runs and (n, s) not in waiting]
 
 
 # --- a. the learning rate -----------------------------------------------------------------------------
@@ -311,10 +329,12 @@ def analyze(design):
                         for v, lr in best_all.items()}) if len(best_all) == len(design["variants"]) else []
     everything = {**tune_runs, **comp_runs}
     missing = {st: [f"{n}/seed{s}" for n, s in unfinished(specs[st], everything)] for st in STAGES}
+    not_scored = {st: [f"{n}/seed{s}" for n, s in unscored(specs[st], everything)] for st in STAGES}
     unsettled = [v for v, t in table.items() if not t["complete"]]
     result = dict(
         design={k: design[k] for k in ("base", "variants", "reference", "lrs", "tuning_seeds", "seeds", "steps", "ladder",
-                                       "overrides", "fit", "min_lr_ratio", "bootstrap", "bootstrap_seed", "bench")},
+                                       "overrides", "score", "fit", "min_lr_ratio", "bootstrap", "bootstrap_seed",
+                                       "bench")},
         recipe=design["recipe"],
         eval_tokens=sorted({r["eval_tokens"] for r in everything.values() if r["eval_tokens"] is not None}),
         lr=dict(table=table, best=best_lrs(table, complete_only=False), settled=best_all, unsettled=unsettled,
@@ -328,6 +348,7 @@ def analyze(design):
         bench=bench_ratios(design),
         runs=sorted(everything.values(), key=lambda r: (r["name"], r["seed"])),
         missing=missing,
+        unscored=not_scored,
         cpu_seconds={st: sum(r["seconds"] or 0 for k, r in everything.items()
                              if specs[st] and k[0] in specs[st]["variants"] and k[1] in specs[st]["seeds"])
                      for st in STAGES},
@@ -376,8 +397,12 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="list every run of every stage, finished or not; no training")
     p.add_argument("--out_dir", help="override the design's out_dir (runs and report)")
     p.add_argument("--launcher", default="", help='command prefix for each run, e.g. "torchrun --nproc_per_node=8"')
+    p.add_argument("--score", choices=SCORES, help="override the design's score: val (the whole validation split, "
+                                                   "scores.json) or val_prefix (summary.json's eval_tokens prefix)")
     args = p.parse_args(argv)
     design = load_design(args.design, args.out_dir)
+    if args.score:
+        design["score"] = args.score
     check_design_runs(design)  # one `error:` line (tools.sweep.check_runs) before any run
     if args.list:
         return list_runs(design)

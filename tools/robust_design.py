@@ -13,6 +13,7 @@ from tools import sweep
 ROOT = Path(__file__).resolve().parent.parent
 AXES = ("lr", "min_lr", "max_steps", "max_tokens")  # keys the design sets per run; a variant may not
 STAGES = ("tune", "compare", "best")
+SCORES = ("val", "val_prefix")  # the whole validation split (scores.json), or the logged eval_tokens prefix
 
 
 def _whole(x):
@@ -63,6 +64,9 @@ def load_design(path, out_dir=None):
         if not isinstance(s, (list, tuple)) or len(s) < least or not all(_whole(x) and x > 0 for x in s) \
                 or len(set(s)) < len(s):
             fail(f"{key} must be a list of at least {least} distinct positive whole numbers of steps")
+    d.setdefault("score", "val")
+    if d["score"] not in SCORES:
+        fail(f"score must be one of {', '.join(SCORES)}, got {d['score']!r}")
     d.setdefault("fit", "loglinear")
     if d["fit"] not in ("loglinear", "power"):
         fail(f"fit must be 'loglinear' or 'power', got {d['fit']!r}")
@@ -130,7 +134,7 @@ def lengths(design, variant):
 
 def _spec(design, runs, seeds):
     return dict(base=design["base"], variants=dict(runs), seeds=list(seeds), reference=next(iter(runs)),
-                overrides=design["overrides"], out_dir=design["out_dir"], controls={})
+                overrides=design["overrides"], out_dir=design["out_dir"], controls={}, score=design["score"])
 
 
 def stage_spec(design, stage, best=None):

@@ -36,9 +36,17 @@ def render(result, design):
     ref = design["reference"]
     out = [f"# Does the advantage hold? lr, length, compute (`{design['base']}`, reference `{ref}`)", ""]
     et = ", ".join(f"{x:,}" for x in r["eval_tokens"]) or "?"
-    out += [f"Scores: validation NLL (summary.json `val_loss`) on the fixed first {et} tokens of the validation "
-            "split (the runs' `eval_tokens`), the same chunk for every run: not whole-split scores. "
-            f"Recipe: lr {shared}, min_lr {design['recipe']['min_lr']:g}, {design['recipe']['steps']} steps of "
+    if design["score"] == "val":
+        scores = ("Scores: validation NLL on the whole validation split (each run's scores.json, tools/rescore.py), "
+                  "the design's declared score. ")
+    else:
+        scores = (f"Scores: validation NLL (summary.json `val_loss`) on the fixed first {et} tokens of the validation "
+                  "split (the runs' `eval_tokens`), the same chunk for every run: not whole-split scores. ")
+    unscored = sum(len(x) for x in r["unscored"].values())
+    if unscored:
+        scores += (f"**{unscored} finished run(s) have no whole-split scores yet and are left out** (listed under Runs; "
+                   "`python -m tools.robust DESIGN` without --table_only scores them). ")
+    out += [scores + f"Recipe: lr {shared}, min_lr {design['recipe']['min_lr']:g}, {design['recipe']['steps']} steps of "
             f"{design['recipe']['batch_tokens']:,} tokens. Tuning seeds {list(design['tuning_seeds'])}; comparison "
             f"seeds {list(design['seeds'])}. Finished runs: {len(r['runs'])}, "
             f"{sum(r['cpu_seconds'].values()) / 3600:.2f} hours of run time (summary.json `seconds`, summed).", ""]
@@ -186,9 +194,10 @@ def render(result, design):
     # what remains
     out += ["", "## Runs", ""]
     for st in STAGES:
-        miss = r["missing"][st]
+        miss, waiting = r["missing"][st], r["unscored"][st]
         out.append(f"- {st}: {r['cpu_seconds'][st] / 3600:.2f} h of finished runs; "
-                   + (f"{len(miss)} unfinished: {', '.join(f'`{x}`' for x in miss)}" if miss else "all finished"))
+                   + (f"{len(miss)} unfinished: {', '.join(f'`{x}`' for x in miss)}" if miss else "all finished")
+                   + (f"; {len(waiting)} unscored: {', '.join(f'`{x}`' for x in waiting)}" if waiting else ""))
     return "\n".join(out) + "\n"
 
 
