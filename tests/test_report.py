@@ -273,6 +273,30 @@ def test_a_sweep_file_declares_its_family_and_the_sweep_scores_its_runs(tmp_path
     assert json.loads((tmp_path / "runs" / "results.json").read_text())["primary"] == [["b", "a"]]
 
 
+def test_two_sweep_processes_share_the_scoring(tmp_path, monkeypatch):
+    """Each finished run is claimed and scored on its own: a second sweep process that reaches the scoring
+    while the first scores one run takes the next ones (it used to find them all claimed and stop)."""
+    spec = sweep_spec(tmp_path, variants=("a", "b"), seeds=(0, 1))
+    for v in ("a", "b"):
+        for seed in (0, 1):
+            finished_run(tmp_path / "runs" / v / f"seed{seed}", 3.0, whole=False)
+            (tmp_path / "runs" / v / f"seed{seed}" / "ckpt.pt").write_bytes(b"")
+    scored = []
+
+    def rescore(cmd, by="first"):
+        d = Path(cmd[3])
+        scored.append((by, f"{d.parent.name}/{d.name}"))
+        if len(scored) == 1:  # the second process arrives while the first scores its first run
+            monkeypatch.setattr(sweep, "run_child", lambda c: rescore(c, "second"))
+            sweep.score_all(spec)
+            monkeypatch.setattr(sweep, "run_child", rescore)
+        finished_run(d, 3.0)  # scores.json written
+        return 0
+    monkeypatch.setattr(sweep, "run_child", rescore)
+    sweep.score_all(spec)
+    assert scored == [("first", "a/seed0"), ("second", "b/seed0"), ("second", "a/seed1"), ("second", "b/seed1")]
+
+
 def test_a_declared_test_without_runs_stays_in_the_family_and_never_rejects(tmp_path, capsys):
     """A primary whose baseline has not run yet, and a control with one paired seed: each keeps its
     share of alpha (m counts every declared test), says why it has no test, and the report does not

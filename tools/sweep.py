@@ -492,25 +492,26 @@ def unscored(spec, variant, seed):
 
 
 def score_all(spec):
-    """Score every finished run that has no whole-split scores yet, all in one tools/rescore.py child
-    process (the model is the child's, the sweep stays small, and torch is imported once), each run
-    claimed as a run is, so two sweep processes never score the same run. A run that cannot be scored
+    """Score every finished run that has no whole-split scores yet, one run at a time, each in its own
+    tools/rescore.py child process (the model is the child's, the sweep stays small) and each claimed as
+    a run is: two sweep processes share the scoring and never score the same run (claiming them all at
+    once left the second process idle for the first one's hour of scoring). A run that cannot be scored
     is a note: the report pairs the seeds that have scores, and says how many lack them."""
-    claims, dirs = [], []
-    try:
-        for variant, seed in [(v, s) for s in spec["seeds"] for v in spec["variants"]]:
-            if unscored(spec, variant, seed) and (lock := claim(spec, variant, seed)) is not None:
-                claims.append(lock)
-                if unscored(spec, variant, seed):  # not scored by another process meanwhile
-                    dirs.append(str(run_dir(spec, variant, seed)))
-        if dirs:
-            print(f"sweep: scoring {len(dirs)} finished run(s) on the whole validation and test splits", flush=True)
-            if run_child([sys.executable, "-m", "tools.rescore", *dirs]) != 0:
-                print("sweep: some runs could not be scored (the error above); the report pairs the seeds that have "
-                      "scores (python -m tools.rescore RUN_DIR to try again)", flush=True)
-    finally:
-        for lock in claims:
+    todo = [(v, s) for s in spec["seeds"] for v in spec["variants"] if unscored(spec, v, s)]
+    if todo:
+        print(f"sweep: scoring up to {len(todo)} finished run(s) on the whole validation and test splits", flush=True)
+    failed = 0
+    for variant, seed in todo:
+        if (lock := claim(spec, variant, seed)) is None:
+            continue  # another process scores it
+        try:
+            if unscored(spec, variant, seed):  # not scored by another process meanwhile
+                failed += run_child([sys.executable, "-m", "tools.rescore", str(run_dir(spec, variant, seed))]) != 0
+        finally:
             lock.release()
+    if failed:
+        print(f"sweep: {failed} run(s) could not be scored (the errors above); the report pairs the seeds that have "
+              "scores (python -m tools.rescore RUN_DIR to try again)", flush=True)
 
 
 def main(argv=None):
