@@ -464,7 +464,7 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
     progress = re.findall(r"^sweep: (\d+)/(\d+) runs done, \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d$",
                           first.stdout, re.M)
     assert progress == [("1", "4"), ("2", "4"), ("3", "4"), ("4", "4")]
-    assert "sweep: scoring 4 finished run(s) on the whole validation and test splits" in first.stdout
+    assert "sweep: scoring up to 4 finished run(s) on the whole validation and test splits" in first.stdout
     results = json.loads((tmp_path / "runs" / "results.json").read_text())
     assert all(set(r["whole"]) == {"val", "test"} for r in results["runs"])
     tied = {t["variant"]: t for t in results["tests"]}["tied"]
