@@ -362,7 +362,7 @@ def test_a_partial_design_reports_what_exists_and_what_is_missing(tmp_path):
     assert one["seeds"] == [0] and one["flops"] > 1 and one["interval"] is None
 
 
-def test_the_score_is_the_whole_split_and_an_unscored_run_waits(tmp_path):
+def test_the_score_is_the_whole_split_and_an_unscored_run_waits(tmp_path, capsys):
     """The declared score is the whole validation split: a finished run without scores.json is left out
     and listed as unscored (not unfinished); score = "val_prefix" reads the logged prefix instead."""
     d = noisy_design(tmp_path)
@@ -375,6 +375,9 @@ def test_the_score_is_the_whole_split_and_an_unscored_run_waits(tmp_path):
     robust.report(d)
     text = (tmp_path / "runs" / "robust.md").read_text()
     assert "1 finished run(s) have no whole-split scores yet and are left out" in text and "1 unscored: `mudd/seed1`" in text
+    capsys.readouterr()
+    robust.list_runs(d)  # --list: finished is finished, scored or not
+    assert "  done  mudd/seed1  " in capsys.readouterr().out
     d["score"] = "val_prefix"  # as --score val_prefix sets it
     prefix = robust.analyze(d)
     assert prefix["unscored"]["compare"] == [] and prefix["gaps"]["4"][0]["n"] == 3

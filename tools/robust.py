@@ -111,31 +111,39 @@ def read_run(out_dir, name, seed, score="val"):
                 eval_tokens=cfg["train"].get("eval_tokens"), flops_per_token=f, flops=f * steps * bt)
 
 
-def read_stage(spec):
-    """{(name, seed): record} of a stage's finished runs that have the stage's score (spec["score"]):
-    only its own seeds are read."""
+def read_finished(spec):
+    """{(name, seed): record} of a stage's finished runs: only its own seeds are read. A record's val_loss
+    is None while the run lacks the stage's score (spec["score"]: not yet scored on the whole splits)."""
     if spec is None:
         return {}
     out = {}
     for name in spec["variants"]:
         for s in spec["seeds"]:
             r = read_run(spec["out_dir"], name, s, spec["score"])
-            if r is not None and r["val_loss"] is not None:
+            if r is not None:
                 out[(name, s)] = r
     return out
 
 
-def unscored(spec, runs):
+def scored(finished):
+    """The runs of `finished` that have their score: the ones every analysis reads."""
+    return {k: r for k, r in finished.items() if r["val_loss"] is not None}
+
+
+def read_stage(spec):
+    """{(name, seed): record} of a stage's finished runs that have the stage's score."""
+    return scored(read_finished(spec))
+
+
+def unscored(spec, finished):
     """The stage's runs that finished but lack its score (not yet scored on the whole splits)."""
-    return [] if spec is None else [(n, s) for s in spec["seeds"] for n in spec["variants"] if (n, s) not in runs
-                                    and read_run(spec["out_dir"], n, s, spec["score"]) is not None]
-
-
-def unfinished(spec, runs):
-    """The stage's runs that have not finished (neither in `runs` nor unscored)."""
-    waiting = set(unscored(spec, runs))
     return [] if spec is None else [(n, s) for s in spec["seeds"] for n in spec["variants"]
-                                    if (n, s) not in runs and (n, s) not in waiting]
+                                    if (n, s) in finished and finished[(n, s)]["val_loss"] is None]
+
+
+def unfinished(spec, finished):
+    """The stage's runs that have not finished."""
+    return [] if spec is None else [(n, s) for s in spec["seeds"] for n in spec["variants"] if (n, s) not in finished]
 
 
 # --- a. the learning rate -----------------------------------------------------------------------------
@@ -312,10 +320,12 @@ def bench_ratios(design):
 
 def analyze(design):
     specs = {"tune": stage_spec(design, "tune"), "compare": stage_spec(design, "compare")}
-    tune_runs = read_stage(specs["tune"])
+    tune_finished = read_finished(specs["tune"])
+    tune_runs = scored(tune_finished)
     table = lr_table(design, tune_runs)
     specs["best"] = stage_spec(design, "best", best_lrs(table))
-    comp_runs = {**read_stage(specs["compare"]), **read_stage(specs["best"])}
+    comp_finished = {**read_finished(specs["compare"]), **read_finished(specs["best"])}
+    comp_runs = scored(comp_finished)
     shared = f"{design['recipe']['lr']:g}"
     rank_shared = ranking({v: t["cells"][shared]["mean"] for v, t in table.items()})
     rank_best = ranking({v: t["cells"][f"{t['best_lr']:g}"]["mean"] if t["best_lr"] else None for v, t in table.items()})
@@ -328,8 +338,9 @@ def analyze(design):
                         if all((lr_name(design, v, lr), s) in comp_runs for s in design["seeds"]) else None
                         for v, lr in best_all.items()}) if len(best_all) == len(design["variants"]) else []
     everything = {**tune_runs, **comp_runs}
-    missing = {st: [f"{n}/seed{s}" for n, s in unfinished(specs[st], everything)] for st in STAGES}
-    not_scored = {st: [f"{n}/seed{s}" for n, s in unscored(specs[st], everything)] for st in STAGES}
+    finished = {**tune_finished, **comp_finished}
+    missing = {st: [f"{n}/seed{s}" for n, s in unfinished(specs[st], finished)] for st in STAGES}
+    not_scored = {st: [f"{n}/seed{s}" for n, s in unscored(specs[st], finished)] for st in STAGES}
     unsettled = [v for v, t in table.items() if not t["complete"]]
     result = dict(
         design={k: design[k] for k in ("base", "variants", "reference", "lrs", "tuning_seeds", "seeds", "steps", "ladder",
@@ -382,7 +393,7 @@ def list_runs(design):
             waiting = any(not t["complete"] for t in table.values())
             print(f"{st}: no runs" + (" yet (tuning unfinished)" if waiting else " (every best lr is the shared lr)"))
             continue
-        done = read_stage(spec)
+        done = read_finished(spec)  # finished, scored or not
         print(f"{st}: {len(done)}/{len(spec['variants']) * len(spec['seeds'])} finished")
         for s in spec["seeds"]:
             for n in spec["variants"]:
