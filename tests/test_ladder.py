@@ -114,6 +114,7 @@ def test_the_read_off_from_run_directories(tmp_path, monkeypatch, capsys):
     assert saved["variants"]["w"]["seeds"] == [] and saved["variants"]["w"]["x_step"] == [None, None, None]
     out = capsys.readouterr().out
     assert "| `v` | 3 | " in out and "1.105 [1.105, 1.105]" in out and (tmp_path / "ladder" / "ladder.md").is_file()
+    assert (tmp_path / "ladder" / "ladder.png").is_file() == (ladder.pyplot() is not None)
 
 
 def test_a_design_without_its_rung_is_one_error_line(tmp_path):

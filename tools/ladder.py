@@ -3,7 +3,7 @@ The compute multiplier from a size ladder, the papers' way (issue 37): `standard
 on one recipe, its loss against training compute across the sizes, and "standard needs X times the
 compute" for each variant that ran at one of the sizes, read off that curve.
 
-    python -m tools.ladder configs/ladder_cpu.py      # ladder.md and ladder.json in the ladder's out_dir
+    python -m tools.ladder configs/ladder_cpu.py      # ladder.md, ladder.json, ladder.png in the ladder's out_dir
 
 The ladder's design file is a sweep file (tools/sweep.py runs it) that also sets:
     rung    the ladder's variant at the size the variants ran at: they pair with it seed by seed
@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from depthres.files import write_file
+from tools.diagnose import pyplot, save_figure
 from tools.report import read_json, read_summary, whole_split_scores
 from tools.robust import flops_per_token
 from tools.stats import paired_t, t_quantile
@@ -169,6 +170,50 @@ def table(result):
     return "\n".join(lines)
 
 
+def plot(result, path):
+    """ladder.png: loss against training compute (log-log), each size's seeds and their geometric mean, the
+    ladder's fit, its parallel through the rung (the curve X is read off), and each variant's mean at its
+    compute with a dotted line to where that parallel reaches it (at X times the rung's compute)."""
+    plt = pyplot()
+    fit = result["fit"]
+    if plt is None or not fit:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    sizes = result["sizes"]
+    for p in sizes.values():
+        ax.plot([p["flops"]] * len(p["losses"]), list(p["losses"].values()), ".", color="0.6", ms=4)
+    cs = [p["flops"] for p in sizes.values()]
+    ax.plot(cs, [math.exp(p["mean_log_loss"]) for p in sizes.values()], "o", color="black", mfc="none", ms=8,
+            zorder=5, label=f"standard at {len(sizes)} sizes ({', '.join(sizes)}): seeds, geometric mean")
+    rung = sizes[result["rung"]]
+    grid = [min(cs) / 1.15 * (max(cs) * 1.15 / (min(cs) / 1.15)) ** (k / 100) for k in range(101)]
+    ax.plot(grid, [math.exp(fit["a"] - fit["alpha"] * math.log(c)) for c in grid], "-", color="black", lw=1,
+            label=f"fit: L = {math.exp(fit['a']):.3g} C^-{fit['alpha']:.4f}")
+    through = rung["mean_log_loss"] + fit["alpha"] * math.log(rung["flops"])  # the fit's parallel through the rung
+    ax.plot(grid, [math.exp(through - fit["alpha"] * math.log(c)) for c in grid], "--", color="black", lw=0.8,
+            label=f"its parallel through {result['rung']}")
+    for i, (v, c) in enumerate(result["variants"].items()):
+        if not c["seeds"] or c["x_step"][0] is None:
+            continue
+        loss = math.exp(rung["mean_log_loss"] + statistics.fmean(c["log_gaps"].values()))
+        ax.plot([rung["flops"] * c["flops_per_token_ratio"]], [loss], "D", color=f"C{i}",
+                label=f"{v} (n {len(c['seeds'])}): X {c['x_step'][0]:.2f} step-matched")
+        ax.plot([rung["flops"] * c["flops_per_token_ratio"], rung["flops"] * c["x_step"][0]], [loss, loss], ":",
+                color=f"C{i}", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter  # matplotlib is there: pyplot() found it
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.2f"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.2f"))
+    ax.set_xlabel("training FLOPs (flops_per_token x tokens)", fontsize=8)
+    ax.set_ylabel("val NLL, whole split")
+    ax.legend(fontsize=6.5, loc="upper right")
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    save_figure(plt, fig, path)
+    return path
+
+
 def strict(x):
     """JSON without NaN or Infinity: null for a number that is not finite."""
     if isinstance(x, float):
@@ -203,6 +248,7 @@ def main(argv=None):
     if out.is_dir():
         write_file(out / "ladder.md", (text + "\n").encode(), SystemExit)
         write_file(out / "ladder.json", (json.dumps(strict(result), indent=1) + "\n").encode(), SystemExit)
+        plot(result, out / "ladder.png")
     return 0
 
 
