@@ -12,7 +12,7 @@ The ladder's design file is a sweep file (tools/sweep.py runs it) that also sets
 
 The arithmetic (configs/ladder_cpu.py declares it):
     C      = GPT.flops_per_token() x the training tokens of a run
-    fit    log L = a - alpha log C, least squares over the sizes' mean log loss (whole validation split);
+    fit    log L = a - alpha log C, least squares over the sizes' mean log NLL (whole validation split);
            alpha's standard error from the residuals (sizes - 2 degrees of freedom)
     r_s    = log L_variant(s) - log L_rung(s), one per paired seed
     X      = exp(-mean r / alpha): the compute at which a curve parallel to the ladder's, through the
@@ -145,7 +145,7 @@ def table(result):
     """ladder.md: the sizes, the fit and each variant's multiplier."""
     lines = [f"# The size ladder: `standard` needs X times the compute (seeds {result['seeds']}, rung "
              f"`{result['rung']}`)", "",
-             "| size | seeds | training FLOPs | mean log loss (whole val) | residual |", "| --- | --- | --- | --- | --- |"]
+             "| size | seeds | training FLOPs | mean log NLL (whole val) | residual |", "| --- | --- | --- | --- | --- |"]
     fit = result["fit"]
     for name, p in result["sizes"].items():
         res = f"{fit['residuals'][name]:+.4f}" if fit else "-"
