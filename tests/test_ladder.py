@@ -6,7 +6,9 @@ import math
 import random
 
 import pytest
+import torch
 
+from model import GPT, GPTConfig
 from tools import ladder, sweep
 from tools.stats import paired_t
 
@@ -24,6 +26,30 @@ def test_the_ladder_is_standard_at_five_widths_on_the_replication_s_first_seeds(
     assert spec["seeds"] == replication["seeds"][:3] and spec["base"] == replication["base"]
     assert spec["variants"][spec["rung"]] == "" and len(spec["variants"]) == 5
     assert all(v in replication["variants"] for vs in spec["pairs"].values() for v in vs)
+
+
+def test_the_gpu_ladder_s_rung_is_the_family_s_standard_run():
+    """configs/ladder_gpu.py: its rung trains exactly configs/sweep_family.py's `standard` (same base, overrides
+    and seeds: the same initial weights and batches), so the family's variants pair with it seed by seed; the
+    widths keep head dim 64 and span about 6x in parameters; the cost its comment states."""
+    spec, family = sweep.load_sweep("configs/ladder_gpu.py"), sweep.load_sweep("configs/sweep_family.py")
+    sweep.check_runs(spec)
+    assert spec["base"] == family["base"] and spec["seeds"] == family["seeds"]
+    assert sweep.overrides(spec, spec["rung"]) == sweep.overrides(family, "standard")
+    assert spec["out_dir"] != family["out_dir"]  # a sweep writes its report into its out_dir
+    [(where, paired)] = spec["pairs"].items()
+    assert str(sweep.in_root(where)) == str(family["out_dir"]) and set(paired) == set(family["variants"]) - {"standard"}
+    fpt, params = [], []
+    for name in spec["variants"]:
+        model = dict(kv.split("=") for kv in sweep.overrides(spec, name))
+        width = int(model.get("n_embd", 576))
+        assert int(model.get("n_head", 9)) * 64 == width and model["residual"] == "standard"
+        with torch.device("meta"):
+            m = GPT(GPTConfig(n_layer=16, n_embd=width, n_head=width // 64, block_size=1024, residual="standard"))
+        fpt.append(m.flops_per_token())
+        params.append(m.num_params())
+    assert max(params) / min(params) == pytest.approx(5.9, abs=0.05)
+    assert sum(fpt) * 2e9 * 3 / (989e12 * 0.4) / 3600 == pytest.approx(17.6, abs=0.05)  # GPU-hours, as stated
 
 
 def test_the_slope_fit_is_least_squares_with_its_standard_error():
