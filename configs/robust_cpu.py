@@ -17,6 +17,9 @@ variants = {
     "delta_attnres": "residual=delta_attnres",  # per sublayer
 }
 reference = "standard"
+# the RD-AttnRes paper's comparison, in the report beside the reference's (report only: added before the
+# whole-split rerun's results were read; it changes no run)
+contrasts = [("rd_attnres", "block_attnres")]
 lrs = [1.5e-3, 3e-3, 6e-3]  # min_lr = lr / 10 each (min_lr_ratio)
 tuning_seeds = [100, 101]  # the lr is chosen here; never a comparison seed
 seeds = [0, 1, 2]  # the comparison

@@ -26,6 +26,7 @@ variants = {
     "delta_attnres": "residual=delta_attnres",  # per sublayer
 }
 reference = "standard"
+contrasts = [("rd_attnres", "block_attnres")]  # the RD-AttnRes paper's comparison, in the report beside the reference's
 lrs = [1.5e-3, 3e-3, 6e-3]  # around rd_s's 3e-3; min_lr = lr / 10 each
 tuning_seeds = [100, 101]
 seeds = [0, 1, 2]

@@ -110,6 +110,9 @@ BAD_DESIGNS = {
     "missing": (dict(ladder=None), "must set ladder"),
     "power_short": (dict(fit='"power"'), "the ladder needs at least 4 lengths"),
     "score": (dict(score='"test"'), "score must be one of val, val_prefix, got 'test'"),
+    "contrast_unknown": (dict(contrasts='[("b", "c")]'), "contrast ('b', 'c'): two different variants of ['a', 'b']"),
+    "contrast_itself": (dict(contrasts='[("b", "b")]'), "contrast ('b', 'b'): two different variants"),
+    "contrast_not_a_pair": (dict(contrasts='[("b",)]'), "contrasts must be a list of (variant, baseline) pairs"),
     "unknown_key": (dict(variants='{"a": "", "b": "n_layers=4"}'), "unknown key 'n_layers' in the command line"),
     "raises": (dict(steps="[6] + 1"), "line 7: TypeError"),
     "seed_too_large": (dict(seeds="[0, 2**32]"), "error: seed 4294967296 (each run's seed and data_seed): seed must be "
@@ -283,7 +286,8 @@ def test_percentile_is_linear_between_order_statistics():
 
 def test_the_lr_is_chosen_on_tuning_seeds_only(tmp_path):
     d = design_file(tmp_path, variants='{"standard": "residual=standard", "block": "residual=block_attnres"}',
-                    lrs="[0.005, 0.01, 0.02]", tuning_seeds="[100, 101]", steps="[4]", ladder="[4, 6]")
+                    lrs="[0.005, 0.01, 0.02]", tuning_seeds="[100, 101]", steps="[4]", ladder="[4, 6]",
+                    contrasts='[("block", "standard")]')
     out = tmp_path / "runs"
     tuning = {("standard", 0.005): 2.0, ("standard", 0.01): 1.9, ("standard", 0.02): 2.1,  # best: 0.01
               ("block", 0.005): 2.0, ("block", 0.01): 1.95, ("block", 0.02): 1.8}  # best: 0.02
@@ -320,6 +324,14 @@ def test_the_lr_is_chosen_on_tuning_seeds_only(tmp_path):
     for cells in result["multipliers"].values():
         assert all(set(c["seeds"]) <= {0, 1, 2} for c in cells.values())
     assert result["missing"] == dict(tune=[], compare=[], best=[])
+    # a contrast: the same pairs at the shared lr, and each side at its own best lr (block 0.02, standard 0.01)
+    (c,) = result["contrasts"]
+    assert (c["variant"], c["baseline"]) == ("block", "standard") and c["lengths"]["4"]["deltas"] == gap["deltas"]
+    assert c["at_best"]["lrs"] == [0.02, 0.01] and c["at_best"]["mean"] == pytest.approx(1.83 - 1.85)
+    assert c["at_best"]["wins"] == 3 and "p_holm" not in c["at_best"]  # exploratory: uncorrected
+    text = robust.render(result, d)
+    row = next(line for line in text.splitlines() if line.startswith("| `block` - `standard` |"))
+    assert row.endswith("| -0.0200 [-0.0200, -0.0200] | 3/3 | <0.001 | 0.02, 0.01 |"), row
 
 
 # --- the report ----------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ A design file is Python, like a sweep file (tools/sweep.py), and sets:
     min_lr_ratio  (optional, 0.1) an lr-grid run at lr x ends its cosine at min_lr = x * min_lr_ratio
     bench         (optional) a tools.bench JSON file measured at the design's model size: the only
                   source of wall-clock ratios (never one run's own time)
+    contrasts     (optional) [(variant, baseline), ...]: pairs besides the reference (e.g. a paper's own
+                  comparison), paired at every length of `steps` and at both best lrs; exploratory
     bootstrap     (optional, 2000) resamples of the comparison seeds; bootstrap_seed (optional, 0)
 
 Every run is a plain sweep run, out_dir/<name>/seed<s>, named:
@@ -47,7 +49,8 @@ to out_dir), each file whole or not at all; a file that cannot be written (a ful
     a. the lr x variant table on the tuning seeds, the best lr per variant, and the ranking of the
        variants at the shared lr and at each one's own best lr; then the comparison at the best lrs on
        the comparison seeds (or the runs it still needs)
-    b. the paired gap to the reference at each length of `steps`, each at its own schedule's end
+    b. the paired gap to the reference at each length of `steps`, each at its own schedule's end; then
+       each of `contrasts` at each length and at both best lrs (uncorrected p: exploratory)
     c. the compute multiplier: "the reference needs X times the compute" (FLOP-matched: the variant
        charged its own FLOPs per token) and X in steps (step-matched: the same tokens), with a
        bootstrap interval over the comparison seeds, and the loss-vs-FLOPs plot
@@ -238,6 +241,22 @@ def at_best(design, runs, best):
     return with_holm(rows)
 
 
+def contrasts(design, runs, best):
+    """Each of the design's (variant, baseline) pairs, paired over the comparison seeds: at the shared lr at
+    every length of `steps` ({steps: comparison}), and with each at its own best lr at the recipe's length
+    (None until both best lrs are settled). Uncorrected p: these are exploratory."""
+    out = []
+    for a, b in design["contrasts"]:
+        lengths = {str(n): paired(runs, steps_name(design, a, n), steps_name(design, b, n), design["seeds"])
+                   for n in sorted(design["steps"])}
+        both = None
+        if a in best and b in best:
+            both = dict(lrs=[best[a], best[b]], **paired(runs, lr_name(design, a, best[a]), lr_name(design, b, best[b]),
+                                                         design["seeds"]))
+        out.append(dict(variant=a, baseline=b, lengths=lengths, at_best=both))
+    return out
+
+
 # --- c. the compute multiplier (its math: tools/multiplier.py) -----------------------------------------
 
 def multipliers(design, runs):
@@ -345,7 +364,7 @@ def analyze(design):
     result = dict(
         design={k: design[k] for k in ("base", "variants", "reference", "lrs", "tuning_seeds", "seeds", "steps", "ladder",
                                        "overrides", "score", "fit", "min_lr_ratio", "bootstrap", "bootstrap_seed",
-                                       "bench")},
+                                       "bench", "contrasts")},
         recipe=design["recipe"],
         eval_tokens=sorted({r["eval_tokens"] for r in everything.values() if r["eval_tokens"] is not None}),
         lr=dict(table=table, best=best_lrs(table, complete_only=False), settled=best_all, unsettled=unsettled,
@@ -354,7 +373,7 @@ def analyze(design):
                 comparison=dict(at_best=at_best(design, comp_runs, best_all), ranking_shared=cmp_shared,
                                 ranking_best=cmp_best, ranking_changes=(cmp_shared != cmp_best) if cmp_best
                                 and len(cmp_shared) == len(cmp_best) else None)),
-        gaps=gap, gap_change=change, recipe_steps=recipe_n,
+        gaps=gap, gap_change=change, contrasts=contrasts(design, comp_runs, best_all), recipe_steps=recipe_n,
         ladder=ladder_points(design, comp_runs), fit=None, multipliers=multipliers(design, comp_runs),
         bench=bench_ratios(design),
         runs=sorted(everything.values(), key=lambda r: (r["name"], r["seed"])),

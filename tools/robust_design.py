@@ -79,6 +79,14 @@ def load_design(path, out_dir=None):
     d.setdefault("bootstrap_seed", 0)
     if not _whole(d["bootstrap"]) or d["bootstrap"] < 1 or not _whole(d["bootstrap_seed"]):
         fail("bootstrap must be a whole number >= 1, bootstrap_seed a whole number")
+    d.setdefault("contrasts", [])
+    c = d["contrasts"]
+    if not isinstance(c, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2 for x in c):
+        fail('contrasts must be a list of (variant, baseline) pairs, e.g. [("rd_attnres", "block_attnres")]')
+    for a, b in c:
+        if a not in d["variants"] or b not in d["variants"] or a == b:
+            fail(f"contrast ({a!r}, {b!r}): two different variants of {list(d['variants'])}")
+    d["contrasts"] = [list(x) for x in c]
     d.setdefault("overrides", "")
     if not isinstance(d["overrides"], str):
         fail('overrides must be a "key=value ..." string')

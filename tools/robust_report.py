@@ -18,15 +18,16 @@ def _f(x, fmt, none="-"):
     return format(x, fmt)
 
 
-def _p(c):
-    text = f"{_f(c['p'], '.3f')} ({_f(c.get('p_holm'), '.3f')})"
+def _p(c, holm=True):
+    text = f"{_f(c['p'], '.3f')}" + (f" ({_f(c.get('p_holm'), '.3f')})" if holm else "")
     return text.replace("0.000", "<0.001")
 
 
-def _gap_cells(c):
+def _gap_cells(c, holm=True):
     if c is None or c["n"] == 0:
         return ["-", "-", "-"]
-    return [f"{c['mean']:+.4f} [{_f(c['ci95'][0], '+.4f')}, {_f(c['ci95'][1], '+.4f')}]", f"{c['wins']}/{c['n']}", _p(c)]
+    return [f"{c['mean']:+.4f} [{_f(c['ci95'][0], '+.4f')}, {_f(c['ci95'][1], '+.4f')}]", f"{c['wins']}/{c['n']}",
+            _p(c, holm)]
 
 
 def render(result, design):
@@ -119,6 +120,18 @@ def render(result, design):
     partial = [n for n in ns if any(g["n"] < seeds_n for g in by[n].values())]
     if partial:
         out.append(f"\nPartial: at {', '.join(map(str, partial))} steps not every comparison seed has finished (n above).")
+    if r["contrasts"]:
+        out += ["", "### Contrasts besides the reference (the design's `contrasts`)", "",
+                "Paired over the comparison seeds: Δ = variant - baseline, mean [95% t interval], wins/paired seeds, "
+                "two-sided paired t p, uncorrected (exploratory).", "",
+                "| variant - baseline | " + " | ".join(f"Δ at {n} steps [95% CI] | wins | p" for n in ns)
+                + " | Δ at both best lrs [95% CI] | wins | p | best lrs |",
+                "|" + " --- |" * (1 + 3 * len(ns) + 4)]
+        for c in r["contrasts"]:
+            cells = [x for n in ns for x in _gap_cells(c["lengths"][str(n)], holm=False)]
+            best = c["at_best"]
+            cells += _gap_cells(best, holm=False) + ([f"{best['lrs'][0]:g}, {best['lrs'][1]:g}"] if best else ["not settled"])
+            out.append(f"| `{c['variant']}` - `{c['baseline']}` | " + " | ".join(cells) + " |")
     # c.
     out += ["", "## c. Compute along the data axis: the reference needs X times the compute", "",
             f"A data multiplier: `{ref}` at one size trained for several lengths, not the papers' multiplier across model "
