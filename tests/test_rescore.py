@@ -110,7 +110,7 @@ def test_scores_of_other_data_are_recorded_and_never_the_run_s(copy, data_dir, t
     plain rescore called them up to date."""
     import shutil
 
-    from tools.report import whole_split_scores
+    from tools.rundirs import whole_split_scores
     other = tmp_path / "other"
     shutil.copytree(data_dir, other)
     assert rescore.main([str(copy), "--data_dir", str(other), "--tokens", "64"]) == 0

@@ -1,6 +1,7 @@
 """The tools around training, each run from the repository root as `python -m tools.<name>`:
 
     sweep           paired multi-seed runs: every variant x every seed, resumable, shared by processes
+    rundirs         a sweep's run directories as the tools read them: summary, whole-split scores, log
     report, stats   what the runs say: the family with gated controls, exploratory tests (stats: the tests)
     plots           the report's forest and gap-over-training plots
     rescore         finished runs scored on whole val and test splits

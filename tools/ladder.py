@@ -35,8 +35,8 @@ from pathlib import Path
 
 from depthres.files import write_file
 from tools.diagnose import pyplot, save_figure
-from tools.report import read_json, read_summary, whole_split_scores
 from tools.robust import flops_per_token
+from tools.rundirs import read_json, read_summary, whole_split_scores
 from tools.stats import paired_t, t_quantile
 from tools.sweep import in_root, load_sweep
 

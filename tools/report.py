@@ -39,12 +39,12 @@ import json
 import math
 import statistics
 import sys
-from contextlib import suppress
 from pathlib import Path
 
 from depthres.files import write_file
 from tools.diagnose import plot_curves
 from tools.plots import SHORT, plot_forest, plot_gaps, undefined
+from tools.rundirs import collect, collect_diverged, finite, run_dir
 from tools.stats import detectable, gated_holm, holm, paired_t, sign_flip_p, tost
 
 SCORES = {  # score -> what it is, as the tables say
@@ -53,108 +53,6 @@ SCORES = {  # score -> what it is, as the tables say
     "val_prefix": "the fixed validation prefix each run scores (eval_tokens)",
     "test_prefix": "the fixed test prefix each run scores (eval_tokens)",
 }
-
-
-# --- reading the runs --------------------------------------------------------------------------------
-
-def run_dir(spec, variant, seed):
-    return Path(spec["out_dir"]) / variant / f"seed{seed}"
-
-
-def read_json(path):
-    """A JSON object from a file, or None: not there, torn, or not an object."""
-    try:
-        x = json.loads(Path(path).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return x if isinstance(x, dict) else None
-
-
-def read_summary(d):
-    """A run directory's summary.json as a dict, or None: not there, or not a JSON object (a torn or
-    damaged file is an unfinished run: resumed at its last checkpoint, the run writes it again)."""
-    return read_json(Path(d) / "summary.json")
-
-
-def finite(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def tabulable(summary):
-    return summary is not None and finite(summary.get("val_loss"))
-
-
-def whole_split_scores(d, step):
-    """{"val": loss, "test": loss} of a run's scores.json (tools/rescore.py) when it scored the whole
-    splits of the checkpoint at `step` on the run's own data; {} otherwise (not scored yet, an older
-    checkpoint's, or scores of other data: rescore --data_dir)."""
-    scores = read_json(Path(d) / "scores.json")
-    if scores is None or scores.get("max_tokens") is not None or (step is not None and scores.get("step") != step) \
-            or scores.get("own_data") is False:
-        return {}
-    return {s: scores[s]["loss"] for s in ("val", "test") if isinstance(scores.get(s), dict)
-            and finite(scores[s].get("loss"))}
-
-
-def log_records(d):
-    """The JSON records of a run's log.jsonl (a torn or foreign line skipped; none without the file)."""
-    try:
-        lines = (Path(d) / "log.jsonl").read_bytes().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        with suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                records.append(record)
-    return records
-
-
-def divergence(d):
-    """The "diverged" record train.py left in a run's log.jsonl (its step and error), or None."""
-    return next((r for r in reversed(log_records(d)) if r.get("kind") == "diverged"), None)
-
-
-def val_curve(d):
-    """[(step, val loss)] of a run's log.jsonl."""
-    return [(r["step"], r["loss"]) for r in log_records(d)
-            if r.get("kind") == "eval" and r.get("split") == "val" and isinstance(r.get("step"), int)
-            and isinstance(r.get("loss"), (int, float))]
-
-
-def collect(spec):
-    """The finished runs: each summary.json with its variant, seed, whole-split scores ("whole") and
-    validation curve. A summary.json that cannot be read is a run not finished, with a note."""
-    runs = []
-    for variant in spec["variants"]:
-        for seed in spec["seeds"]:
-            d = run_dir(spec, variant, seed)
-            summary = read_summary(d)
-            if summary is None and (d / "summary.json").exists():
-                print(f"note: {d / 'summary.json'} is not a readable summary (torn or damaged): {variant} seed {seed} "
-                      "counts as unfinished; the sweep resumes it to write it again", file=sys.stderr)
-            elif summary is not None and not tabulable(summary):
-                print(f"note: {d / 'summary.json'} holds no finite val_loss: {variant} seed {seed} is left out of the "
-                      "tables (delete the file to run it again)", file=sys.stderr)
-            if tabulable(summary):
-                runs.append({"variant": variant, "seed": seed,
-                             **{k: v for k, v in summary.items() if k not in ("variant", "seed", "curve", "whole")},
-                             "run_dir": f"{variant}/seed{seed}",  # relative to out_dir: no machine's paths
-                             "whole": whole_split_scores(d, summary.get("step")),
-                             "curve": {str(step): loss for step, loss in val_curve(d)}})
-    return runs
-
-
-def collect_diverged(spec):
-    """The runs that diverged: variant, seed, and the step and error of train.py's record."""
-    out = []
-    for variant in spec["variants"]:
-        for seed in spec["seeds"]:
-            d = run_dir(spec, variant, seed)
-            if read_summary(d) is None and (record := divergence(d)) is not None:
-                out.append(dict(variant=variant, seed=seed, step=record.get("step"), error=record.get("error")))
-    return out
 
 
 # --- the statistics ----------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ test splits, not the fixed prefix (eval_tokens) the run itself evaluates.
 Writes scores.json into each run directory (atomically): {"step", "val": {"loss", "tokens"}, "test":
 {...}, "max_tokens", "data_dir", "own_data", "device", "autocast"}; train.py drops it when the run starts
 over or continues. data_dir is the prepared data it scored (resolved), own_data whether that is the
-run's own data_dir (tools/report.py uses only scores of the run's own data). A run whose scores.json is
+run's own data_dir (tools/rundirs.py reads only scores of the run's own data). A run whose scores.json is
 of its checkpoint's step, its --tokens and the data asked for is skipped unless --force.
 Before any compute: the data must hold the tokens the run's model reads (its tokenizer's name and
 fingerprint, and no id beyond the model's vocabulary: as tools/diagnose.py checks), and the run
@@ -38,7 +38,7 @@ from depthres.files import check_writable, os_error_message, write_file
 from depthres.run import evaluate
 from depthres.token_data import DataError, get_tokenizer, load_meta
 from tools.diagnose import find_data_dir
-from tools.report import run_dir
+from tools.rundirs import run_dir
 from tools.sweep import load_sweep
 
 

@@ -74,9 +74,10 @@ from depthres.files import write_file
 from model import GPT, GPTConfig
 from tools import sweep
 from tools.multiplier import bootstrap, fit_ladder, inside, multiple
-from tools.report import save_outputs, whole_split_scores
+from tools.report import save_outputs
 from tools.robust_design import SCORES, STAGES, bench_path, check_design_runs, load_design, lr_name, stage_spec, steps_name
 from tools.robust_report import plot, render, strict
+from tools.rundirs import whole_split_scores
 from tools.stats import holm, paired_t
 
 # --- the runs ---------------------------------------------------------------------------------------

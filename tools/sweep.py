@@ -84,7 +84,8 @@ from depthres import files
 from depthres.checkpoint import holds_checkpoint
 from depthres.config import build_model_config, control_character, parse_config
 from depthres.files import os_error_message
-from tools.report import SCORES, collect, divergence, read_summary, report, run_dir, unequal_twins, whole_split_scores
+from tools.report import SCORES, report, unequal_twins
+from tools.rundirs import collect, divergence, read_summary, run_dir, whole_split_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNED_KEYS = ("seed", "data_seed", "run_name", "out_dir")  # what the sweep sets for every run: its pairing
