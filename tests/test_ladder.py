@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+from depthres.config import build_model_config, parse_config, total_steps
+from model import GPT
 from tools import ladder, sweep
 from tools.stats import paired_t
 
@@ -39,17 +40,19 @@ def test_the_gpu_ladder_s_rung_is_the_family_s_standard_run():
     assert spec["out_dir"] != family["out_dir"]  # a sweep writes its report into its out_dir
     [(where, paired)] = spec["pairs"].items()
     assert str(sweep.in_root(where)) == str(family["out_dir"]) and set(paired) == set(family["variants"]) - {"standard"}
-    fpt, params = [], []
-    for name in spec["variants"]:
-        model = dict(kv.split("=") for kv in sweep.overrides(spec, name))
-        width = int(model.get("n_embd", 576))
-        assert int(model.get("n_head", 9)) * 64 == width and model["residual"] == "standard"
+    fpt, params = {}, {}
+    for name in spec["variants"]:  # each width as train.py builds it, with GPT-2's vocabulary
+        tc, settings = parse_config([spec["base"], *(f"--{kv}" for kv in sweep.overrides(spec, name))])
+        mc = build_model_config(settings, tc, {"vocab_size": 50257, "tokenizer": "gpt2"})
+        assert mc.residual == "standard" and mc.n_embd // mc.n_head == 64 and mc.n_layer == 16
         with torch.device("meta"):
-            m = GPT(GPTConfig(n_layer=16, n_embd=width, n_head=width // 64, block_size=1024, residual="standard"))
-        fpt.append(m.flops_per_token())
-        params.append(m.num_params())
-    assert max(params) / min(params) == pytest.approx(5.9, abs=0.05)
-    assert sum(fpt) * 2e9 * 3 / (989e12 * 0.4) / 3600 == pytest.approx(17.6, abs=0.05)  # GPU-hours, as stated
+            m = GPT(mc)
+        fpt[name], params[name] = m.flops_per_token(), m.num_params()
+        tokens = total_steps(tc) * tc.batch_tokens
+    assert round(params["w320"] / 1e6) == 52 and round(params["w1024"] / 1e6) == 304  # 52M-304M, 5.9x, as stated
+    assert [round(f / 1e6) for f in fpt.values()] == [277, 455, 669, 1062, 1718]  # MFLOP per token, as stated
+    hours = {n: f * tokens * 3 / (989e12 * 0.4) / 3600 for n, f in fpt.items()}  # 3 seeds at 40% MFU on an H100
+    assert round(sum(hours.values()), 1) == 17.6 and round(hours["w1024"], 1) == 7.2 and round(hours["w576"], 1) == 2.8
 
 
 def test_the_slope_fit_is_least_squares_with_its_standard_error():
@@ -72,6 +75,10 @@ def test_x_is_the_gap_through_the_slope_and_its_interval_spans_both_intervals():
     wide = ladder.multiplier(r, dict(alpha=0.1, se=0.2, df=3))  # the ladder does not fix the slope
     assert wide["alpha_lo"] < 0 and math.isinf(wide["hi"]) and 1 < wide["lo"] < 1.01  # a gain: unbounded above
     assert ladder.multiplier([-0.01], fit)["lo"] is None  # one seed: no interval
+    # a slope whose interval reaches just above 0: the interval is unbounded (inf), not an overflow
+    se = 0.03 / ladder.t_quantile(1 - 0.025 / 2, 3) * 0.9997  # alpha_lo = 0.03 * 0.0003
+    tiny = ladder.multiplier([-0.010, -0.012, -0.011], dict(alpha=0.03, se=se, df=3))
+    assert 0 < tiny["alpha_lo"] < 1e-4 and tiny["hi"] == math.inf and tiny["x"] == pytest.approx(math.exp(0.011 / 0.03))
 
 
 def coverage(sims, delta, sd_e, rho, seed, naive=False, alpha=0.08, sd_u=0.005):
@@ -141,6 +148,18 @@ def test_the_read_off_from_run_directories(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| `v` | 3 | " in out and "1.105 [1.105, 1.105]" in out and (tmp_path / "ladder" / "ladder.md").is_file()
     assert (tmp_path / "ladder" / "ladder.png").is_file() == (ladder.pyplot() is not None)
+
+
+@pytest.mark.skipif(ladder.pyplot() is None, reason="matplotlib is not installed")
+@pytest.mark.parametrize("alpha,x", [(0.05, math.inf), (-0.01, None), (0.05, 40.0)])
+def test_the_plot_draws_an_unbounded_or_missing_multiplier_and_a_ladder_that_does_not_fall(alpha, x, tmp_path):
+    sizes = {n: dict(n=2, flops=f, mean_log_loss=0.7 - alpha * math.log(f / 100), losses={"0": 2.0, "1": 2.01})
+             for n, f in (("a", 100.0), ("b", 200.0), ("c", 400.0))}
+    variant = dict(seeds=[0, 1], log_gaps={"0": -0.02, "1": -0.03}, flops_per_token_ratio=1.01, x_step=[x, None, None])
+    result = dict(sizes=sizes, rung="b", variants={"v": variant, "none": dict(variant, seeds=[])},
+                  fit=dict(a=0.7 + alpha * math.log(100), alpha=alpha))
+    assert ladder.plot(result, tmp_path / "ladder.png") == tmp_path / "ladder.png"
+    assert (tmp_path / "ladder.png").stat().st_size > 0
 
 
 def test_a_design_without_its_rung_is_one_error_line(tmp_path):

@@ -113,6 +113,7 @@ BAD_DESIGNS = {
     "contrast_unknown": (dict(contrasts='[("b", "c")]'), "contrast ('b', 'c'): two different variants of ['a', 'b']"),
     "contrast_itself": (dict(contrasts='[("b", "b")]'), "contrast ('b', 'b'): two different variants"),
     "contrast_not_a_pair": (dict(contrasts='[("b",)]'), "contrasts must be a list of (variant, baseline) pairs"),
+    "contrast_not_names": (dict(contrasts='[(["b"], "a")]'), "contrasts must be a list of (variant, baseline) pairs"),
     "unknown_key": (dict(variants='{"a": "", "b": "n_layers=4"}'), "unknown key 'n_layers' in the command line"),
     "raises": (dict(steps="[6] + 1"), "line 7: TypeError"),
     "seed_too_large": (dict(seeds="[0, 2**32]"), "error: seed 4294967296 (each run's seed and data_seed): seed must be "
@@ -332,6 +333,35 @@ def test_the_lr_is_chosen_on_tuning_seeds_only(tmp_path):
     text = robust.render(result, d)
     row = next(line for line in text.splitlines() if line.startswith("| `block` - `standard` |"))
     assert row.endswith("| -0.0200 [-0.0200, -0.0200] | 3/3 | <0.001 | 0.02, 0.01 |"), row
+
+
+def test_a_contrast_pairs_two_variants_besides_the_reference(tmp_path):
+    """a - b, neither the reference: at each length (one seed at 12 steps: no interval) and with a at its best lr
+    (the shared 0.01) against b at its own (0.005); unsettled until b's tuning has finished."""
+    d = design_file(tmp_path, variants='{"standard": "", "a": "residual=block_attnres", "b": "residual=rd_attnres"}',
+                    lrs="[0.005, 0.01]", steps="[4, 12]", ladder="[4, 12]", contrasts='[("a", "b")]')
+    out = tmp_path / "runs"
+    for v, losses in {"standard": (2.0, 1.9), "a": (2.0, 1.8), "b": (1.7, 1.9)}.items():  # lr 0.005, 0.01
+        for lr, loss in zip((0.005, 0.01), losses):
+            fake_run(out, robust.lr_name(d, v, lr), 100, loss, 4, lr=lr)
+    for s in (0, 1, 2):
+        for v, loss in {"standard": 1.95, "a": 1.80 + 0.01 * s, "b": 1.90 + 0.02 * s}.items():
+            fake_run(out, v, s, loss, 4)
+        fake_run(out, "b--lr0.005", s, 1.7, 4, lr=0.005)
+    for v, loss in {"a": 1.5, "b": 1.6}.items():
+        fake_run(out, robust.steps_name(d, v, 12), 0, loss, 12)
+    (c,) = robust.analyze(d)["contrasts"]
+    assert (c["variant"], c["baseline"]) == ("a", "b") and c["lengths"]["4"]["mean"] == pytest.approx(-0.11)
+    assert c["lengths"]["4"]["deltas"] == {"0": pytest.approx(-0.10), "1": pytest.approx(-0.11), "2": pytest.approx(-0.12)}
+    assert c["lengths"]["12"]["n"] == 1 and c["lengths"]["12"]["mean"] == pytest.approx(-0.1)
+    assert c["at_best"]["lrs"] == [0.01, 0.005] and c["at_best"]["against"] == "b--lr0.005"
+    assert c["at_best"]["mean"] == pytest.approx(0.11) and c["at_best"]["wins"] == 0
+    row = next(x for x in robust.render(robust.analyze(d), d).splitlines() if x.startswith("| `a` - `b` |"))
+    assert "| -0.1000 [-, -] | 1/1 | - |" in row, row  # one seed at 12 steps: no interval, no p
+    assert row.endswith("| +0.1100 [+0.0852, +0.1348] | 0/3 | 0.003 | 0.01, 0.005 |"), row
+    (out / "b--lr0.005" / "seed100").rename(out / "gone")  # b's tuning unfinished: its best lr is not settled
+    (c,) = robust.analyze(d)["contrasts"]
+    assert c["at_best"] is None and c["lengths"]["4"]["n"] == 3
 
 
 # --- the report ----------------------------------------------------------------------------------------

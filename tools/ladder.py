@@ -35,6 +35,7 @@ from pathlib import Path
 
 from depthres.files import write_file
 from tools.diagnose import pyplot, save_figure
+from tools.report import save_outputs
 from tools.robust import flops_per_token
 from tools.rundirs import read_json, read_summary, whole_split_scores
 from tools.stats import paired_t, t_quantile
@@ -57,6 +58,11 @@ def slope_fit(log_c, log_l):
     return dict(alpha=-b, a=a, se=se, df=df, residuals=residuals)
 
 
+def _exp(v):
+    """exp(v), inf where it overflows a float (an interval that the slope leaves unbounded)."""
+    return math.inf if v > 709.0 else math.exp(v)
+
+
 def _log_x(r, alpha):
     """-r / alpha, with alpha -> 0+ as its limit (an infinite multiplier, or none at r = 0)."""
     if alpha > 0:
@@ -71,7 +77,7 @@ def multiplier(r, fit, level=0.95):
     each = 1 - (1 - level) / 2  # each of the two intervals' confidence
     t = paired_t(list(r), confidence=each)
     alpha = fit["alpha"]
-    x = math.exp(-t["mean"] / alpha) if alpha > 0 and not math.isnan(t["mean"]) else None
+    x = _exp(-t["mean"] / alpha) if alpha > 0 and not math.isnan(t["mean"]) else None
     out = dict(x=x, lo=None, hi=None, r=t, alpha_lo=None, alpha_hi=None, level=level)
     if t["n"] < 2 or not fit["df"] > 0 or math.isnan(fit["se"]):
         return out
@@ -81,7 +87,7 @@ def multiplier(r, fit, level=0.95):
     if a_hi <= 0:  # the ladder does not fall with compute even at its steepest: no multiplier
         return out
     corners = [_log_x(rr, aa) for rr in (t["lo"], t["hi"]) for aa in (max(a_lo, 0.0), a_hi)]
-    out.update(lo=math.exp(min(corners)), hi=math.exp(max(corners)))
+    out.update(lo=_exp(min(corners)), hi=_exp(max(corners)))
     return out
 
 
@@ -186,20 +192,25 @@ def plot(result, path):
     ax.plot(cs, [math.exp(p["mean_log_loss"]) for p in sizes.values()], "o", color="black", mfc="none", ms=8,
             zorder=5, label=f"standard at {len(sizes)} sizes ({', '.join(sizes)}): seeds, geometric mean")
     rung = sizes[result["rung"]]
-    grid = [min(cs) / 1.15 * (max(cs) * 1.15 / (min(cs) / 1.15)) ** (k / 100) for k in range(101)]
+    reach = [rung["flops"] * c["x_step"][0] for c in result["variants"].values()  # where the dotted lines end
+             if c["x_step"][0] is not None and 0 < c["x_step"][0] < math.inf]
+    lo, hi = min(cs + reach) / 1.15, max(cs + reach) * 1.15
+    grid = [lo * (hi / lo) ** (k / 100) for k in range(101)]
     ax.plot(grid, [math.exp(fit["a"] - fit["alpha"] * math.log(c)) for c in grid], "-", color="black", lw=1,
-            label=f"fit: L = {math.exp(fit['a']):.3g} C^-{fit['alpha']:.4f}")
+            label=f"fit: L = {math.exp(fit['a']):.3g} C^{-fit['alpha']:+.4f}" + (" (does not fall: no X)"
+                                                                                  if fit["alpha"] <= 0 else ""))
     through = rung["mean_log_loss"] + fit["alpha"] * math.log(rung["flops"])  # the fit's parallel through the rung
     ax.plot(grid, [math.exp(through - fit["alpha"] * math.log(c)) for c in grid], "--", color="black", lw=0.8,
             label=f"its parallel through {result['rung']}")
     for i, (v, c) in enumerate(result["variants"].items()):
-        if not c["seeds"] or c["x_step"][0] is None:
+        if not c["seeds"]:
             continue
-        loss = math.exp(rung["mean_log_loss"] + statistics.fmean(c["log_gaps"].values()))
-        ax.plot([rung["flops"] * c["flops_per_token_ratio"]], [loss], "D", color=f"C{i}",
-                label=f"{v} (n {len(c['seeds'])}): X {c['x_step'][0]:.2f} step-matched")
-        ax.plot([rung["flops"] * c["flops_per_token_ratio"], rung["flops"] * c["x_step"][0]], [loss, loss], ":",
-                color=f"C{i}", lw=1)
+        loss = math.exp(rung["mean_log_loss"] + statistics.fmean(c["log_gaps"].values()))  # paired with the rung
+        x = c["x_step"][0]
+        ax.plot([rung["flops"] * c["flops_per_token_ratio"]], [loss], "Dsv^<>"[i % 6], color=f"C{i}", mfc="none",
+                mew=1.5, ms=7, label=f"{v} (n {len(c['seeds'])}): X " + ("-" if x is None else f"{x:.2f}") + " step-matched")
+        if x is not None and 0 < x < math.inf:
+            ax.plot([rung["flops"] * c["flops_per_token_ratio"], rung["flops"] * x], [loss, loss], ":", color=f"C{i}", lw=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
     from matplotlib.ticker import FormatStrFormatter  # matplotlib is there: pyplot() found it
@@ -246,9 +257,12 @@ def main(argv=None):
     print(text)
     out = Path(spec["out_dir"])
     if out.is_dir():
-        write_file(out / "ladder.md", (text + "\n").encode(), SystemExit)
-        write_file(out / "ladder.json", (json.dumps(strict(result), indent=1) + "\n").encode(), SystemExit)
-        plot(result, out / "ladder.png")
+        stale = out / "ladder.png"
+        if not result["fit"] and stale.exists():  # a picture of an older read-off would stand beside this one
+            stale.unlink()
+        save_outputs(out, {"ladder.md": lambda p: write_file(p, (text + "\n").encode()),
+                           "ladder.json": lambda p: write_file(p, (json.dumps(strict(result), indent=1) + "\n").encode()),
+                           "ladder.png": lambda p: plot(result, p)}, "the read-off above is complete")
     return 0
 
 

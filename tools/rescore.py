@@ -19,7 +19,7 @@ The numbers are those train.py's evaluation computes (the same function, depthre
 same windows of seq_len, the same batches, float64 sums), so with --tokens set to the run's eval_tokens
 they equal its logged losses bit for bit. On a CUDA machine the model runs there, under bfloat16
 autocast as train.py evaluates; elsewhere on the CPU in float32. A sweep scores each run it finishes
-this way (tools/sweep.py); tools/report.py reads the scores.
+this way (tools/sweep.py); the reports read the scores (tools/rundirs.py).
 Exit status: 0 done; 2 with one `error:` line (no checkpoint, a corrupt one, missing data or data of
 another tokenizer, a run directory that cannot be written: the scores are then printed, not saved).
 """

@@ -81,7 +81,8 @@ def load_design(path, out_dir=None):
         fail("bootstrap must be a whole number >= 1, bootstrap_seed a whole number")
     d.setdefault("contrasts", [])
     c = d["contrasts"]
-    if not isinstance(c, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2 for x in c):
+    if not isinstance(c, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2
+                                                   and all(isinstance(v, str) for v in x) for x in c):
         fail('contrasts must be a list of (variant, baseline) pairs, e.g. [("rd_attnres", "block_attnres")]')
     for a, b in c:
         if a not in d["variants"] or b not in d["variants"] or a == b:
