@@ -37,6 +37,7 @@ from depthres.files import os_error_message, write_figure, write_file
 from depthres.runlog import perplexity
 from depthres.token_data import DataError, eval_batches, load_meta
 from model import DARStream, site_name
+from tools.rundirs import val_curve
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs
 
@@ -280,18 +281,6 @@ def save_figure(plt, fig, path):
         write_figure(path, fig)
     finally:
         plt.close(fig)
-
-
-def val_curve(run):
-    """[(step, val loss)] from a run's log.jsonl; a line that is not a JSON record (the torn last line
-    of a killed run, or one being appended) is skipped."""
-    rows = []
-    for line in open(os.path.join(run, "log.jsonl")):
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return [(r["step"], r["loss"]) for r in rows if r.get("kind") == "eval" and r.get("split") == "val"]
 
 
 def plot_curves(groups, path):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from depthres.files import write_file
 from tools.diagnose import pyplot, save_figure
-from tools.report import save_outputs
+from tools.report import save_outputs, strict_json
 from tools.robust import flops_per_token
 from tools.rundirs import read_json, read_summary, whole_split_scores
 from tools.stats import paired_t, t_quantile
@@ -225,17 +225,6 @@ def plot(result, path):
     return path
 
 
-def strict(x):
-    """JSON without NaN or Infinity: null for a number that is not finite."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: strict(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [strict(v) for v in x]
-    return x
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("design", help="the ladder's sweep file, e.g. configs/ladder_cpu.py")
@@ -261,7 +250,7 @@ def main(argv=None):
         if not result["fit"] and stale.exists():  # a picture of an older read-off would stand beside this one
             stale.unlink()
         save_outputs(out, {"ladder.md": lambda p: write_file(p, (text + "\n").encode()),
-                           "ladder.json": lambda p: write_file(p, (json.dumps(strict(result), indent=1) + "\n").encode()),
+                           "ladder.json": lambda p: write_file(p, (json.dumps(strict_json(result), indent=1) + "\n").encode()),
                            "ladder.png": lambda p: plot(result, p)}, "the read-off above is complete")
     return 0
 
