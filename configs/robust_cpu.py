@@ -1,6 +1,6 @@
 # Does the advantage hold? (issue 26) The CPU design of tools/robust.py on configs/exp_cpu.py's recipe
 # (lr 3e-3 -> 3e-4 cosine, 400 steps of 1,024 byte tokens), scored on the whole validation split (the default
-# score; the report in docs/results/robust_cpu predates it and read the 64k-token val prefix, --score val_prefix):
+# score; docs/results/robust_cpu holds the report, from runs at commit 41cdbfb, and the runs' records in runs.tar.gz):
 #   python prepare_data.py --tokenizer byte        # once: data/shakespeare_byte
 #   OMP_NUM_THREADS=1 python -m tools.robust configs/robust_cpu.py &    # two processes share the runs,
 #   OMP_NUM_THREADS=1 python -m tools.robust configs/robust_cpu.py      # as two sweep processes do
