@@ -3,6 +3,7 @@
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 import sample
@@ -14,6 +15,16 @@ from tools import diagnose
 from runs import losses, run
 
 BEFORE_ISSUE35 = Path(__file__).parent / "fixtures" / "before_issue35"  # written by commit 22037cb (its README)
+
+
+def same_training(resumed, straight):
+    """Steps 4-6, trained here from the old checkpoint, are the straight run's bit for bit. Steps 1-3 are
+    the fixture's log, written on another machine: equal up to float32 rounding (on an AMD EPYC step 2's
+    logged loss differs by 8e-8 relative while every later step matches exactly)."""
+    r, s = losses(resumed), losses(straight)
+    assert [k for k, _ in r] == [k for k, _ in s] and len(r) == 6
+    assert r[3:] == s[3:]
+    assert [v for _, v in r[:3]] == pytest.approx([v for _, v in s[:3]], rel=1e-6, abs=0)
 
 
 def test_renamed_maps_only_the_old_names():
@@ -33,7 +44,7 @@ def test_a_checkpoint_from_before_the_renaming_loads_samples_diagnoses_and_resum
     found = diagnose.diagnose(str(run_dir), str(tmp_path / "diag"), tokens=256, batch_size=2, data_dir=str(data_dir))
     assert "routing_maps" in found
     run(data_dir, tmp_path, "--run_name=old", "--resume=true")
-    assert losses(run_dir) == losses(straight)  # steps 4-6 trained by this code: bit for bit the straight run's
+    same_training(run_dir, straight)  # steps 4-6 trained by this code from the old checkpoint
 
 
 def test_a_sharded_checkpoint_from_before_the_renaming_loads_and_resumes(data_dir, tmp_path, straight):
@@ -46,4 +57,4 @@ def test_a_sharded_checkpoint_from_before_the_renaming_loads_and_resumes(data_di
     assert gathered["model"].keys() == {renamed(k) for k in whole["model"]}
     assert all(torch.equal(v, gathered["model"][renamed(k)]) for k, v in whole["model"].items())
     run(data_dir, tmp_path, "--run_name=old", "--resume=true")
-    assert losses(run_dir) == losses(straight)
+    same_training(run_dir, straight)
