@@ -3,6 +3,7 @@
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,7 @@ def test_wandb_logs_every_record_and_a_resume_continues_its_run(data_dir, tmp_pa
             run(data_dir, tmp_path, *args)
     run_dir = tmp_path / "test"
     run_id = (run_dir / "wandb_id.txt").read_text().strip()
+    time.sleep(1.01 - time.time() % 1)  # W&B names an offline run's folder by the second: two in one second share it
     run(data_dir, tmp_path, "--resume=true", *args)
     first, resumed = map(read_wandb_run, sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}")))
     for wb in (first, resumed):
