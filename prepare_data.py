@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from depthres.config import TrainConfig
-from depthres.files import DirLock, os_error_message, sync_dir
+from depthres.files import lock_dir, os_error_message, sync_dir
 from depthres.sources import BUILDERS, READ_CHARS, format_of, hub_texts, json_texts, local_files, parquet_texts, text_blocks
 from depthres.token_data import (
     DATA_DIR,
@@ -462,7 +462,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(os_error_message(e, out_dir)) from None
-    lock = DirLock(out_dir, "prepare_data.py run", DataError)
+    lock = lock_dir(out_dir, "prepare_data.py run", DataError)
     staging, swapping = out_dir / STAGING, False  # swapping: out_dir's previous preparation is being replaced
     had = (out_dir / "meta.json").exists()
     try:

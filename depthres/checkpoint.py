@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from depthres.config import total_steps
-from depthres.files import DirLock, write_atomic, writing
+from depthres.files import Lock, lock_dir, write_atomic, writing
 from model import GPT, GPTConfig
 
 CKPT_FORMAT = "depthres-ckpt-2"
@@ -428,8 +428,8 @@ def read_log(path, last_step, finished=False):
     """The lines of a log.jsonl whose step is at most `last_step`: what a run resumed from a
     checkpoint at that step keeps (what a killed run logged after its checkpoint is redone). With
     `finished` (the checkpoint is the run's last step), the records of that step other than its
-    train record go too: a resumed finished run redoes its final evaluations; so does a resume record
-    at that step (the resume that reads this log writes its own). A line that is not a
+    train record go too: a resumed finished run redoes its final evaluations; so do the resume and
+    start records at that step (the resume that reads this log writes its own). A line that is not a
     JSON record (the torn last line of a kill or a full disk) is dropped, with a note. So every
     (kind, split, step) is logged once, whatever kills and resumes came before."""
     if not path.exists():
@@ -445,8 +445,9 @@ def read_log(path, last_step, finished=False):
             if line.strip():
                 torn.append(n)
             continue
-        if step < last_step or (step == last_step and (kind == "train" or not finished) and kind != "resume"):
-            kept.append(line)  # (the resume record at last_step is this resume's to write)
+        if step < last_step or (step == last_step and (kind == "train" or not finished)
+                                and kind not in ("resume", "start")):
+            kept.append(line)  # (the resume and start records at last_step are this resume's to write)
     if torn:
         print(f"note: {path}: dropped {len(torn)} unreadable line(s) ({', '.join(map(str, torn[:5]))}), "
               "as a kill or a full disk leaves them", file=sys.stderr)
@@ -455,19 +456,29 @@ def read_log(path, last_step, finished=False):
 
 def never_started(run_dir, held):
     """Whether a run directory holding the files `held` holds only what a run writes at its start (its
-    config, an empty log, its W&B id) and nothing it computed."""
-    if not set(held) <= {"config.json", "log.jsonl", "wandb_id.txt"}:
-        return False
-    log = run_dir / "log.jsonl"
+    config, a log of "start" records alone, its W&B id) and nothing it computed."""
+    return set(held) <= {"config.json", "log.jsonl", "wandb_id.txt"} and not logged_compute(run_dir / "log.jsonl")
+
+
+def logged_compute(log):
+    """Whether a log.jsonl holds a record of anything computed: a line that is not a "start" record
+    (provenance, written before step 1; a torn line counts as computed)."""
     with writing(log, RunDirError):
-        return not log.exists() or not log.read_bytes().strip()
+        lines = log.read_bytes().splitlines() if log.exists() else []
+    for line in filter(bytes.strip, lines):
+        try:
+            if json.loads(line).get("kind") != "start":
+                return True
+        except (ValueError, AttributeError):
+            return True
+    return False
 
 
 @dataclass
 class Claim:
     """What rank 0 holds of the run directory: its lock, the checkpoint to start from (or None),
     whether that is this directory's own run (resume=true), and the log lines that run keeps."""
-    lock: DirLock
+    lock: Lock
     ckpt: dict | None
     continuing: bool
     kept_log: list
@@ -485,7 +496,7 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
         check_resumable(ckpt, source, mc, tokenizer, last_step, tc)
     with writing(run_dir, RunDirError):
         run_dir.mkdir(parents=True, exist_ok=True)
-    lock = DirLock(run_dir, "run", RunDirError)
+    lock = lock_dir(run_dir, "run", RunDirError)
     try:
         if source == run_dir and not holds_checkpoint(run_dir) and not (run_dir / "summary.json").exists():
             # resume=true, stopped (or never started) before its first checkpoint: nothing to continue, so

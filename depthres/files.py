@@ -10,7 +10,12 @@ Files that are never half-written, and directories that one process at a time wr
     check_writable(directory)          that a directory takes a file, before the work that writes there
     writing(path, Error)               an OSError (disk full, read-only, no permission) becomes Error,
                                        one line naming the path
-    DirLock(directory, owner, Error)   an exclusive lock on a directory for this process' life
+    try_lock(path)                     an exclusive flock on one file (a Lock), or None while a live
+                                       process holds it; holder(path) names that process
+    lock_dir(directory, owner, Error)  try_lock on a directory's .lock, or Error naming its holder
+
+A lock file is never opened through a symbolic link (O_NOFOLLOW): a link planted at a lock's path is
+refused, never followed to truncate and write a file elsewhere.
 
 Every file the project writes whole goes through write_atomic: the token shards (token_data.py,
 prepare_data.py), the run directory (checkpoint.py, runlog.py, run.py) and every tool's output.
@@ -29,7 +34,9 @@ def os_error_message(e, path):
     """One line for an OSError met while writing `path`."""
     reason = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
               errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-              errno.EPERM: "permission denied"}.get(e.errno, e.strerror or str(e))
+              errno.EPERM: "permission denied",
+              errno.ELOOP: "it is a symbolic link (remove it: nothing here is written through a link)",
+              }.get(e.errno, e.strerror or str(e))
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{reason} writing {path}"
     return f"cannot write {path}: {reason}"
@@ -102,31 +109,77 @@ def sync_dir(path):
         os.close(fd)
 
 
-class DirLock:
-    """An exclusive lock on a directory for this process' life: flock on its .lock file, which
-    holds the owner's pid and host. The OS releases it when the process exits, however it exits."""
+def open_lock(path):
+    """`path` opened for flock, made (0644) if missing, never through a symbolic link (an OSError, ELOOP).
+    An entry this process cannot open for writing (a directory, a read-only file) is opened read-only:
+    flock needs only an open file."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise
+        try:
+            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            raise e from None
 
-    def __init__(self, directory, owner, error=RuntimeError, name=".lock"):
-        """Lock `directory` (which must exist) through its file `name`, or raise `error` naming the
-        process that holds it; `owner` says what holds such locks ("run", "prepare_data.py run")."""
-        self.path = Path(directory) / name
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise error(os_error_message(e, self.path)) from None
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 256, 0).decode(errors="replace").split()
-            os.close(self.fd)
-            pid = holder[0] if holder else "unknown"
-            where = f" on {holder[1]}" if len(holder) > 1 and holder[1] != socket.gethostname() else ""
-            raise error(f"{directory} is in use by another {owner} (pid {pid}{where})") from None
-        with suppress(OSError):  # the pid is for messages only; a full disk must not stop the lock
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+
+class Lock:
+    """An exclusive flock on an open file, held until release() or this process' end (the OS releases it
+    however the process ends)."""
+
+    def __init__(self, fd):
+        self.fd = fd
 
     def release(self):
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def try_lock(path):
+    """A Lock on `path` (open_lock), with this process' pid and host written in it where it can be; None
+    while a live process holds it. An OSError if `path` cannot be opened."""
+    fd = open_lock(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    with suppress(OSError):  # the pid is for messages only: a full disk or a directory must not stop the lock
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    return Lock(fd)
+
+
+def holder(path):
+    """(pid, host) as strings of the process that holds a flock on `path` ("unknown" where it wrote
+    none), or None when no live process does (or there is no such file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None  # nobody holds it (closing the file lets go at once)
+    except BlockingIOError:
+        who = os.pread(fd, 256, 0).decode(errors="replace").split()
+        return (who[0] if who else "unknown", who[1] if len(who) > 1 else "unknown")
+    finally:
+        os.close(fd)
+
+
+def lock_dir(directory, owner, error=RuntimeError, name=".lock"):
+    """A Lock on `directory` (which must exist) for this process' life, through its file `name`, or
+    `error` naming the process that holds it; `owner` says what holds such locks ("run",
+    "prepare_data.py run")."""
+    path = Path(directory) / name
+    try:
+        lock = try_lock(path)
+    except OSError as e:
+        raise error(os_error_message(e, path)) from None
+    if lock is None:
+        pid, host = holder(path) or ("unknown", "unknown")
+        where = f" on {host}" if host not in ("unknown", socket.gethostname()) else ""
+        raise error(f"{directory} is in use by another {owner} (pid {pid}{where})")
+    return lock

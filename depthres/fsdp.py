@@ -59,7 +59,7 @@ from depthres.checkpoint import (
     verify_files,
 )
 from depthres.distributed import agreed, shard
-from depthres.files import DirLock, os_error_message, sync_dir, write_file, writing
+from depthres.files import lock_dir, os_error_message, sync_dir, write_file, writing
 from model import GPT, RENAMED, GPTConfig, InitialWeights, renamed
 
 
@@ -324,7 +324,7 @@ def export(path, out=None, overwrite=False):
     out = Path(out) if out is not None else run_dir / "ckpt.pt"
     check_export_target(out, run_dir, overwrite)
     into = out.resolve().parent
-    lock = DirLock(into, "run", RunDirError) if (into / ".lock").exists() or any(
+    lock = lock_dir(into, "run", RunDirError) if (into / ".lock").exists() or any(
         (into / name).exists() for name in RUN_FILES) else None  # a run directory: not while a run holds it
     try:
         ckpt = whole_checkpoint(found)

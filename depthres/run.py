@@ -34,6 +34,7 @@ from depthres.checkpoint import (
     RunDirError,
     claim_run_dir,
     last_good,
+    logged_compute,
     resume_path,
     rng_state,
     save_checkpoint,
@@ -57,7 +58,7 @@ from depthres.distributed import (
 )
 from depthres.files import write_file, writing
 from depthres.fsdp import load_sharded, remove_sharded, save_sharded
-from depthres.runlog import Progress, RunLog, peak_flops, require_wandb, start_wandb
+from depthres.runlog import Progress, RunLog, peak_flops, provenance, require_wandb, run_provenance, start_wandb
 from depthres.token_data import DataError, TokenLoader, check_split, eval_batches, load_meta
 from model import GPT, GPTConfig
 
@@ -261,6 +262,7 @@ def start_log(run):
             {"kind": "resume", "step": run.ckpt["step"], "from": str(source), "changed": changed})
         # the checkpoint this run continues is its last good one until it writes its own
         run.saved = (run.step, run.ckpt.get("sharded") or (source / "ckpt.pt" if source.is_dir() else source))
+    log(None, provenance(run.step))
     peak = peak_flops(dist.device)
     # tokens/s of each log interval, those a resumed run kept too: the summary gives their median
     speeds = [r["tokens_per_s"] for r in map(json.loads, claim.kept_log if claim else []) if "tokens_per_s" in r]
@@ -429,6 +431,8 @@ def summarize(run, val_loss, test_loss, progress):
                # CUDA: peak allocated; CPU: peak resident set; the largest of any rank's, then each rank's
                "peak_memory_bytes": peak, "peak_memory_bytes_per_rank": peaks}
     if run.dist.master:
+        summary |= run_provenance([r for r in map(json.loads, run.log.path.read_text().splitlines())
+                                   if r.get("kind") == "start"])
         write_file(run.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), RunDirError)
     run.log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return summary
@@ -477,7 +481,7 @@ def compile_message(e, run):
     """One line for a compilation that failed: torch's first line (its message runs to a hundred)."""
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
     first = first if len(first) <= 300 else first[:297] + "..."
-    logged = run.dist.master and run.log.path.exists() and run.log.path.read_bytes().strip()
+    logged = run.dist.master and logged_compute(run.log.path)
     again = "resume with --resume=true" if run.saved or logged else "run the same command again"
     when = f"after step {run.step}" if run.step else "at step 1"
     return (f"compile=true, but torch.compile failed {when} ({type(e).__name__}: {first}); "

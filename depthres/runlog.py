@@ -1,13 +1,18 @@
 """
 What a run reports: log lines on stdout, one JSON record per logged step and per evaluation in
 log.jsonl, the same records in Weights & Biases when asked (optional: imported only with
-wandb_log=true), and how far the run is (Progress: elapsed time and ETA).
+wandb_log=true), how far the run is (Progress: elapsed time and ETA), and where it ran (provenance:
+each start of a run, fresh or resumed, is a "start" record of the commit, torch, host and UTC time).
 """
 
 import json
 import math
 import re
+import socket
+import subprocess
 import time
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
@@ -38,6 +43,45 @@ class RunLog:
         if self.tracker is not None:
             self.tracker.finish(exit_code=0 if clean else 1)
             self.tracker = None
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def utc_now():
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def git_commit(root=ROOT):
+    """(the checkout's commit, whether its tracked files differ from it), or (None, None) outside a git
+    checkout (an exported copy, no git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30)
+        diff = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if head.returncode != 0 or diff.returncode != 0:
+        return None, None
+    return head.stdout.strip(), bool(diff.stdout.strip())
+
+
+def provenance(step):
+    """The "start" record of a run's start (fresh, or resumed at `step`): what code, torch and host
+    trained from here, and when (UTC)."""
+    commit, dirty = git_commit()
+    return {"kind": "start", "step": step, "utc": utc_now(), "commit": commit, "dirty": dirty,
+            "torch": torch.__version__, "host": socket.gethostname()}
+
+
+def run_provenance(starts):
+    """A finished run's provenance for summary.json, from its "start" records (log.jsonl): when it started
+    and finished (UTC), and every commit (with "+dirty" where the tree was), torch and host it ran on."""
+    def distinct(values):
+        return sorted({v for v in values if v is not None})
+    return {"started_utc": starts[0]["utc"] if starts else None, "finished_utc": utc_now(),
+            "commits": distinct(r["commit"] and r["commit"] + ("+dirty" if r["dirty"] else "") for r in starts),
+            "torch": distinct(r["torch"] for r in starts), "hosts": distinct(r["host"] for r in starts)}
 
 
 def require_wandb():
@@ -75,7 +119,7 @@ def track(run, record):
         return
     kind = record.get("split", record["kind"])
     metrics = {f"{kind}/{k}": v for k, v in record.items()
-               if k not in ("kind", "split", "step") and isinstance(v, (int, float))}
+               if k not in ("kind", "split", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)}
     if metrics:
         run.log(metrics, step=record["step"])
 

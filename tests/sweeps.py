@@ -23,7 +23,7 @@ def fake_train(diverging=(), ran=None):
     """A run_child that does what train.py does to its run directory: it holds the directory's lock (a
     second one is 'in use by another run', status 1), and finishes it or, for `diverging` variants,
     leaves its log.jsonl ending on a diverged record (status 1)."""
-    from depthres.files import DirLock
+    from depthres.files import lock_dir
 
     def run(cmd):
         arg = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in cmd if a.startswith("--")}
@@ -31,7 +31,7 @@ def fake_train(diverging=(), ran=None):
         variant, seed = d.parent.name, int(arg["--seed"])
         d.mkdir(parents=True, exist_ok=True)
         try:
-            lock = DirLock(d, "run")
+            lock = lock_dir(d, "run")
         except RuntimeError:
             return 1
         try:

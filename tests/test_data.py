@@ -453,8 +453,8 @@ def test_two_preparations_into_one_directory_one_is_refused(tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from depthres.files import DirLock; "
-                               "DirLock(sys.argv[1], 'prepare_data.py run'); print('locked', flush=True); "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from depthres.files import lock_dir; "
+                               "lock_dir(sys.argv[1], 'prepare_data.py run'); print('locked', flush=True); "
                                "time.sleep(60)", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
@@ -465,6 +465,18 @@ def test_two_preparations_into_one_directory_one_is_refused(tmp_path, capsys):
         holder.kill()
         holder.wait()
     assert prep(src, out) == 0  # the lock went with the process that held it
+
+
+def test_a_link_planted_as_the_data_lock_is_refused_not_followed(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("a user's file\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".lock").symlink_to(outside)
+    assert prep(src, out) == 2
+    assert "it is a symbolic link" in capsys.readouterr().err
+    assert outside.read_text() == "a user's file\n"
 
 
 # -----------------------------------------------------------------------------

@@ -531,11 +531,11 @@ def test_a_sweep_run_dies_with_the_sweep(tmp_path):
 
 
 def test_a_run_held_by_another_process_is_skipped_not_fatal(tmp_path, monkeypatch, capsys):
-    from depthres.files import DirLock
+    from depthres.files import lock_dir
     spec = sweep_spec(tmp_path)
     busy = tmp_path / "runs" / "a" / "seed0"
     busy.mkdir(parents=True)
-    orphan = DirLock(busy, "run")  # a train.py still running it (an orphan of a killed sweep, or by hand)
+    orphan = lock_dir(busy, "run")  # a train.py still running it (an orphan of a killed sweep, or by hand)
     ran = []
     monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
     try:
@@ -638,3 +638,16 @@ def test_sweep_paths_and_where_table_only_looked(tmp_path, monkeypatch, capsys):
     assert sweep.main([str(path), "--out_dir", "mine"]) == 0  # from another directory: base found, --out_dir here
     assert len(ran) == 4 and (elsewhere / "mine" / "results.json").exists()
     assert not (ROOT / "runs" / "sweep_nowhere_28").exists()
+
+
+def test_a_link_planted_as_a_claim_is_refused_not_followed(tmp_path, monkeypatch):
+    spec = sweep_spec(tmp_path, variants=("a",), seeds=(0,))
+    outside = tmp_path / "outside.txt"
+    outside.write_text("a user's file\n")
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / ".seed0.sweep-lock").symlink_to(outside)
+    ran = []
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
+    with pytest.raises(SystemExit, match="error: .*seed0.sweep-lock: it is a symbolic link"):
+        sweep.run_all(spec, launcher="")
+    assert ran == [] and outside.read_text() == "a user's file\n"

@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -93,8 +94,8 @@ def test_cli_sigterm_stops_with_a_checkpoint_and_a_second_run_is_refused(data_di
 def test_the_lock_goes_with_the_process_that_held_it(data_dir, tmp_path):
     run_dir = tmp_path / "test"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from depthres.files import DirLock; "
-                               "DirLock(sys.argv[1], 'run'); print('locked', flush=True); time.sleep(60)",
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from depthres.files import lock_dir; "
+                               "lock_dir(sys.argv[1], 'run'); print('locked', flush=True); time.sleep(60)",
                                str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
     with pytest.raises(checkpoint.RunDirError, match=f"is in use by another run \\(pid {holder.pid}\\)"):
@@ -103,6 +104,17 @@ def test_the_lock_goes_with_the_process_that_held_it(data_dir, tmp_path):
     holder.kill()  # kill -9: no chance to clean up
     holder.wait()
     run(data_dir, tmp_path, "--max_steps=1")
+
+
+def test_a_link_planted_as_the_lock_is_refused_not_followed(data_dir, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("a user's file\n")
+    run_dir = tmp_path / "test"
+    run_dir.mkdir()
+    (run_dir / ".lock").symlink_to(outside)
+    with pytest.raises(checkpoint.RunDirError, match="it is a symbolic link"):
+        run(data_dir, tmp_path, "--max_steps=1")
+    assert outside.read_text() == "a user's file\n"  # neither truncated nor written "PID HOST"
 
 
 def test_resume_tolerates_a_torn_last_log_line(data_dir, tmp_path, monkeypatch, straight):
@@ -147,6 +159,29 @@ def test_kill_9_in_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path,
     run(data_dir, tmp_path, "--resume=true")
     assert_same_run(run_dir, straight)
     assert steps(run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_every_start_records_its_commit_torch_host_and_time(data_dir, tmp_path, monkeypatch):
+    """Provenance: a "start" record per start of the run (fresh, then each resume), and the summary's
+    UTC span and the commits, torch and hosts of all of them."""
+    monkeypatch.setattr(train, "train_step", kill_in_step(4, signal.SIGTERM))
+    with pytest.raises(Stopped):
+        run(data_dir, tmp_path)
+    monkeypatch.undo()
+    monkeypatch.setattr(runlog, "git_commit", lambda: ("f" * 40, True))  # as if resumed from another, edited checkout
+    run(data_dir, tmp_path, "--resume=true")
+    starts = records(tmp_path / "test", "start")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    first = starts[0]
+    assert [r["step"] for r in starts] == [0, 4] and starts[1]["commit"] == "f" * 40 and starts[1]["dirty"] is True
+    if commit.returncode == 0:  # a git checkout (not an exported copy)
+        assert first["commit"] == commit.stdout.strip() and isinstance(first["dirty"], bool)
+    assert first["torch"] == torch.__version__ and first["host"] == socket.gethostname()
+    summary = json.loads((tmp_path / "test" / "summary.json").read_text())
+    assert summary["started_utc"] == first["utc"] <= starts[1]["utc"] <= summary["finished_utc"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", summary["finished_utc"])
+    assert "f" * 40 + "+dirty" in summary["commits"] and summary["torch"] == [torch.__version__]
+    assert summary["hosts"] == [socket.gethostname()]
 
 
 def test_sigterm_or_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path, monkeypatch, straight):
@@ -291,7 +326,7 @@ def test_a_sharded_checkpoint_of_one_process_exports_bit_for_bit(tmp_path, strai
 def test_export_never_writes_inside_its_source_nor_over_another_run(tmp_path, capsys, straight):
     """export_ckpt --out into the checkpoint it reads is refused (it overwrote a shard, exit 0); into another
     run's directory or over a file only with --overwrite; never into a run directory a live run holds."""
-    from depthres.files import DirLock
+    from depthres.files import lock_dir
     from tools import export_ckpt
 
     run_dir = sharded_copy(straight, tmp_path / "run")
@@ -320,7 +355,7 @@ def test_export_never_writes_inside_its_source_nor_over_another_run(tmp_path, ca
         2, f"error: --out {other / 'ckpt.pt'} is in another run's directory (config.json, log.jsonl): that run's "
            "--resume=true would continue from this export; pass --overwrite if it should, or choose another path\n")
     assert export("--out", str(stranger))[0] == 2 and stranger.read_text() == "a user's file"
-    lock = DirLock(other, "run")  # a live run in it
+    lock = lock_dir(other, "run")  # a live run in it
     try:
         status, err = export("--out", str(other / "ckpt.pt"), "--overwrite")
         assert status == 2 and err == f"error: {other} is in use by another run (pid {os.getpid()})\n"
@@ -433,14 +468,16 @@ def test_a_resumed_finished_run_logs_each_record_once(data_dir, tmp_path, straig
     once = record_keys(run_dir)
     assert len(once) == len(set(once)) and ("eval", "test", 6) in once
     run(data_dir, tmp_path, "--run_name=done", "--resume=true")  # a finished run: its final evaluations redone
-    resumed = [k for k in record_keys(run_dir) if k[0] != "resume"]
-    assert resumed == once and record_keys(run_dir).count(("resume", None, 6)) == 1  # and the resume, recorded
+    resumed = [k for k in record_keys(run_dir) if k[0] not in ("resume", "start")]
+    assert resumed == [k for k in once if k[0] != "start"]  # and the resume, recorded with its start:
+    assert record_keys(run_dir).count(("resume", None, 6)) == 1 and record_keys(run_dir).count(("start", None, 6)) == 1
     assert untimed(run_dir) == untimed(straight)
     # killed after the last checkpoint, before summary.json: the same (the resume record of step 6 replaced)
     (run_dir / "summary.json").unlink()
     run(data_dir, tmp_path, "--run_name=done", "--resume=true")
-    assert [k for k in record_keys(run_dir) if k[0] != "resume"] == once and (run_dir / "summary.json").exists()
-    assert record_keys(run_dir).count(("resume", None, 6)) == 1
+    assert [k for k in record_keys(run_dir) if k[0] not in ("resume", "start")] == [k for k in once if k[0] != "start"]
+    assert (run_dir / "summary.json").exists() and record_keys(run_dir).count(("start", None, 6)) == 1
+    assert record_keys(run_dir).count(("resume", None, 6)) == 1 and record_keys(run_dir).count(("start", None, 0)) == 1
     speed = statistics.median(r["tokens_per_s"] for r in records(run_dir))  # the run's, kept from its log
     assert json.loads((run_dir / "summary.json").read_text())["tokens_per_s"] == pytest.approx(speed)
 

@@ -38,6 +38,7 @@ def test_log_lines_say_how_far_the_run_is(data_dir, tmp_path, capsys):
     assert re.search(rf"^step 2/4 \(50\.0%\) \| loss [\d.]+ \| .* ms/step \| {clock} elapsed, ETA {clock}$", out, re.M)
     assert re.search(rf"^step 4/4 \| val loss [\d.]+ \| ppl [\d.]+ \| 1,024 tokens \| {clock} elapsed$", out, re.M)
     lines = [json.loads(line) for line in (tmp_path / "test" / "log.jsonl").read_text().splitlines()]
+    assert set(lines.pop(0)) == {"kind", "step", "utc", "commit", "dirty", "torch", "host"}  # the start record
     train_keys = {"kind", "step", "loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "elapsed_s", "eta_s"}
     eval_keys = {"kind", "split", "step", "loss", "ppl", "tokens", "elapsed_s"}
     assert [set(r) for r in lines] == [train_keys] * 2 + [eval_keys] + [train_keys] * 2 + [eval_keys] * 2
@@ -126,10 +127,10 @@ def read_wandb_run(offline_run_dir):
 
 
 def as_logged(record):
-    """What runlog.track sends W&B of a record: its numbers (a resume record has none)."""
+    """What runlog.track sends W&B of a record: its numbers, not its flags (a resume or start record has none)."""
     kind = record.get("split", record["kind"])
     return {f"{kind}/{k}": v for k, v in record.items()
-            if k not in ("kind", "split", "step") and isinstance(v, (int, float))}
+            if k not in ("kind", "split", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def test_wandb_logs_every_record_and_a_resume_continues_its_run(data_dir, tmp_path, monkeypatch):

@@ -65,19 +65,16 @@ match its twin (one `warning:` line; the Twins table says no), whether or not ru
 
 import argparse
 import ctypes
-import fcntl
 import importlib.util
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import traceback
 from collections import Counter
-from contextlib import suppress
 from pathlib import Path
 
 from depthres import files
@@ -313,41 +310,6 @@ def status(spec, variant, seed):
     return "diverged" if divergence(d) else None
 
 
-class Claim:
-    """A flock held on an open file until release() or this process' end (the OS releases it however
-    the process ends), with the holder's pid and host written in it where it can be."""
-
-    def __init__(self, fd):
-        self.fd = fd
-
-    def release(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def lock_file(path, create):
-    """A Claim on `path`, None when a live process holds it. A claim entry that this process cannot open
-    for writing (a directory, a read-only file) is locked as it is: flock needs only an open file, and a
-    claim is held only while a live process holds its lock, whatever is at the path."""
-    try:
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
-    except OSError as e:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            raise e from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    with suppress(OSError):  # for messages only (a directory takes no pid)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-    return Claim(fd)
-
-
 def claim(spec, variant, seed):
     """This process' claim on a run (a lock beside its directory), or None when another sweep process
     holds it: several sweep processes on one sweep file share its runs, each taking the next free one.
@@ -356,7 +318,7 @@ def claim(spec, variant, seed):
     path = d.parent / f".{d.name}.sweep-lock"
     try:
         d.parent.mkdir(parents=True, exist_ok=True)
-        return lock_file(path, create=True)
+        return files.try_lock(path)
     except OSError as e:
         fail(f"{os_error_message(e, e.filename or path)}: the sweep claims each run beside its directory before "
              f"it runs it; make {spec['out_dir']} writable, or choose another out_dir")
@@ -365,21 +327,8 @@ def claim(spec, variant, seed):
 def holder(d):
     """The pid (a string) of the process that holds a run directory's own lock (train.py's .lock), or
     None: a run still going on without this sweep (another train.py, a run left by a killed sweep)."""
-    lock = Path(d) / ".lock"
-    if not lock.is_file():
-        return None
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return None  # nobody holds it (closing the file lets go at once)
-    except BlockingIOError:
-        who = os.pread(fd, 256, 0).decode(errors="replace").split()
-        return who[0] if who else "unknown"
-    finally:
-        os.close(fd)
+    who = files.holder(Path(d) / ".lock")
+    return who and who[0]
 
 
 def check_writable(spec):
