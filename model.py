@@ -4,24 +4,22 @@ A decoder-only GPT with depth-routing residual connections.
 Every residual variant answers two questions for sublayer j (attention or MLP, L = 2 * n_layer of
 them): what is its input h_j, and where does its output y_j = F_j(PreNorm_j(h_j)) go? The sublayers
 never change; GPT.forward's loop asks the variant's stream: h_j = stream.read(j), stream.write(j, y_j).
-VARIANTS.md is the math; section numbers below refer to it. This file is that math, plainly.
+VARIANTS.md is the math; section numbers below refer to it. This file is that math, in plain autograd.
 
-The default depth_impl="two_phase" runs the same streams faster from model_fast.py, tested equal to
-the plain ones here in float64, values and gradients, by tests/test_routing.py.
+The default depth_impl="two_phase" swaps in the fast twins of model_fast.py (GPT.start_stream), tested
+equal to the plain streams here in float64, values and gradients (tests/test_routing.py). Reading this
+file needs nothing from that one.
 """
 
 import hashlib
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch._functorch.config
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-
-import model_fast as fast
-from kernels import compute_dtype, float32_routing, in_float32, matmul32, norm_project
 
 
 @dataclass
@@ -46,7 +44,7 @@ class GPTConfig:
     denseformer_dilation: int | None = None  # k, in transformer layers; denseformer only; None means 1
     denseformer_period: int | None = None  # p, a DWA after every p-th layer; denseformer only; None means 1
     delta_block_size: int | None = None  # S, in sublayers; delta_attnres only; None means 1 (per sublayer)
-    depth_impl: str = "two_phase"  # "two_phase" (model_fast.py) or "reference" (this file's plain streams)
+    depth_impl: str = "two_phase"  # "two_phase" (model_fast.py's twins) or "reference" (this file's plain streams)
     depth_chunk: int = 4  # two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)
     activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (memory only)
 
@@ -69,18 +67,18 @@ def rotary(x, cos, sin):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, norm_project=None):
         super().__init__()
         d = cfg.n_embd
         self.n_head, self.head_dim = cfg.n_head, d // cfg.n_head
-        self.recompute = not cfg.activation_checkpointing  # which recomputes the whole sublayer anyway
+        self.norm_project = norm_project  # the fast path's linear(norm(h)) (model_fast.norm_project), or None
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
 
     def forward(self, h, cos, sin, layer, cache=None):
-        """h is the sublayer input h, or (h_QK, h_V) (RD-AttnRes routes values separately), or
+        """h is the sublayer input h_j, or (h_QK, h_V) (RD-AttnRes routes values separately), or
         (h_Q, h_K, h_V) (MUDDFormer). Each distinct input is normalised once."""
         h = h if isinstance(h, tuple) else (h,)
         h_q, h_k, h_v = h if len(h) == 3 else (h[0], h[0], h[-1])
@@ -93,20 +91,19 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         mask, causal = None, True
         if cache is not None:
-            P = cache.pos
+            pos = cache.pos
             k, v = cache.update(layer, k, v)
-            if P > 0:  # queries at P..P+T-1 see keys 0..their own position
+            if pos > 0:  # queries at pos..pos+T-1 see keys 0..their own position
                 causal = False
-                mask = torch.arange(P + T, device=q.device) <= torch.arange(P, P + T, device=q.device)[:, None]
+                mask = torch.arange(pos + T, device=q.device) <= torch.arange(pos, pos + T, device=q.device)[:, None]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def normed(self, linear, h):
-        """linear(norm(h)) for a K or V input of its own. kernels.norm_project computes the same
-        forward, keeping one float per token for backward instead of norm(h) (not needed when
-        activation_checkpointing recomputes the whole sublayer)."""
-        if self.recompute and torch.is_grad_enabled() and h.requires_grad:
-            return norm_project(h, linear.weight)
+        """linear(norm(h)) for a K or V input of its own; the fast path's norm_project computes the same,
+        saving h (the routing keeps it anyway) instead of norm(h)."""
+        if self.norm_project is not None and torch.is_grad_enabled() and h.requires_grad:
+            return self.norm_project(h, linear.weight)
         return linear(norm(h))
 
 
@@ -122,9 +119,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, norm_project=None):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, norm_project)
         self.mlp = MLP(cfg)
 
 
@@ -132,8 +129,13 @@ class GPT(nn.Module):
     def __init__(self, cfg, seed=0):
         super().__init__()
         self.cfg = cfg
+        # depth_impl="two_phase": model_fast's twins of the plain streams, and its K/V projection
+        # (without activation checkpointing, which recomputes the whole sublayer anyway)
+        fast = fast_path() if cfg.depth_impl == "two_phase" else None
+        self.twins = fast.TWINS if fast else {}
+        norm_project = fast.norm_project if fast and not cfg.activation_checkpointing else None
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, norm_project) for _ in range(cfg.n_layer))
         self.residual = make_residual(cfg)  # the variant: its parameters, and a stream per forward pass
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -141,31 +143,34 @@ class GPT(nn.Module):
         cos, sin = rotary_tables(cfg)  # [T, 1, hd/2], on the CPU; on the meta device too for a meta model
         self.register_buffer("cos", cos.to(self.wte.weight.device), persistent=False)
         self.register_buffer("sin", sin.to(self.wte.weight.device), persistent=False)
-        self.register_load_state_dict_pre_hook(renamed_keys)  # checkpoints written under older names
         if not self.wte.weight.is_meta:  # built on the meta device (FSDP: depthres/fsdp.py), values come later
             self.init_weights(seed)
 
     def forward(self, idx, targets=None, kv_cache=None, record=None):
         """idx [B, T] token ids. Returns (logits, loss); loss is None without targets.
-        kv_cache: a KVCache for incremental decoding. record: diagnostics, a dict the plain streams
-        fill with each site's depth-routing weights [n_sources, B, T] (RD-AttnRes attention sites:
-        [n, 2, B, T], QK route then V route; MUDDFormer: [4 ways, n, B, T] at the attention that reads
-        a mix; DenseFormer: "dwa.i", the static weights [|S(i)|] of the DWA after layer i) and states."""
+        kv_cache: a sample.KVCache for incremental decoding. record: diagnostics, a dict the plain streams
+        fill with each site's depth-routing weights [n_sources, B, T] (a site with R > 1 routes:
+        [n, R, B, T], RD-AttnRes' QK route then V route; DAR: [2 targets, n, B, T]; MUDDFormer:
+        [4 ways, n, B, T] at the attention that reads a mix; DenseFormer: "dwa.i", the static weights
+        [|S(i)|] of the DWA after layer i) and states."""
         B, T = idx.shape
-        P = kv_cache.pos if kv_cache is not None else 0
-        if P + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {P + T} positions exceeds block_size={self.cfg.block_size}")
-        cos, sin = self.cos[P:P + T].to(self.wte.weight.dtype), self.sin[P:P + T].to(self.wte.weight.dtype)
-        stream = self.residual.start(self.wte(idx), record)
+        pos = kv_cache.pos if kv_cache is not None else 0
+        if pos + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {pos + T} positions exceeds block_size={self.cfg.block_size}")
+        cos, sin = self.cos[pos:pos + T].to(self.wte.weight.dtype), self.sin[pos:pos + T].to(self.wte.weight.dtype)
+        x0 = self.wte(idx)
         # F_j(PreNorm_j(h_j)) is checkpointed, not the routing: its sources are read by later sites anyway
         ckpt = self.cfg.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
-        sublayer = checkpointed if ckpt else call
-        for i, block in enumerate(self.blocks):
-            stream.write(2 * i, sublayer(block.attn, stream.read(2 * i), cos, sin, i, kv_cache))
-            stream.write(2 * i + 1, sublayer(block.mlp, stream.read(2 * i + 1)))
+        sublayer, amp = checkpointed if ckpt else call, autocast_of(x0)  # amp: the caller's autocast, if any
+        with float32_routing(x0):  # the dtype rule: every depth mix with autocast off; the sublayers in amp
+            stream = self.start_stream(x0, record)
+            for i, block in enumerate(self.blocks):
+                stream.write(2 * i, sublayer(amp, block.attn, stream.read(2 * i), cos, sin, i, kv_cache))
+                stream.write(2 * i + 1, sublayer(amp, block.mlp, stream.read(2 * i + 1)))
+            h = stream.readout()
         if kv_cache is not None:
             kv_cache.pos += T
-        logits = self.lm_head(norm(stream.readout()))
+        logits = self.lm_head(norm(h))
         logits = logits.to(compute_dtype(logits))  # float32 loss (float64 in tests)
         if self.cfg.logit_softcap > 0:
             logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
@@ -173,6 +178,14 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+    def start_stream(self, x0, record=None):
+        """The variant's stream for one forward pass: its plain stream, or that stream's fast twin
+        (model_fast.TWINS, keyed by the plain stream's class: a variant with a stream of its own runs
+        it as written). A record is filled by the plain streams only."""
+        stream = self.residual.start(x0, record)
+        twin = self.twins.get(type(stream)) if record is None else None
+        return twin(self.residual, x0, self.cfg.depth_chunk) if twin else stream
 
     def param_groups(self, weight_decay):
         """AdamW groups: matrices decay; depth-routing parameters (pseudo-queries, gates) never do."""
@@ -207,25 +220,51 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
 
+def fast_path():
+    """model_fast, the fast twins (it imports this file: the fast path is built on the math here)."""
+    import model_fast
+    return model_fast
+
+
 # ----------------------------------------------------------------------------------------------
-# Depth attention (section 0): the one primitive of the AttnRes family.
+# Depth attention (section 0): the one primitive of the AttnRes family, and the dtype rule of
+# every depth mix: float32 (float64 for float64 models), also inside bf16 autocast regions
+# (GPT.forward runs every stream with autocast off, so a variant cannot miss it).
 
 
-@in_float32  # computed in float32 (float64 for float64 models), also under bf16 autocast
+def compute_dtype(t):
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def float32_routing(t):
+    """Autocast off: the routing math must not drop to bf16 (the sources themselves may be bf16)."""
+    return torch.autocast(t.device.type, enabled=False) if torch.is_autocast_enabled(t.device.type) else nullcontext()
+
+
+def autocast_of(t):
+    """The autocast the caller runs under (to re-enter inside float32_routing), or none."""
+    dev = t.device.type
+    return torch.autocast(dev, dtype=torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else nullcontext()
+
+
 def depth_attention(w, keys, values=None):
     """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r over sources k_r, v_r [..., d] (values: the keys if
-    None). No temperature, no 1/sqrt(d); the key norm has no gain (w.(g*k) = (w*g).k: it would be
-    redundant). Returns h [..., d] and the routing weights a [n, ...]."""
-    logits = torch.stack([norm(k) @ w for k in keys])  # per token
-    a = logits.softmax(0)  # over the depth axis
-    h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(a, values))  # values are the raw sources
-    return h, a
+    None), in the compute dtype with autocast off (also when called outside GPT.forward); h in the
+    values' dtype. No temperature, no 1/sqrt(d); the key norm has no gain (w.(g*k) = (w*g).k: it would
+    be redundant). Returns h [..., d] and the routing weights a [n, ...]."""
+    values = keys if values is None else values
+    dt = compute_dtype(keys[0])
+    with float32_routing(w):
+        logits = torch.stack([norm(k.to(dt)) @ w.to(dt) for k in keys])  # per token
+        a = logits.softmax(0)  # over the depth axis
+        h = sum(a_r.unsqueeze(-1) * v.to(dt) for a_r, v in zip(a, values))  # values are the raw sources
+    return h.to(values[0].dtype), a
 
 
 # ----------------------------------------------------------------------------------------------
 # Residual variants. Each is a module that holds its parameters and starts, per forward pass, a
 # stream object with three methods: read(j) -> h_j, write(j, y_j), readout() -> final hidden state.
-# The streams below are the math; AttnRes, DAR and Delta AttnRes run model_fast.py's by default.
+# The streams below are the math; AttnRes, DAR and Delta AttnRes run model_fast.py's twins by default.
 
 
 def site_name(j):
@@ -266,68 +305,94 @@ class SumStream:
 
 
 class AttnRes(nn.Module):
-    """Sections 2-4: Full (S = 1), Block (S > 1) and Role-Decoupled Attention Residuals.
-
-    w[j] is sublayer j's pseudo-query and w[L] the readout's (w[0] is inert: sublayer 0 sees x0
-    alone). RD-AttnRes adds w_v[i], the value route's query of layer i's attention sublayer.
-    """
+    """Sections 2-3: Block Attention Residuals, blocks of S = attnres_block_size sublayers
+    (FullAttnRes: S = 1). w[j] is sublayer j's pseudo-query and w[L] the readout's (w[0] is inert:
+    sublayer 0 sees x0 alone), zero at init: uniform routing, what makes these variants train stably."""
 
     def __init__(self, cfg):
         super().__init__()
-        L, d = 2 * cfg.n_layer, cfg.n_embd
-        self.L, self.depth_impl, self.depth_chunk = L, cfg.depth_impl, cfg.depth_chunk
-        self.S = 1 if cfg.residual == "full_attnres" else cfg.attnres_block_size
-        self.rd_mode = (cfg.rd_mode or "decoupled") if cfg.residual == "rd_attnres" else None
-        self.w = nn.Parameter(torch.zeros(L + 1, d))
-        if self.rd_mode in ("decoupled", "average", "frozen_v"):
-            self.w_v = nn.Parameter(torch.zeros(cfg.n_layer, d), requires_grad=self.rd_mode != "frozen_v")
+        self.L, self.S = 2 * cfg.n_layer, self.block_size(cfg)
+        self.w = nn.Parameter(torch.zeros(self.L + 1, cfg.n_embd))
+
+    def block_size(self, cfg):
+        return cfg.attnres_block_size
 
     @torch.no_grad()
     def reset_parameters(self, rng):
-        self.w.zero_()  # zero queries: uniform routing at init, what makes these variants train stably
-        if hasattr(self, "w_v"):
+        self.w.zero_()
+
+    def queries(self, j):
+        """Site j's pseudo-queries, one row per route [routes, d] (j = L: the readout's). Both streams
+        take every query from here, so a change of the queries (a temperature, w / tau) is made once."""
+        return self.w[j:j + 1]
+
+    def combine(self, h):
+        """The sublayer's input from its routes' outputs h (one per query row), as attention reads it:
+        one route is h_j; two are (h_QK, h_V); three (h_Q, h_K, h_V)."""
+        return h[0] if len(h) == 1 else tuple(h)
+
+    def start(self, x0, record=None):
+        return AttnResStream(self, x0, record)
+
+
+class FullAttnRes(AttnRes):
+    """Section 2: every sublayer output is a source of its own (S = 1)."""
+
+    def block_size(self, cfg):
+        return 1
+
+
+class RDAttnRes(AttnRes):
+    """Section 4, Role-Decoupled AttnRes: Block AttnRes whose attention sublayers read two routes,
+    the Q/K input with w[j] and the V input with w_v[i] (layer i's). rd_mode: "decoupled" (the
+    method), "tied" (w_V = w_QK: Block AttnRes), "average" (both routes, their mean as one input),
+    "frozen_v" (w_v stays 0: uniform values)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.rd_mode = cfg.rd_mode or "decoupled"
+        if self.rd_mode != "tied":
+            self.w_v = nn.Parameter(torch.zeros(cfg.n_layer, cfg.n_embd), requires_grad=self.rd_mode != "frozen_v")
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        super().reset_parameters(rng)
+        if self.rd_mode != "tied":
             self.w_v.zero_()
 
     def queries(self, j):
-        """Site j's pseudo-queries, one row per route [routes, d]: w_j, then RD-AttnRes' w_V at an
-        attention site (j = L: the readout's). Both streams take every query from here, so a change
-        of the queries (a temperature, w / tau) is made once."""
-        if hasattr(self, "w_v") and j % 2 == 0 and j < self.L:
+        if self.rd_mode != "tied" and j % 2 == 0 and j < self.L:
             return torch.cat([self.w[j:j + 1], self.w_v[j // 2:j // 2 + 1]])
         return self.w[j:j + 1]
 
-    def start(self, x0, record=None):
-        if self.depth_impl == "two_phase" and record is None:
-            return fast.AttnResStream(self, x0)  # the same numbers, faster
-        return AttnResStream(self, x0, record)
+    def combine(self, h):
+        if self.rd_mode == "average" and len(h) == 2:
+            return 0.5 * (h[0] + h[1])  # control: two routes, no role separation
+        return super().combine(h)
 
 
 class AttnResStream:
     """Eq. 1-6: sublayer j attends over the completed blocks b_0 = x0, b_1, .. and the open block's
-    partial sum (Full AttnRes: S = 1, every output is a block). RD-AttnRes: two routes per attention site."""
+    partial sum (Full AttnRes: S = 1, every output is a block), once per query row of the site."""
 
     def __init__(self, mod, x0, record=None):
-        self.m, self.record = mod, record
+        self.mod, self.record = mod, record
         self.blocks, self.partial = [x0], None
 
     def read(self, j):
-        if j > 0 and j % self.m.S == 0:  # Eq. 5: a block boundary closes the partial sum
+        if j > 0 and j % self.mod.S == 0:  # Eq. 5: a block boundary closes the partial sum
             self.blocks, self.partial = self.blocks + [self.partial], None
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
-        h, a = zip(*[depth_attention(w, sources) for w in self.m.queries(j)])  # Eq. 6, one per route
+        h, a = zip(*[depth_attention(w, sources) for w in self.mod.queries(j)])  # Eq. 6, one per route
         note(self.record, site_name(j), torch.stack(a, 1).squeeze(1))
-        if len(h) == 1:  # one route (RD-AttnRes "tied" uses w_QK for both)
-            return h[0]
-        if self.m.rd_mode == "average":
-            return 0.5 * (h[0] + h[1])  # control: two routes, no role separation
-        return h  # RD-AttnRes: (Q/K input, V input)
+        return self.mod.combine(h)
 
     def write(self, j, y):
         self.partial = y if self.partial is None else self.partial.to(self.blocks[0].dtype) + y  # in x0's dtype
 
     def readout(self):
         self.blocks, self.partial = self.blocks + [self.partial], None
-        h, a = depth_attention(self.m.queries(self.m.L)[0], self.blocks)
+        h, a = depth_attention(self.mod.queries(self.mod.L)[0], self.blocks)
         note(self.record, "readout", a)
         return h
 
@@ -363,8 +428,7 @@ class DualAttnRes(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         L, d = 2 * cfg.n_layer, cfg.n_embd
-        self.L, self.depth_impl, self.depth_chunk = L, cfg.depth_impl, cfg.depth_chunk
-        self.S = 2 * cfg.dar_block_size  # sublayers per block
+        self.L, self.S = L, 2 * cfg.dar_block_size  # sublayers per block
         self.include_partial = cfg.dar_include_partial
         self.routing = cfg.dar_routing or "cross"
         self.streams = DAR_STREAMS[self.routing]
@@ -389,62 +453,61 @@ class DualAttnRes(nn.Module):
             self.v_proj.copy_(torch.eye(self.v_proj.size(-1)).expand_as(self.v_proj))
 
     def start(self, x0, record=None):
-        if self.depth_impl == "two_phase" and record is None:
-            return fast.DARStream(self, x0)  # the same numbers, faster
         return DARStream(self, x0, record)
 
 
-def transport_reference(P, rho, beta, y):
-    """P'_m = rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams P
-    [2, B, T, d], then the gated write (kernels.transport computes it with less memory traffic)."""
+def transport(P, rho, beta, y):
+    """P'_m = rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams'
+    partial states P [2, B, T, d], then the gated write (model_fast.transport: the same, elementwise)."""
     P_0 = rho * P[0] + (1 - rho) * P[1] + beta[0] * y
     P_1 = (1 - rho) * P[0] + rho * P[1] + beta[1] * y
     return torch.stack([P_0, P_1])
 
 
 class DARStream:
-    """Two streams, each with its own history of completed blocks and its partial sum P_m. Every state
-    holds both streams in one tensor [2, B, T, d], stream m at index m. Target stream m retrieves with
-    its own query; its keys and values come from the streams DAR_STREAMS names (cross: keys from the
-    opposite stream, values from its own history)."""
+    """Two streams, each with its own completed blocks and its partial state P_m. Every state holds
+    both streams in one tensor [2, B, T, d], stream m at index m. Target stream m retrieves with its
+    own query; its keys and values come from the streams DAR_STREAMS names (cross: keys from the
+    opposite stream, values from its own blocks)."""
 
     def __init__(self, mod, x0, record=None):
-        self.m, self.record = mod, record
-        self.history, self.P = [x0.expand(2, *x0.shape)], None  # both streams start as x0
+        self.mod, self.record = mod, record
+        self.blocks, self.partial = [x0.expand(2, *x0.shape)], None  # both streams start as x0
 
     def read(self, j):
-        if j > 0 and j % self.m.S == 0:  # a block boundary: P joins the history
-            self.history, self.P = self.history + [self.P], None
-        return self.fuse(j, self.retrieve(j, site_name(j)))
+        if j > 0 and j % self.mod.S == 0:  # a block boundary: the partial state joins the blocks
+            self.blocks, self.partial = self.blocks + [self.partial], None
+        return self.fuse(j, self.retrieve(j))
 
-    def retrieve(self, j, site):
+    def retrieve(self, j):
         """r_m = sum softmax(w_{j,m} . RMSNorm(keys of m)) values of m, for both targets m."""
-        m = self.m
-        S = self.history + ([self.P] if m.include_partial and self.P is not None else [])
-        r, a = zip(*[depth_attention(m.w[j, t], [s[ks] for s in S], [s[vs] for s in S])
-                     for t, (ks, vs) in enumerate(m.streams)])
-        note(self.record, site, torch.stack(a))  # [2 targets, n, B, T]
-        if m.routing == "sep_v":
-            r = [r_t @ m.v_proj[t].T for t, r_t in enumerate(r)]
-        return list(r)
+        mod = self.mod
+        sources = self.blocks + ([self.partial] if mod.include_partial and self.partial is not None else [])
+        r, a = zip(*[depth_attention(mod.w[j, m], [s[ks] for s in sources], [s[vs] for s in sources])
+                     for m, (ks, vs) in enumerate(mod.streams)])
+        note(self.record, site_name(j) if j < mod.L else "readout", torch.stack(a))  # [2 targets, n, B, T]
+        if mod.routing == "sep_v":
+            r = [r_m @ mod.v_proj[m].T for m, r_m in enumerate(r)]
+        return r
 
     def fuse(self, j, r):
         """h = alpha_0 r_0 + alpha_1 r_1, the fused input of the unchanged branch."""
-        alpha = self.m.theta_alpha[j].softmax(0)
-        note(self.record, site_name(j) + "/alpha" if j >= 0 else "readout/alpha", alpha)
+        alpha = self.mod.theta_alpha[j].softmax(0)
+        note(self.record, (site_name(j) if j < self.mod.L else "readout") + "/alpha", alpha)
         return alpha[0] * r[0] + alpha[1] * r[1]
 
     def write(self, j, y):
-        beta = 2 * torch.sigmoid(self.m.theta_beta[j])
-        if self.P is None:  # first sublayer of a block
-            self.P = beta.view(2, 1, 1, 1) * y
+        beta = 2 * torch.sigmoid(self.mod.theta_beta[j])
+        if self.partial is None:  # first sublayer of a block
+            self.partial = beta.view(2, 1, 1, 1) * y
         else:
-            self.P = transport_reference(self.P, torch.sigmoid(self.m.theta_rho[j]), beta, y)
-        note(self.record, f"state.{j}", sum(self.history) + self.P)  # each stream: x0 + its blocks + P_m
+            self.partial = transport(self.partial, torch.sigmoid(self.mod.theta_rho[j]), beta, y)
+        if self.record is not None:  # each stream's state: x0 + its blocks + P_m
+            note(self.record, f"state.{j}", sum(self.blocks) + self.partial)
 
-    def readout(self):  # the readout is site j = -1: w[L], theta_alpha[L]
-        self.history, self.P = self.history + [self.P], None
-        return self.fuse(-1, self.retrieve(-1, "readout"))
+    def readout(self):  # the readout is site j = L: w[L], theta_alpha[L]
+        self.blocks, self.partial = self.blocks + [self.partial], None
+        return self.fuse(self.mod.L, self.retrieve(self.mod.L))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -534,13 +597,12 @@ class ManifoldHC(nn.Module):
 
     def coefficients(self, j, H):
         n, dt = self.n, compute_dtype(H)
-        with float32_routing(H):  # autocast off: the projection too stays float32
-            x = norm(H.flatten(-2).to(dt))  # [B, T, n*d]
-            z = matmul32(x, self.phi[j].to(dt))
-            a = self.a[j].to(dt)
-            pre = torch.sigmoid(a[0] * z[..., :n] + self.b_pre[j])
-            post = 2 * torch.sigmoid(a[1] * z[..., n:2 * n] + self.b_post[j])
-            res = sinkhorn_knopp(a[2] * z[..., 2 * n:].unflatten(-1, (n, n)) + self.b_res[j])
+        x = norm(H.flatten(-2).to(dt))  # [B, T, n*d]
+        z = x @ self.phi[j].to(dt)
+        a = self.a[j].to(dt)
+        pre = torch.sigmoid(a[0] * z[..., :n] + self.b_pre[j])
+        post = 2 * torch.sigmoid(a[1] * z[..., n:2 * n] + self.b_post[j])
+        res = sinkhorn_knopp(a[2] * z[..., 2 * n:].unflatten(-1, (n, n)) + self.b_res[j])
         return pre.to(H.dtype), res.to(H.dtype), post.to(H.dtype)
 
 
@@ -557,11 +619,11 @@ class MultiStream:
     """The stream state shared by HC and mHC: H [B, T, n, d]."""
 
     def __init__(self, mod, x0, record):
-        self.m, self.record = mod, record
+        self.mod, self.record = mod, record
         self.H = x0.unsqueeze(-2).expand(*x0.shape[:-1], mod.n, x0.size(-1))
 
     def read(self, j):
-        pre, self.res, self.post = self.m.coefficients(j, self.H)
+        pre, self.res, self.post = self.mod.coefficients(j, self.H)
         if self.record is not None:
             site = site_name(j)
             self.record[site + "/pre"], self.record[site + "/res"] = pre.detach(), self.res.detach()
@@ -610,7 +672,7 @@ class DenseFormer(nn.Module):
 
 class DenseStream:
     def __init__(self, mod, x0, record):
-        self.m, self.record = mod, record
+        self.mod, self.record = mod, record
         self.X, self.Y = [x0], x0  # X_0 = x0, Y_0 = X_0
 
     def read(self, j):
@@ -621,11 +683,11 @@ class DenseStream:
             self.h = self.Y + y  # m = Y_i + attn
             return
         self.X.append(self.h + y)  # X_i
-        i, m = len(self.X) - 1, self.m  # layer i (1-based) has ended
+        i, mod = len(self.X) - 1, self.mod  # layer i (1-based) has ended
         self.Y = self.X[-1]
-        if i % m.p == 0:  # DWA: Y_i = sum_{j in S(i)} alpha_{i,j} X_j
-            alpha = m.alpha[str(i)]
-            self.Y = sum(a * X for a, X in zip(alpha.unbind(), self.X[i % m.k::m.k]))
+        if i % mod.p == 0:  # DWA: Y_i = sum_{j in S(i)} alpha_{i,j} X_j
+            alpha = mod.alpha[str(i)]
+            self.Y = sum(a * X for a, X in zip(alpha.unbind(), self.X[i % mod.k::mod.k]))
             note(self.record, f"dwa.{i}", alpha)  # [|S(i)|], static: the same for every token
 
     def readout(self):
@@ -647,7 +709,7 @@ class MUDDFormer(nn.Module):
     The readout is Z_D, the last layer's one way. Hidden width H_i = round64(C_i (i+1) e_i), e_i = 1,
     and 4 after the last layer (the reference code's rule). W1, W2: no bias; a_i: the static part.
     W1[i-1], W2[i-1], a[i-1] hold W1_i, W2_i, a_i.
-    Init (the reference's training code): W1 ~ normal(0, 1/d), W2 = 0, a_i one-hot on the current
+    Init (the reference's training code): W1 ~ normal(0, std 1/sqrt(d)), W2 = 0, a_i one-hot on the current
     output X_i in every way, so every Z^c = X_i: exactly the standard residual. (W1 then starts with
     a zero gradient: it sits behind W2 = 0.)"""
 
@@ -676,14 +738,13 @@ class MUDDFormer(nn.Module):
     def weights(self, i, X):
         """A_i [C_i, i+1, B, T] (way-major) from the output of layer i, X = X_i, in float32."""
         W1, W2, a, dt = self.W1[i - 1], self.W2[i - 1], self.a[i - 1], compute_dtype(X)
-        with float32_routing(X):
-            A = matmul32(F.gelu(matmul32(norm(X.to(dt)), W1.to(dt))), W2.to(dt)) + a.flatten().to(dt)
+        A = F.gelu(norm(X.to(dt)) @ W1.to(dt)) @ W2.to(dt) + a.flatten().to(dt)
         return A.unflatten(-1, a.shape).permute(2, 3, 0, 1)
 
 
 class MuddStream:
     def __init__(self, mod, x0, record):
-        self.m, self.record = mod, record
+        self.mod, self.record = mod, record
         self.X, self.Z = [x0], (x0,) * 4  # the first layer reads x0 in every way
 
     def read(self, j):
@@ -695,7 +756,7 @@ class MuddStream:
             return
         self.X.append(self.h + y)  # X_i
         i = len(self.X) - 1  # layer i (1-based) has ended
-        A = self.m.weights(i, self.X[-1])
+        A = self.mod.weights(i, self.X[-1])
         self.Z = sum(A[:, j].unsqueeze(-1) * X for j, X in enumerate(self.X)).unbind(0)  # Z_i^c = sum_j A_i[c, j] X_j
         # recorded under the site that reads the mix: the next layer's attention, [4, n, B, T] (readout: [n, B, T])
         note(self.record, f"attn.{i}" if len(self.Z) > 1 else "readout", A if len(self.Z) > 1 else A[0])
@@ -716,8 +777,7 @@ class DeltaAttnRes(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.L, self.depth_impl, self.depth_chunk = 2 * cfg.n_layer, cfg.depth_impl, cfg.depth_chunk
-        self.S = cfg.delta_block_size or 1
+        self.L, self.S = 2 * cfg.n_layer, cfg.delta_block_size or 1
         self.w = nn.Parameter(torch.zeros(self.L, cfg.n_embd))
 
     @torch.no_grad()
@@ -725,20 +785,18 @@ class DeltaAttnRes(nn.Module):
         self.w.zero_()  # uniform routing at init: S = 1 is then the standard residual up to the norms' eps
 
     def start(self, x0, record=None):
-        if self.depth_impl == "two_phase" and record is None:
-            return fast.DeltaStream(self, x0)  # the same numbers, faster
         return DeltaStream(self, x0, record)
 
 
 class DeltaStream:
     def __init__(self, mod, x0, record=None):
-        self.m, self.record = mod, record
+        self.mod, self.record = mod, record
         self.h, self.blocks, self.partial = x0, [x0], None  # h~, the standard stream; the completed blocks
 
     def read(self, j):
-        if j > 0 and j % self.m.S == 0:  # a block boundary closes the partial sum: b = sum of the block's y
+        if j > 0 and j % self.mod.S == 0:  # a block boundary closes the partial sum: b = sum of the block's y
             self.blocks, self.partial = self.blocks + [self.partial], None
-        r, a = depth_attention(self.m.w[j], self.blocks)  # completed blocks only
+        r, a = depth_attention(self.mod.w[j], self.blocks)  # completed blocks only
         note(self.record, site_name(j), a)
         return self.h + r
 
@@ -754,9 +812,9 @@ class DeltaStream:
 # is the one list of variants: GPTConfig accepts exactly its names, and a new variant is one more row.
 RESIDUALS = {
     "standard": StandardResidual,
-    "full_attnres": AttnRes,
+    "full_attnres": FullAttnRes,
     "block_attnres": AttnRes,
-    "rd_attnres": AttnRes,
+    "rd_attnres": RDAttnRes,
     "dar": DualAttnRes,
     "hc": HyperConnections,
     "mhc": ManifoldHC,
@@ -773,45 +831,20 @@ def make_residual(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# The machinery: the key/value cache, activation checkpointing, compilation, rotary tables, the
-# initial weights (also for a model built on the meta device), old checkpoints, the config's checks.
+# What the model needs besides: activation checkpointing, rotary tables, the initial weights (also
+# for a model built on the meta device), the config's checks.
 
 
-class KVCache:
-    """Keys and values of past positions, per layer, for incremental decoding. Depth routing works
-    per position, so the attention keys and values are all that any residual variant needs cached."""
-
-    def __init__(self, cfg, batch_size, device=None, dtype=torch.float32):
-        shape = (cfg.n_layer, batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.pos = 0  # positions filled so far
-
-    def update(self, layer, k, v):
-        T = k.size(2)
-        self.k[layer, :, :, self.pos:self.pos + T] = k
-        self.v[layer, :, :, self.pos:self.pos + T] = v
-        return self.k[layer, :, :, :self.pos + T], self.v[layer, :, :, :self.pos + T]
+def call(amp, f, *args):
+    """f(*args) under autocast amp."""
+    with amp:
+        return f(*args)
 
 
-def call(f, *args):
-    return f(*args)
-
-
-def checkpointed(f, *args):
-    """f(*args) keeping only its inputs for backward, which recomputes the rest (activation_checkpointing)."""
-    return torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False)
-
-
-def compile_model(model, **kwargs):
-    """torch.compile(model, **kwargs), its backward traced as eager runs it: outside autocast. By
-    default AOTAutograd traces the backward under the forward's autocast (backward_pass_autocast =
-    "same_as_forward"), which turns the float32 matmuls of the routing backward (DAR's transport,
-    mHC's projection) into bf16 ones. With "off", compiled and eager gradients agree. Shapes are
-    static unless asked otherwise (dynamic=False): a run has one batch shape, and evaluation's last
-    short batch is one more static graph (why: docs/performance.md)."""
-    torch._functorch.config.backward_pass_autocast = "off"
-    return torch.compile(model, **{"dynamic": False, **kwargs})
+def checkpointed(amp, f, *args):
+    """f(*args) under autocast amp, keeping only its inputs for backward, which recomputes the rest
+    (activation_checkpointing)."""
+    return torch.utils.checkpoint.checkpoint(call, amp, f, *args, use_reentrant=False)
 
 
 def rotary_tables(cfg):
@@ -867,26 +900,12 @@ def param_seed(seed, name):
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
 
 
-# Parameter names that changed, old prefix -> new: checkpoints written before still load.
-RENAMED = {"router.": "residual."}  # the residual module was GPT.router
-
-
-def renamed(key):
-    for old, new in RENAMED.items():
-        if key.startswith(old):
-            return new + key.removeprefix(old)
-    return key
-
-
-def renamed_keys(module, state_dict, prefix, *args):
-    """load_state_dict's pre-hook: a checkpoint's old parameter names under their new ones."""
-    for key in [k for k in state_dict if k.startswith(prefix) and renamed(k[len(prefix):]) != k[len(prefix):]]:
-        state_dict[prefix + renamed(key[len(prefix):])] = state_dict.pop(key)
-
-
 RD_MODES = ("decoupled", "tied", "average", "frozen_v")
 DAR_ROUTINGS = tuple(DAR_STREAMS)
 DEPTH_IMPLS = ("two_phase", "reference")
+# A flag of one family of variants: the class its residual must be (or subclass), so a subclass gets its flags
+FLAG_OWNERS = {"rd_mode": RDAttnRes, "dar_routing": DualAttnRes, "denseformer_dilation": DenseFormer,
+               "denseformer_period": DenseFormer, "delta_block_size": DeltaAttnRes}
 
 
 def check_config(c):
@@ -896,32 +915,24 @@ def check_config(c):
             raise ValueError(msg)
 
     need(c.residual in RESIDUALS, f"unknown residual {c.residual!r}; choose one of {', '.join(RESIDUALS)}")
-    need(c.rd_mode is None or c.residual == "rd_attnres",
-         f"rd_mode={c.rd_mode!r} only applies to residual='rd_attnres' (got residual={c.residual!r}); drop rd_mode")
-    need(c.rd_mode is None or c.rd_mode in RD_MODES, f"unknown rd_mode {c.rd_mode!r}; choose one of {', '.join(RD_MODES)}")
-    need(c.dar_routing is None or c.residual == "dar",
-         f"dar_routing={c.dar_routing!r} only applies to residual='dar' (got residual={c.residual!r}); drop dar_routing")
-    need(c.dar_routing is None or c.dar_routing in DAR_ROUTINGS,
-         f"unknown dar_routing {c.dar_routing!r}; choose one of {', '.join(DAR_ROUTINGS)}")
-    need(c.dar_block_size >= 1, f"dar_block_size counts transformer layers and must be >= 1, got {c.dar_block_size}")
-    need(c.depth_chunk >= 1, f"depth_chunk counts sublayers and must be >= 1, got {c.depth_chunk}")
-    need(c.hc_streams >= 1, f"hc_streams must be >= 1, got {c.hc_streams}")
-    need(c.attnres_block_size >= 1, f"attnres_block_size counts sublayers and must be >= 1, got {c.attnres_block_size}")
-    need(c.depth_impl in DEPTH_IMPLS, f"unknown depth_impl {c.depth_impl!r}; choose one of {', '.join(DEPTH_IMPLS)}")
-    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
-        need(getattr(c, name) >= 1, f"{name} must be >= 1, got {getattr(c, name)}")
-    for name, residual in (("denseformer_dilation", "denseformer"), ("denseformer_period", "denseformer"),
-                           ("delta_block_size", "delta_attnres")):
+    for name, owner in FLAG_OWNERS.items():
+        value, owners = getattr(c, name), [r for r, cls in RESIDUALS.items() if issubclass(cls, owner)]
+        need(value is None or issubclass(RESIDUALS[c.residual], owner),
+             f"{name}={value!r} only applies to residual={' or '.join(map(repr, owners))} (got residual={c.residual!r}); "
+             f"drop {name}")
+    for name, choices in (("rd_mode", RD_MODES), ("dar_routing", DAR_ROUTINGS), ("depth_impl", DEPTH_IMPLS)):
         value = getattr(c, name)
-        need(value is None or c.residual == residual,
-             f"{name}={value!r} only applies to residual={residual!r} (got residual={c.residual!r}); drop {name}")
+        need(value is None or value in choices, f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+    layers, sublayers = " counts transformer layers and", " counts sublayers and"
+    for name, unit in (("vocab_size", ""), ("block_size", ""), ("n_layer", ""), ("n_head", ""), ("n_embd", ""),
+                       ("mlp_ratio", ""), ("mlp_hidden", ""), ("hc_streams", ""), ("dar_block_size", layers),
+                       ("attnres_block_size", sublayers), ("delta_block_size", sublayers), ("depth_chunk", sublayers)):
+        value = getattr(c, name)
+        need(value is None or value >= 1, f"{name}{unit} must be >= 1, got {value}")
     for name in ("denseformer_dilation", "denseformer_period"):
         value = getattr(c, name)
         need(value is None or 1 <= value <= c.n_layer,
              f"{name} counts transformer layers and must be between 1 and n_layer={c.n_layer}, got {value}")
-    need(c.delta_block_size is None or c.delta_block_size >= 1,
-         f"delta_block_size counts sublayers and must be >= 1, got {c.delta_block_size}")
-    need(c.mlp_hidden is None or c.mlp_hidden >= 1, f"mlp_hidden must be >= 1, got {c.mlp_hidden}")
     need(c.n_embd % c.n_head == 0, f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
     need((c.n_embd // c.n_head) % 2 == 0, f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
     need(math.isfinite(c.logit_softcap) and c.logit_softcap >= 0,

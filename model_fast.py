@@ -29,16 +29,32 @@ Tensors: a source is [*, d] (one stream) or [M, *, d] (DAR's two streams); N tok
 Queries are grouped by target t (AttnRes: one target; DAR: two), rows target-major, and target t
 reads keys from stream streams[t][0] and values from stream streams[t][1] of every source.
 Everything runs in float32 (float64 for float64 models) with autocast off, forward and backward.
-The numerics this file shares with model.py (dtype switches, DAR's transport, matmul32, norm_project)
-are in kernels.py.
+
+Beside the router: DAR's transport elementwise (`transport`), "normalise, then project" for an
+attention K or V input of its own (`norm_project`), `compile_model`, and TWINS, the plain stream ->
+fast twin table GPT.start_stream reads. Every torch.autograd.Function of the project is in this file.
 """
 
 import math
 
 import torch
+import torch._functorch.config
+import torch.nn.functional as F
 from torch.autograd import Function
 
-from kernels import autocast_off, compute_dtype, float32_routing, needs_grad, transport
+import model
+from model import compute_dtype, float32_routing
+
+
+def autocast_off(t):
+    """Autocast off, whatever state the caller is in: a custom Function's backward computes in its
+    own dtype even where the backward is traced or run under the forward's autocast (torch.compile's
+    AOTAutograd traces it so by default), where is_autocast_enabled() need not tell."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
+def needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _softmax0(x):
@@ -51,7 +67,7 @@ def _softmax0(x):
 
 
 class _RMSInv(Function):
-    """inv = (|k|^2 / d + eps)^(-1/2) with a one-pass backward, dinv/dk = -inv^3 k / d; saves k (a
+    """inv = (mean(k^2) + eps)^(-1/2) with a one-pass backward, dinv/dk = -inv^3 k / d; saves k (a
     reference) and inv."""
 
     @staticmethod
@@ -68,16 +84,17 @@ class _RMSInv(Function):
 
 
 def _rms_inv(k):
-    dt = compute_dtype(k)
+    """1 / rms over the last dimension [...], in the compute dtype: F.rms_norm's own ops (mean of the
+    squares, its default eps, rsqrt), so RMSNorm(k) = k * rms_inv(k) has F.rms_norm's bits (on CPU)."""
+    kf = k.to(compute_dtype(k))
     with float32_routing(k):
-        return torch.rsqrt(torch.linalg.vector_norm(k, dim=-1, dtype=dt).square() / k.size(-1) + torch.finfo(dt).eps)
+        return torch.rsqrt(kf.pow(2).mean(-1).add_(torch.finfo(kf.dtype).eps))
 
 
 def rms_inv(k):
     """1 / rms(k) over channels, [...] for k [..., d]: RMSNorm(k) = k * rms_inv(k). A source's norm
     factor does not depend on the query, so the streams compute it once per source."""
     return _RMSInv.apply(k) if needs_grad(k) else _rms_inv(k)
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,7 +441,7 @@ class TwoPhaseRouter:
 
 
 # ----------------------------------------------------------------------------------------------
-# The fast streams: model.py's AttnRes, DAR and Delta AttnRes streams, routed a chunk at a time.
+# The fast twins of model.py's AttnRes, DAR and Delta AttnRes streams, routed a chunk at a time.
 
 
 def chunk_size(block, depth_chunk):
@@ -434,127 +451,127 @@ def chunk_size(block, depth_chunk):
 
 class _BlockHistory:
     """What the fast AttnRes, DAR and Delta streams share: completed blocks with their norm factors,
-    the in-block partial sum, and the chunk's router. A router opens at every chunk boundary over the
-    blocks completed by then; a site reads with the blocks completed since (Full AttnRes: each output
-    is a block) plus the partial sum."""
+    the open block's partial sum, and the chunk's router. A router opens at every chunk boundary over
+    the blocks completed by then; a site reads with the blocks completed since (Full AttnRes: each
+    output is a block) plus the partial sum. The module is read as the plain stream reads it."""
 
-    def __init__(self, mod, x0):
-        self.m, self.chunk = mod, chunk_size(mod.S, mod.depth_chunk)
-        self.completed, self.inv = [x0], [rms_inv(x0)]  # block representations b_0 = x0, b_1, ..
+    def __init__(self, mod, x0, depth_chunk):
+        self.mod, self.chunk = mod, chunk_size(mod.S, depth_chunk)
+        self.blocks, self.inv = [x0], [rms_inv(x0)]  # block representations b_0 = x0, b_1, ..
         self.partial, self.router, self.routed = None, None, 0  # routed: blocks the open router covers
         self.dtype = x0.dtype  # block sums accumulate in x0's dtype (float32 under bf16 autocast)
 
     def _close_block(self):
-        self.completed.append(self.partial)
+        self.blocks.append(self.partial)
         self.inv.append(rms_inv(self.partial))
         self.partial = None
 
     def _open(self, W, streams=None):
-        self.router = TwoPhaseRouter(W, list(self.completed), list(self.inv), streams)
-        self.routed = len(self.completed)
+        self.router = TwoPhaseRouter(W, list(self.blocks), list(self.inv), streams)
+        self.routed = len(self.blocks)
 
     def _recent(self, with_partial=True):
         """The sources that arrived since the router opened, and their norm factors."""
         if not with_partial or self.partial is None:
-            return self.completed[self.routed:], self.inv[self.routed:]
-        return self.completed[self.routed:] + [self.partial], self.inv[self.routed:] + [rms_inv(self.partial)]
+            return self.blocks[self.routed:], self.inv[self.routed:]
+        return self.blocks[self.routed:] + [self.partial], self.inv[self.routed:] + [rms_inv(self.partial)]
 
     def _add_to_partial(self, y):
         self.partial = y if self.partial is None else self.partial.to(self.dtype) + y
 
 
-class AttnResStream(_BlockHistory):
-    """model.AttnResStream, a chunk of sites per router. The chunk's query rows: each site's first
-    route (w_j), then the second routes (RD-AttnRes' w_V) of its attention sites, in site order."""
+class FastAttnResStream(_BlockHistory):
+    """model.AttnResStream, a chunk of sites per router: any number of query rows per site (mod.queries),
+    combined as the plain stream combines them (mod.combine)."""
 
     def chunk_queries(self, j0):
-        """(W [Q, d], {j: rows of site j}) for the chunk that starts at site j0 (j0 = L: the readout's)."""
-        L = self.m.L
+        """(W [Q, d], {j: the rows of site j in W}) for the chunk that starts at site j0 (j0 = L: the
+        readout's). Every site's first row (w_j) comes first, in site order, then the further rows
+        (RD-AttnRes' w_V) of the sites that have them."""
+        L = self.mod.L
         sites = range(j0, min(j0 + self.chunk, L)) if j0 < L else range(L, L + 1)
-        routes = [self.m.queries(j) for j in sites]
-        second = [j for j, w in zip(sites, routes) if len(w) > 1]
-        rows = {j: (i,) if j not in second else (i, len(sites) + second.index(j)) for i, j in enumerate(sites)}
-        return torch.cat([w[:1] for w in routes] + [w[1:] for w in routes if len(w) > 1]), rows
+        routes = [self.mod.queries(j) for j in sites]
+        rows, n = {}, len(sites)
+        for i, (j, w) in enumerate(zip(sites, routes)):
+            rows[j] = (i, *range(n, n + len(w) - 1))
+            n += len(w) - 1
+        return torch.cat([w[:1] for w in routes] + [w[1:] for w in routes]), rows
 
     def read(self, j):
-        m = self.m
-        if j > 0 and j % m.S == 0:  # Eq. 5: a block boundary closes the partial sum
+        if j > 0 and j % self.mod.S == 0:  # Eq. 5: a block boundary closes the partial sum
             self._close_block()
         if j % self.chunk == 0:
             W, self.rows = self.chunk_queries(j)
             self._open(W)
-        h = self.router.read_rows(self.rows[j], *self._recent())
-        if len(h) == 1:
-            return h[0]
-        return 0.5 * (h[0] + h[1]) if m.rd_mode == "average" else (h[0], h[1])
+        return self.mod.combine(self.router.read_rows(self.rows[j], *self._recent()))
 
     def write(self, j, y):
         self._add_to_partial(y)
 
     def readout(self):
         self._close_block()
-        W, rows = self.chunk_queries(self.m.L)
+        W, rows = self.chunk_queries(self.mod.L)
         self._open(W)
-        return self.router.read_rows(rows[self.m.L], *self._recent())[0]
+        return self.router.read_rows(rows[self.mod.L], *self._recent())[0]
 
 
-class DARStream(_BlockHistory):
+class FastDARStream(_BlockHistory):
     """model.DARStream, a chunk of sites per router. Every state holds both streams in one tensor
     [2, B, T, d], so that one router serves both targets; the query rows of a chunk are target 0's,
     then target 1's; both targets' retrievals and the fusion gates are merged in one pass."""
 
-    def __init__(self, mod, x0):
-        super().__init__(mod, x0.expand(2, *x0.shape))  # both streams start as x0 (a view)
+    def __init__(self, mod, x0, depth_chunk):
+        super().__init__(mod, x0.expand(2, *x0.shape), depth_chunk)  # both streams start as x0 (a view)
 
     def _open_chunk(self, w):
         """w [C, 2, d]: the chunk's queries, site by site."""
         self.C = len(w)
-        self._open(torch.cat([w[:, 0], w[:, 1]]), self.m.streams)
+        self._open(torch.cat([w[:, 0], w[:, 1]]), self.mod.streams)
 
     def _retrieve(self, j):
-        """h = alpha_0 r_0 + alpha_1 r_1,  r_t = sum softmax(w_t . RMSNorm(keys of t)) values of t."""
-        m = self.m
-        i = j % self.chunk if j >= 0 else 0  # the readout (j = -1) has its own chunk
+        """h = alpha_0 r_0 + alpha_1 r_1,  r_m = sum softmax(w_m . RMSNorm(keys of m)) values of m."""
+        mod = self.mod
+        i = j % self.chunk if j < mod.L else 0  # the readout (j = L) has its own chunk
         rows = (i, self.C + i)
-        recent, inv = self._recent(m.include_partial)
-        alpha = m.theta_alpha[j].softmax(0)
-        if m.routing != "sep_v":
+        recent, inv = self._recent(mod.include_partial)
+        alpha = mod.theta_alpha[j].softmax(0)
+        if mod.routing != "sep_v":
             return self.router.read_fused(rows, alpha, recent, inv)
-        r = [self.router.read(q, recent, inv) @ m.v_proj[t].T for t, q in enumerate(rows)]
+        r = [self.router.read(q, recent, inv) @ mod.v_proj[m].T for m, q in enumerate(rows)]
         return alpha[0] * r[0] + alpha[1] * r[1]
 
     def read(self, j):
-        if j > 0 and j % self.m.S == 0:
+        if j > 0 and j % self.mod.S == 0:
             self._close_block()
         if j % self.chunk == 0:
-            self._open_chunk(self.m.w[j:j + self.chunk])
+            self._open_chunk(self.mod.w[j:j + self.chunk])
         return self._retrieve(j)
 
     def write(self, j, y):
-        beta = 2 * torch.sigmoid(self.m.theta_beta[j])
+        beta = 2 * torch.sigmoid(self.mod.theta_beta[j])
         if self.partial is None:  # first sublayer of a block
             self.partial = beta.view(2, 1, 1, 1) * y
         else:
-            self.partial = transport(self.partial, torch.sigmoid(self.m.theta_rho[j]), beta, y)
+            self.partial = transport(self.partial, torch.sigmoid(self.mod.theta_rho[j]), beta, y)
 
     def readout(self):
         self._close_block()
-        self._open_chunk(self.m.w[self.m.L:])
-        return self._retrieve(-1)
+        self._open_chunk(self.mod.w[self.mod.L:])
+        return self._retrieve(self.mod.L)
 
 
-class DeltaStream(_BlockHistory):
+class FastDeltaStream(_BlockHistory):
     """model.DeltaStream, a chunk of sites per router."""
 
-    def __init__(self, mod, x0):
-        super().__init__(mod, x0)
+    def __init__(self, mod, x0, depth_chunk):
+        super().__init__(mod, x0, depth_chunk)
         self.h = x0  # h~, the standard stream
 
     def read(self, j):
-        if j > 0 and j % self.m.S == 0:  # a block boundary closes the partial sum: b = sum of the block's y
+        if j > 0 and j % self.mod.S == 0:  # a block boundary closes the partial sum: b = sum of the block's y
             self._close_block()
         if j % self.chunk == 0:
-            self._open(self.m.w[j:j + self.chunk])
+            self._open(self.mod.w[j:j + self.chunk])
         return self.h + self.router.read(j % self.chunk, *self._recent(with_partial=False))  # completed blocks only
 
     def write(self, j, y):
@@ -563,3 +580,115 @@ class DeltaStream(_BlockHistory):
 
     def readout(self):
         return self.h
+
+
+# The plain stream -> its fast twin: GPT.start_stream runs the twin wherever a variant's module starts
+# one of these plain streams (a subclass that keeps the stream keeps the twin; a stream of its own
+# runs as written). Each twin reads the module as its plain stream does: S, L, queries/combine or w.
+TWINS = {model.AttnResStream: FastAttnResStream, model.DARStream: FastDARStream, model.DeltaStream: FastDeltaStream}
+
+
+# ----------------------------------------------------------------------------------------------
+# DAR's write, elementwise.
+
+
+def _transport(P, rho, beta, y):
+    out = torch.empty_like(P)
+    torch.lerp(P[1], P[0], rho, out=out[0])  # P_o + rho (P_m - P_o)
+    torch.lerp(P[0], P[1], rho, out=out[1])
+    return out.addcmul_(beta.to(P.dtype).view(2, *[1] * y.dim()), y.to(P.dtype))
+
+
+class _Transport(Function):
+    """P'_m = rho P_m + (1 - rho) P_o + beta_m y (o = 1 - m): DAR's doubly-stochastic transport of
+    the two streams' partial states and its gated write. Elementwise, forward and backward, saving
+    references to P and y only (autograd's backward of the same thing as a 2 x 2 matmul over the
+    streams runs skinny matmuls, several times slower on CPU)."""
+
+    @staticmethod
+    def forward(ctx, P, rho, beta, y):  # P [2, *, d], rho [], beta [2], y [*, d]
+        ctx.save_for_backward(P, rho, beta, y)
+        return _transport(P, rho, beta, y)
+
+    @staticmethod
+    def backward(ctx, g):
+        P, rho, beta, y = ctx.saved_tensors
+        with autocast_off(P):
+            g = g.to(P.dtype)
+            g_P = torch.empty_like(g)
+            torch.lerp(g[1], g[0], rho, out=g_P[0])
+            torch.lerp(g[0], g[1], rho, out=g_P[1])
+            g_rho = ((g[0] - g[1]) * (P[0] - P[1])).sum()  # dP'_m/drho = P_m - P_o
+            g_beta = g.flatten(1) @ y.to(P.dtype).flatten()
+            g_y = (beta[0] * g[0]).addcmul_(beta[1].to(g.dtype), g[1])
+        return g_P, g_rho.to(rho.dtype), g_beta.to(beta.dtype), g_y.to(y.dtype)
+
+
+def transport(P, rho, beta, y):
+    """DAR's write P' = [[rho, 1 - rho], [1 - rho, rho]] P + beta y, in P's dtype (float32 or float64):
+    model.transport's numbers, elementwise."""
+    with float32_routing(P):
+        return _Transport.apply(P, rho, beta, y) if needs_grad(P, rho, beta, y) else _transport(P, rho, beta, y)
+
+
+# ----------------------------------------------------------------------------------------------
+# Normalise, then project: an attention K or V input of its own (RD-AttnRes' h_V, MUDDFormer's h_K and h_V).
+
+
+class _NormProject(Function):
+    """y = RMSNorm(h) @ W.T, as F.linear(F.rms_norm(h), W) computes it, saving only references: h (the
+    routing keeps it anyway) and W (a parameter), never RMSNorm(h). The backward recomputes the
+    reciprocal RMS rinv from h (the same ops as the forward: the same bits; one pass over h), rebuilds
+    x = RMSNorm(h) = h * rinv elementwise for dW = g^T x, and takes RMSNorm's backward:
+    dh = rinv (gx - x mean(gx * x)), gx = g W.
+    The projection runs in the dtype autocast gives F.linear in the forward (bf16 under bf16
+    autocast, as the plain ops; else the inputs'), and the backward's two matmuls in that same dtype,
+    explicitly, with autocast off wherever the backward is traced or run; the norm and its backward
+    in the compute dtype (float32; float64 for float64 models)."""
+
+    @staticmethod
+    def forward(ctx, h, W):
+        hf = h.to(compute_dtype(h))
+        y = F.linear((hf * _rms_inv(hf).unsqueeze(-1)).to(h.dtype), W)  # F.rms_norm's ops: the same bits
+        ctx.mm_dtype = y.dtype
+        ctx.save_for_backward(h, W)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        h, W = ctx.saved_tensors
+        with autocast_off(h):
+            mm, dt = ctx.mm_dtype, compute_dtype(h)
+            hf = h.to(dt)
+            rinv = _rms_inv(hf).unsqueeze(-1)  # as the forward computed it: the same bits
+            x = hf * rinv  # RMSNorm(h), rebuilt
+            g = g.to(mm)
+            g_W = g.reshape(-1, g.size(-1)).T @ x.to(mm).reshape(-1, x.size(-1)) if ctx.needs_input_grad[1] else None
+            g_h = None
+            if ctx.needs_input_grad[0]:
+                gx = (g @ W.to(mm)).to(dt)
+                g_h = gx.addcmul_(x, (gx * x).sum(-1, keepdim=True), value=-1 / x.size(-1)).mul_(rinv)
+        return None if g_h is None else g_h.to(h.dtype), None if g_W is None else g_W.to(W.dtype)
+
+
+def norm_project(h, W):
+    """F.linear(RMSNorm(h), W) (RMSNorm without a gain, F.rms_norm's default eps), keeping references to
+    h and W for backward instead of RMSNorm(h): see _NormProject. The same forward as the plain ops."""
+    if needs_grad(h, W):
+        return _NormProject.apply(h, W)
+    return F.linear(model.norm(h), W)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compilation.
+
+
+def compile_model(net, **kwargs):
+    """torch.compile(net, **kwargs), its backward traced as eager runs it: outside autocast. By
+    default AOTAutograd traces the backward under the forward's autocast (backward_pass_autocast =
+    "same_as_forward"), which turns the float32 matmuls of the routing backward (DAR's transport,
+    mHC's projection) into bf16 ones. With "off", compiled and eager gradients agree. Shapes are
+    static unless asked otherwise (dynamic=False): a run has one batch shape, and evaluation's last
+    short batch is one more static graph (why: docs/performance.md)."""
+    torch._functorch.config.backward_pass_autocast = "off"
+    return torch.compile(net, **{"dynamic": False, **kwargs})

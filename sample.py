@@ -6,7 +6,7 @@ Sample text from a checkpoint, decoding incrementally with a key/value cache.
 
 The prompt is prefilled once, then the model decodes one token per step against its KVCache. Depth
 routing in every residual variant works per position, so the attention keys and values are all a
-variant needs cached: this file touches the model only through forward() and KVCache.
+variant needs cached: this file touches the model only through forward(), which reads a KVCache's pos and update().
 
 Prompt: without --prompt or --prompt_file the prompt is the end-of-text token alone. prepare_data.py
 puts EOT before every document, so this samples the start of a new document (unconditional).
@@ -47,7 +47,6 @@ import torch
 from depthres.checkpoint import CheckpointError, load_model
 from depthres.config import need
 from depthres.token_data import DataError, get_tokenizer
-from model import KVCache
 
 DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)
 
@@ -58,6 +57,24 @@ class UsageError(ValueError):
 
 # -----------------------------------------------------------------------------
 # generation
+
+
+class KVCache:
+    """Keys and values of past positions, per layer, for incremental decoding. Depth routing works
+    per position, so the attention keys and values are all that any residual variant needs cached."""
+
+    def __init__(self, cfg, batch_size, device=None, dtype=torch.float32):
+        shape = (cfg.n_layer, batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0  # positions filled so far
+
+    def update(self, layer, k, v):
+        T = k.size(2)
+        self.k[layer, :, :, self.pos:self.pos + T] = k
+        self.v[layer, :, :, self.pos:self.pos + T] = v
+        return self.k[layer, :, :, :self.pos + T], self.v[layer, :, :, :self.pos + T]
+
 
 
 class Window:
@@ -108,8 +125,9 @@ def filter_logits(logits, top_k=None, top_p=None):
     if top_p is not None and top_p < 1:
         ordered, order = logits.sort(-1, descending=True)
         probs = ordered.softmax(-1)
-        before = probs.cumsum(-1) - probs  # probability of the more likely tokens
-        ordered = ordered.masked_fill(before >= top_p, float("-inf"))
+        outside = probs.cumsum(-1) - probs >= top_p  # the probability of the more likely tokens reaches top_p
+        outside[..., 0] = False  # but the most likely one's (a top_p that rounds to 0 in float32 reaches 0)
+        ordered = ordered.masked_fill(outside, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, ordered)
     return logits
 

@@ -8,40 +8,32 @@ import torch
 import torch.nn.functional as F
 
 import model as model_module
-from kernels import norm_project
-from model import GPT, GPTConfig, KVCache, MUDDFormer, depth_attention, norm
+import model_fast
+from model import GPT, RESIDUALS, AttnRes, DualAttnRes, GPTConfig, MUDDFormer, depth_attention, norm
+from model_fast import norm_project
+from sample import KVCache
 from tools import bench
 
-VARIANTS = [
-    dict(residual="standard"),
-    dict(residual="full_attnres"),
-    dict(residual="block_attnres"),
-    dict(residual="rd_attnres"),
-    dict(residual="rd_attnres", rd_mode="tied"),
-    dict(residual="rd_attnres", rd_mode="average"),
-    dict(residual="rd_attnres", rd_mode="frozen_v"),
-    *[dict(residual="dar", dar_routing=r) for r in ("cross", "self_kv", "cross_v", "fixed_kv", "sep_v")],
+# Every registered variant at its defaults, then the options that change what a variant computes
+VARIANTS = [dict(residual=r) for r in RESIDUALS] + [
+    *[dict(residual="rd_attnres", rd_mode=m) for m in ("tied", "average", "frozen_v")],
+    *[dict(residual="dar", dar_routing=r) for r in ("self_kv", "cross_v", "fixed_kv", "sep_v")],
     dict(residual="dar", dar_block_size=1),
     dict(residual="dar", dar_include_partial=False),
-    dict(residual="hc"),
-    dict(residual="mhc"),
     dict(residual="mhc", hc_streams=2),
-    dict(residual="denseformer"),
     dict(residual="denseformer", denseformer_dilation=2, denseformer_period=2),  # one DWA, after layer 2 of 3
-    dict(residual="muddformer"),
-    dict(residual="delta_attnres"),
     dict(residual="delta_attnres", delta_block_size=4),
 ]
 IDS = ["-".join(map(str, v.values())) for v in VARIANTS]
-ATTNRES = [v for v in VARIANTS if v["residual"] in ("full_attnres", "block_attnres", "rd_attnres")]
-DAR = [v for v in VARIANTS if v["residual"] == "dar"]
+ATTNRES = [v for v in VARIANTS if issubclass(RESIDUALS[v["residual"]], AttnRes)]  # the family, by class
+DAR = [v for v in VARIANTS if issubclass(RESIDUALS[v["residual"]], DualAttnRes)]
 # Parameters whose gradient is zero at init by construction, not by accident:
 #   hc: s * tanh(RMSNorm(H) W) with W = 0 (the paper's init) gives the scales s no gradient, and
 #   its streams start equal (B = 1, Ar = I), so dL/dAm_i = g . H_i = g . h = 0: the branch input h
 #   feeds a scale-invariant norm, whose gradient is orthogonal to h;
 #   dar fixed_kv: both targets read the same keys and values, so r_0 = r_1 while their queries are
 #   equal (zero at init) and the fusion gate alpha gets none;
-#   muddformer: W1 sits behind W2 = 0 (the reference's init), so W1 (router.W1.<layer>) gets none.
+#   muddformer: W1 sits behind W2 = 0 (the reference's init), so W1 (residual.W1.<layer>) gets none.
 # Each entry is a tuple of parameter-name prefixes, or a predicate on the name (docs/adding_a_variant.md).
 ZERO_GRAD_AT_INIT = {"hc": ("residual.s_alpha", "residual.s_beta", "residual.Am"), "fixed_kv": ("residual.theta_alpha",),
                      "muddformer": ("residual.W1.",)}
@@ -329,7 +321,7 @@ def test_checkpointing_saves_the_sublayer_inputs_and_nothing_inside():
 @pytest.mark.parametrize("residual", ["rd_attnres", "muddformer"])
 def test_a_separate_value_input_keeps_no_normalised_copy(residual, monkeypatch):
     """RD-AttnRes' h_V (and MUDDFormer's h_K, h_V) is normalised again in backward rather than kept
-    normalised (routing.norm_project): at least one [B, T, d] activation less per layer, the same
+    normalised (model_fast.norm_project): at least one [B, T, d] activation less per layer, the same
     logits bit for bit and every gradient to float64 rounding (tests/test_norm_project.py: more)."""
     B, T, d, n = 2, 12, 32, 4
     idx = tokens(B=B, T=T)
@@ -354,23 +346,25 @@ def test_activation_checkpointing_recomputes_the_sublayers_and_changes_no_gradie
     """activation_checkpointing runs every sublayer again in backward instead of saving its
     internals, and keeps the routing as it is: the same logits and every gradient, bit for bit, with
     less saved for backward. An attention K or V input of its own (RD-AttnRes, MUDDFormer) goes
-    through routing.norm_project without checkpointing and through the plain ops with it (the
+    through model_fast.norm_project without checkpointing and through the plain ops with it (the
     sublayer is recomputed whole): there the gradients agree to float64 rounding."""
     own_input = []
-    monkeypatch.setattr(model_module, "norm_project", lambda h, W: own_input.append(1) or norm_project(h, W))
+    monkeypatch.setattr(model_fast, "norm_project", lambda h, W: own_input.append(1) or norm_project(h, W))
     plain, ckpt = tiny(**variant), tiny(activation_checkpointing=True, **variant)
     randomize_routing(plain)
     randomize_routing(ckpt)
-    calls = []
+    calls, separate = [], []  # separate: whether an attention got a K or V input of its own
     for block in ckpt.blocks:
         for sublayer in (block.attn, block.mlp):
             sublayer.register_forward_pre_hook(lambda *args: calls.append(1))
+    for block in plain.blocks:
+        block.attn.register_forward_pre_hook(
+            lambda _, args: separate.append(isinstance(args[0], tuple) and any(h is not args[0][0] for h in args[0])))
     idx = tokens()
     (logits_p, grads_p), (logits_c, grads_c) = loss_and_grads(plain, idx), loss_and_grads(ckpt, idx)
     assert len(calls) == 2 * (2 * ckpt.cfg.n_layer)  # each sublayer: forward, then again in backward
     assert torch.equal(logits_c, logits_p) and grads_c.keys() == grads_p.keys()
-    two_routes = variant["residual"] == "rd_attnres" and variant.get("rd_mode", "decoupled") in ("decoupled", "frozen_v")
-    assert bool(own_input) == (two_routes or variant["residual"] == "muddformer")
+    assert bool(own_input) == any(separate)
     assert_grads_equal(grads_c, grads_p, atol=1e-12 if own_input else 0)
     assert saved_activation_bytes(ckpt, idx) < saved_activation_bytes(plain, idx)
     with torch.no_grad():  # nothing to recompute without gradients
@@ -479,8 +473,9 @@ def test_dar_matches_its_textbook_definition(variant):
     idx = tokens()
     textbook = dar_textbook_logits(model, idx)
     torch.testing.assert_close(model(idx)[0], textbook, rtol=0, atol=1e-10)
-    model.residual.depth_impl = "reference"  # the plain stream too
-    torch.testing.assert_close(model(idx)[0], textbook, rtol=0, atol=1e-10)
+    plain = tiny(depth_impl="reference", **variant)  # the plain stream too
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(plain(idx)[0], textbook, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("variant", DAR, ids=lambda v: "-".join(map(str, v.values())))
@@ -525,16 +520,45 @@ def test_block_sums_accumulate_in_the_embedding_dtype_under_bf16():
     torch.testing.assert_close(stream.partial, ys[0].float() + ys[1].float() + ys[2].float(), rtol=1e-6, atol=0)
 
 
-def test_mhc_coefficients_stay_float32_under_bf16_autocast():
-    model = tiny(residual="mhc", dtype=torch.float32)
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_every_depth_mix_stays_float32_under_bf16_autocast(variant, monkeypatch):
+    """The dtype rule: whatever a stream mixes across depth runs with autocast off (GPT.forward runs
+    every stream inside float32_routing, the sublayers alone in the caller's autocast). The sublayers
+    are stubs whose bf16 outputs autocast cannot change (elementwise), so under bf16 autocast every
+    sublayer input and the readout must equal, bit for bit, those without: a stream that mixed in bf16
+    (a matmul or an einsum under autocast) would differ."""
+    model = tiny(dtype=torch.float32, **variant)
+    randomize_routing(model)
     with torch.no_grad():
-        model.residual.a.fill_(0.5)  # a dynamic part large enough for bf16 rounding to show
-    H = torch.randn(2, 3, 4, 32, generator=torch.Generator().manual_seed(0))
-    plain = model.residual.coefficients(1, H)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        mixed = model.residual.coefficients(1, H)
-    for p, m in zip(plain, mixed):
-        torch.testing.assert_close(m, p, rtol=0, atol=0)
+        for p in model.residual.parameters():
+            p.mul_(0.3)  # trained-looking: every gate and coefficient away from its init, activations sane
+    seen = []
+
+    def stub(h, *args):
+        seen.extend(h if isinstance(h, tuple) else (h,))
+        return torch.tanh(sum(h) if isinstance(h, tuple) else h).to(torch.bfloat16)  # as bf16 as a sublayer's y
+
+    for block in model.blocks:
+        monkeypatch.setattr(block.attn, "forward", stub)
+        monkeypatch.setattr(block.mlp, "forward", stub)
+    start = model.start_stream
+
+    def recording(x0, record=None):  # the stream, its readout seen too
+        stream = start(x0, record)
+        readout = stream.readout
+        stream.readout = lambda: seen.append(readout()) or seen[-1]
+        return stream
+
+    monkeypatch.setattr(model, "start_stream", recording)
+    idx = tokens()
+    with torch.no_grad():
+        model(idx)
+        plain, seen = seen, []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx)
+    assert len(seen) == len(plain) > 2 * model.cfg.n_layer
+    for p, m in zip(plain, seen):
+        assert m.dtype == p.dtype and torch.equal(m, p)
 
 
 def test_mhc_has_no_underflowed_gradients_in_float32():

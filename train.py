@@ -47,7 +47,8 @@ from depthres.run import (
 )
 from depthres.runlog import log_eval, log_train
 from depthres.token_data import TokenLoader
-from model import GPT, compile_model
+from model import GPT
+from model_fast import compile_model
 
 # ----------------------------------------------------------------------------------------------
 # The loop: one optimizer step, then the steps of a run with their logs, evaluations and checkpoints.

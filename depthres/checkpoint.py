@@ -31,6 +31,8 @@ CKPT_FORMAT = "depthres-ckpt-2"
 CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng",
              "checksum")
 CKPT_OPTIONAL = ("world_size",)  # keys added since: a checkpoint without them is read as before
+CKPT_TYPES = {"model_config": dict, "model": dict, "tokenizer": str, "step": int, "train_config": dict,
+              "optimizer": dict, "loader": dict, "rng": dict}  # what each key holds
 RUN_FILES = ("config.json", "log.jsonl", "ckpt.pt", "ckpt", "summary.json", "wandb_id.txt")  # what a run directory holds
 # model keys that change how the model computes, not what: a run may resume with other values. What
 # a change does to the numbers (tests/test_runlog.py): checkpointing recomputes the same operations,
@@ -154,6 +156,7 @@ def _save(state, f):
 
 SHARDED_FORMAT = "depthres-sharded-1"
 NAME, TMP, OLD = "ckpt", ".ckpt.tmp", ".ckpt.old"  # the sharded checkpoint's names in the run directory
+GONE = ".ckpt.gone"  # a sharded checkpoint being deleted (fsdp.remove_sharded): never read
 MANIFEST, STATE, INDEX = "manifest.json", "state.pt", ".metadata"  # INDEX: DCP's, a pickle
 STATE_KEYS = ("format", "model_config", "tokenizer", "step", "train_config", "loader", "rng")
 EXPORT = "python -m tools.export_ckpt"
@@ -319,7 +322,13 @@ def read_sharded(path):
         raise CheckpointError(f"{path} is incomplete: {', '.join(sorted(short))} missing or of the wrong size; "
                               "use an intact copy or another checkpoint")
     verify_files(path, [STATE], files)
-    read_index(path)  # refused here, before a run starts, if it is not plain data
+    index = read_index(path)  # refused here, before a run starts, if it is not plain data
+    named = sorted({getattr(s, "relative_path", None) for s in (index.storage_data or {}).values()} - set(files),
+                   key=str)  # a file outside the checkpoint, or one no checksum covers, is never read
+    if named:
+        raise CheckpointError(f"{path / INDEX} names {named[0]!r} as a file of the checkpoint, which its {MANIFEST} "
+                              "does not list: it was not written by train.py, or was altered after; use an intact "
+                              "copy or another checkpoint")
     try:
         state = torch.load(path / STATE, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's own message may advise weights_only=False, which is unsafe: not quoted
@@ -328,7 +337,20 @@ def read_sharded(path):
         why = state if isinstance(state, str) else f"a {type(state).__name__} without the keys of format {CKPT_FORMAT!r}"
         raise CheckpointError(f"{path / STATE} is not a run state ({why}): it was not written by train.py, or was "
                               "altered after; use an intact copy or another checkpoint")
+    check_contents(state, path / STATE)
     return {**state, "world_size": manifest["world_size"], "sharded": path}  # the ranks that wrote it
+
+
+def check_contents(state, path):
+    """Each CKPT_TYPES key of a checkpoint (or a sharded one's run state) holds what it should, its step a whole
+    number >= 0: a checksum recomputed over other contents is one line, not a traceback (or negative lrs)."""
+    wrong = next((f"its {k} is a {type(state[k]).__name__}, not a {t.__name__}" for k, t in CKPT_TYPES.items()
+                  if k in state and (not isinstance(state[k], t) or isinstance(state[k], bool))), None)
+    if wrong is None and state["step"] < 0:
+        wrong = f"its step is {state['step']}, not a whole number >= 0"
+    if wrong is not None:
+        raise CheckpointError(f"{path} is not a run's checkpoint ({wrong}): it was not written by train.py, or was "
+                              "altered after; use an intact copy or another checkpoint")
 
 
 def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):
@@ -359,7 +381,20 @@ def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):
     if checksum(ckpt) != ckpt["checksum"]:
         raise CheckpointError(f"{path} is corrupt: its contents do not match the checksum written with it "
                               "(damaged on disk or in a copy); use an intact copy or another checkpoint")
+    check_contents(ckpt, path)
+    ckpt["model"] = {renamed(k): v for k, v in ckpt["model"].items()}  # written under older names: today's
     return ckpt if map_location in (None, "cpu") else moved(ckpt, map_location)
+
+
+# Parameter names that changed, old prefix -> new: checkpoints written before still load.
+RENAMED = {"router.": "residual."}  # the residual module was GPT.router
+
+
+def renamed(key):
+    for old, new in RENAMED.items():
+        if key.startswith(old):
+            return new + key.removeprefix(old)
+    return key
 
 
 def load_model(path_or_run_dir, device="cpu"):
@@ -430,8 +465,9 @@ def read_log(path, last_step, finished=False):
     `finished` (the checkpoint is the run's last step), the records of that step other than its
     train record go too: a resumed finished run redoes its final evaluations; so do the resume and
     start records at that step (the resume that reads this log writes its own). A line that is not a
-    JSON record (the torn last line of a kill or a full disk) is dropped, with a note. So every
-    (kind, split, step) is logged once, whatever kills and resumes came before."""
+    JSON record with a whole step and a kind (the torn last line of a kill or a full disk, or a foreign
+    line) is dropped, with a note. So every (kind, split, step) is logged once, whatever kills and resumes
+    came before."""
     if not path.exists():
         return []
     kept, torn = [], []
@@ -441,7 +477,9 @@ def read_log(path, last_step, finished=False):
         try:
             record = json.loads(line)
             step, kind = record["step"], record["kind"]
-        except (ValueError, TypeError, KeyError):
+            if not isinstance(step, int) or isinstance(step, bool) or not isinstance(kind, str):
+                raise TypeError
+        except (ValueError, TypeError, KeyError, IndexError):
             if line.strip():
                 torn.append(n)
             continue
@@ -450,7 +488,7 @@ def read_log(path, last_step, finished=False):
             kept.append(line)  # (the resume and start records at last_step are this resume's to write)
     if torn:
         print(f"note: {path}: dropped {len(torn)} unreadable line(s) ({', '.join(map(str, torn[:5]))}), "
-              "as a kill or a full disk leaves them", file=sys.stderr)
+              "as a kill or a full disk leaves them (or not train.py's records)", file=sys.stderr)
     return kept
 
 

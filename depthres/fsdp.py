@@ -40,9 +40,11 @@ import torch
 
 from depthres.checkpoint import (
     CKPT_FORMAT,
+    GONE,
     MANIFEST,
     NAME,
     OLD,
+    RENAMED,
     RUN_FILES,
     SHARDED_FORMAT,
     STATE,
@@ -55,12 +57,13 @@ from depthres.checkpoint import (
     read_index,
     read_manifest,
     read_sharded,
+    renamed,
     save_checkpoint,
     verify_files,
 )
 from depthres.distributed import agreed, shard
 from depthres.files import lock_dir, os_error_message, sync_dir, write_file, writing
-from model import GPT, RENAMED, GPTConfig, InitialWeights, renamed
+from model import GPT, GPTConfig, InitialWeights
 
 
 def sharded_model(mc, seed, dist, weights=None, init=True):
@@ -152,16 +155,19 @@ def load_sharded(path, model, optimizer, dist=None):
         state = _names(state, older)  # as the checkpoint names the parameters
         try:
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=alone)
-        except CheckpointException as e:  # raised on every rank: the first rank's error
+        except CheckpointException as e:  # raised on every rank: the first rank's error, its first line
             errors = [exc for exc, _ in getattr(e, "failures", {}).values()]
+            first = errors[0] if errors else e  # (e's text holds each rank's remote traceback)
+            why = next((line.strip() for line in str(first).splitlines() if line.strip()), "")
             raise next((x for x in errors if isinstance(x, CheckpointError)), CheckpointError(
-                f"{path} cannot be loaded into this model ({e}); use an intact copy or another checkpoint")) from None
+                f"{path} cannot be loaded into this model ({type(first).__name__}: {why}); use an intact copy or "
+                "another checkpoint")) from None
         state = _names(state, renamed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _older_names(path):
-    """name -> the name a sharded checkpoint written before model.RENAMED's renames gives it (or itself)."""
+    """name -> the name a sharded checkpoint written before checkpoint.RENAMED's renames gives it (or itself)."""
     keys = read_index(path).state_dict_metadata
     old = [(o, n) for o, n in RENAMED.items() if any(k.startswith("model." + o) for k in keys)]
     return lambda name: next((o + name.removeprefix(n) for o, n in old if name.startswith(n)), name)
@@ -268,11 +274,11 @@ def _commit(run_dir):
     with writing(final, RunDirError):
         sync_dir(tmp)
         if final.is_dir():  # else .ckpt.old, if any, is the last checkpoint: kept until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
+            _discard(old)
             os.replace(final, old)
         os.replace(tmp, final)
         sync_dir(run_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)  # (a ckpt/ that was a link: the link, never what it points to)
         (run_dir / "ckpt.pt").unlink(missing_ok=True)  # an older single file (a run resumed under FSDP)
 
 
@@ -284,12 +290,28 @@ def _saved(state):
     return buf.getvalue()
 
 
-def remove_sharded(run_dir):
+def remove_sharded(run_dir, checkpoint=True):
     """Remove the run directory's sharded checkpoint and any half-written one (a run replacing it, or a
-    single-file checkpoint superseding it)."""
-    for name in (TMP, NAME, OLD):
-        with writing(Path(run_dir) / name, RunDirError):
-            shutil.rmtree(Path(run_dir) / name, ignore_errors=True)
+    single-file checkpoint superseding it); checkpoint=False: only what a killed save or removal left. Each
+    is renamed to .ckpt.gone first (one atomic rename; no reader looks there), then deleted: a kill in the
+    deletion leaves no half-deleted ckpt/ beside the checkpoint that replaces it."""
+    run_dir = Path(run_dir)
+    gone = run_dir / GONE
+    # .ckpt.old before ckpt: beside ckpt/ it is a leftover, and without ckpt/ it is the checkpoint
+    for name in (TMP, OLD, NAME) if checkpoint else (TMP,):
+        with writing(run_dir / name, RunDirError):
+            _discard(gone)
+            if (run_dir / name).exists() or (run_dir / name).is_symlink():
+                os.replace(run_dir / name, gone)
+    with writing(gone, RunDirError):
+        _discard(gone)
+
+
+def _discard(path):
+    if path.is_symlink():  # (a link is removed, never followed)
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,7 +325,12 @@ def whole_checkpoint(path):
     state = read_sharded(path)
     with torch.device("meta"):
         model = GPT(GPTConfig(**state["model_config"]))
-    model.to_empty(device="cpu")
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # each parameter given storage in place, so
+    try:                                                         # tied ones (tie_embeddings) stay one
+        model.to_empty(device="cpu")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
     model.init_buffers()
     optimizer = torch.optim.AdamW(model.param_groups(state["train_config"]["weight_decay"]))  # its hyperparameters
     load_sharded(state["sharded"], model, optimizer)                                        # come from the checkpoint

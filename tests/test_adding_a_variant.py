@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import model
 import sample
-from model import GPT, AttnRes, GPTConfig, SumStream
+from model import GPT, AttnRes, FullAttnRes, GPTConfig, RDAttnRes, SumStream
 from test_equivalence import zero_grad_at_init
 from tools import diagnose
 
@@ -35,10 +35,10 @@ class ReZero(nn.Module):
 class _ReZeroStream(SumStream):
     def __init__(self, mod, x0):
         super().__init__(x0)
-        self.m = mod
+        self.mod = mod
 
     def write(self, j, y):
-        self.h = self.h + self.m.alpha[j] * y
+        self.h = self.h + self.mod.alpha[j] * y
 
 
 class TemperedAttnRes(AttnRes):
@@ -143,6 +143,55 @@ def test_reset_parameters_zeroes_only_what_the_papers_zero(registered):
         assert torch.equal(tiny("with_gain").residual.gain, torch.ones(3, dtype=torch.float64))
     finally:
         del model.RESIDUALS["with_gain"]
+
+
+def test_a_subclass_is_what_its_class_declares_not_what_its_name_says(monkeypatch):
+    """Block size, routes and flags come from the class: a subclass of FullAttnRes under a new name is
+    Full AttnRes (S = 1), one of RDAttnRes takes rd_mode (tied: Block AttnRes), one of AttnRes is Block."""
+    class MyFull(FullAttnRes):
+        pass
+
+    class MyRD(RDAttnRes):
+        pass
+
+    class MyBlock(AttnRes):
+        pass
+
+    for name, cls in (("my_full", MyFull), ("my_rd", MyRD), ("my_block", MyBlock)):
+        monkeypatch.setitem(model.RESIDUALS, name, cls)
+    assert tiny("my_full").residual.S == 1 and tiny("my_block").residual.S == 4
+    idx = tokens()
+    for mine, theirs, kw in (("my_full", "full_attnres", {}), ("my_rd", "block_attnres", dict(rd_mode="tied")),
+                             ("my_rd", "rd_attnres", {}), ("my_block", "block_attnres", {})):
+        a, b = tiny(mine, **kw), tiny(theirs, **(kw if theirs == "rd_attnres" else {}))
+        with torch.no_grad():
+            for p, q in zip(a.residual.parameters(), b.residual.parameters()):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+                q.copy_(p)
+        torch.testing.assert_close(a(idx)[0], b(idx)[0], rtol=0, atol=1e-12, msg=mine)
+    with pytest.raises(ValueError, match="rd_mode='tied' only applies to residual='rd_attnres' or 'my_rd'"):
+        GPTConfig(residual="my_block", rd_mode="tied")
+
+
+def test_diagnostics_read_the_routes_the_record_holds(monkeypatch):
+    """diagnose names a site's routes by how many the record holds, for any variant: RD-AttnRes' two
+    (QK, V), a third route's three (Q, K, V), each pair's JS divergence, and one route's peak weight."""
+    from test_routing import ThreeRoutes
+    monkeypatch.setitem(model.RESIDUALS, "three_routes", ThreeRoutes)
+    expected = {"three_routes": ("Q route", "K route", "V route"), "rd_attnres": ("QK route", "V route"),
+                "block_attnres": ("routing weights",)}
+    for residual, names in expected.items():
+        net, record = tiny(residual), {}
+        with torch.no_grad():
+            for i, p in enumerate(net.residual.parameters()):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype))
+            net(tokens(), record=record)
+        assert diagnose.recorded_kind([record]) == "routes" and diagnose.route_names([record]) == names
+        if len(names) > 1:
+            short = [n.removesuffix(" route") for n in names]
+            js = diagnose.route_js_per_layer([record], net.cfg.n_layer, short)
+            assert list(js) == [f"{a}||{b}" for i, a in enumerate(short) for b in short[i + 1:]]
+            assert all(len(v) == net.cfg.n_layer and v[0] == 0 and min(v[1:]) > 0 for v in js.values())  # layer 0: x0 alone
 
 
 @pytest.mark.parametrize("residual", ["rezero", "tempered"])

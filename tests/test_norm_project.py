@@ -1,4 +1,4 @@
-"""routing.norm_project, "normalise, then project" for an attention K or V input of its own (RD-AttnRes'
+"""model_fast.norm_project, "normalise, then project" for an attention K or V input of its own (RD-AttnRes'
 h_V, MUDDFormer's h_K and h_V): the plain ops' numbers (float64: the same forward, every gradient to
 rounding; gradcheck), also under bf16 autocast, without gradients and under plain torch.compile; in the
 whole model, the plain path's and the checkpoint path's numbers, keeping no normalised copy."""
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import model as model_module
-from kernels import norm_project
+import model_fast
 from model import GPT, GPTConfig, norm
+from model_fast import norm_project
 from tools import bench
 
 B, T, d, n = 2, 5, 16, 12
@@ -156,7 +157,7 @@ def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypat
     less (a [B, T, d] activation and one float per token), and against the checkpoint a reference to the projection's weight (a
     parameter, resident anyway; the checkpoint hid it), and no activation more."""
     calls = []
-    monkeypatch.setattr(model_module, "norm_project", lambda h, W: calls.append(1) or norm_project(h, W))
+    monkeypatch.setattr(model_fast, "norm_project", lambda h, W: calls.append(1) or norm_project(h, W))
     logits, grads, saved = run(tiny(residual))
     assert len(calls) == 2 * USES[residual]  # run() steps twice: counting with and without the parameters
     for path, normed in PATHS.items():
@@ -179,7 +180,7 @@ def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypat
 def test_activation_checkpointing_steps_aside(monkeypatch):
     """With activation_checkpointing the sublayer is recomputed whole: the plain ops, no norm_project."""
     calls = []
-    monkeypatch.setattr(model_module, "norm_project", lambda h, W: calls.append(1) or norm_project(h, W))
+    monkeypatch.setattr(model_fast, "norm_project", lambda h, W: calls.append(1) or norm_project(h, W))
     for residual in USES:
         run(tiny(residual, activation_checkpointing=True))
     assert calls == []

@@ -1,4 +1,4 @@
-"""A checkpoint written before parameters were renamed still works: model.RENAMED maps its names."""
+"""A checkpoint written before parameters were renamed still works: depthres.checkpoint.RENAMED maps its names."""
 
 import shutil
 from pathlib import Path
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import sample
-from depthres.checkpoint import load_checkpoint
+from depthres.checkpoint import load_checkpoint, renamed
 from depthres.fsdp import whole_checkpoint
-from model import GPT, GPTConfig, renamed
+from model import GPT, GPTConfig
 from tools import diagnose
 
 from runs import losses, run
@@ -35,11 +35,13 @@ def test_renamed_maps_only_the_old_names():
 def test_a_checkpoint_from_before_the_renaming_loads_samples_diagnoses_and_resumes(data_dir, tmp_path, straight):
     run_dir = tmp_path / "old"
     shutil.copytree(BEFORE_ISSUE35, run_dir, ignore=shutil.ignore_patterns("README.md", "ckpt"))  # ckpt.pt alone
+    written = torch.load(run_dir / "ckpt.pt", weights_only=True)["model"]
+    assert "router.w" in written  # the file holds the old names
     ckpt = load_checkpoint(run_dir)
-    assert "router.w" in ckpt["model"] and ckpt["step"] == 3  # the old names
+    assert ckpt["model"].keys() == {renamed(k) for k in written} and ckpt["step"] == 3  # read under the new ones
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])  # strict: every weight found under its new name
-    assert torch.equal(model.residual.w, ckpt["model"]["router.w"])
+    assert torch.equal(model.residual.w, written["router.w"])
     assert sample.main(["--ckpt", str(run_dir), "--max_new_tokens", "2"]) == 0
     found = diagnose.diagnose(str(run_dir), str(tmp_path / "diag"), tokens=256, batch_size=2, data_dir=str(data_dir))
     assert "routing_maps" in found

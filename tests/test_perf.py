@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from model import GPT, GPTConfig, compile_model
+from model import GPT, GPTConfig
+from model_fast import compile_model
 from tools import bench
 
 FAMILIES = [  # 2 layers; 1 where every layer runs the same ops and nothing is read across layers (less to trace)
@@ -67,20 +68,36 @@ def plain_compile():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", FAMILIES, ids=IDS)
-def test_compiled_equals_eager_in_training_and_evaluation(variant, plain_compile):
-    """Plain torch.compile, fullgraph=True, so a graph break anywhere is an error; aot_eager traces
-    forward and backward as inductor does, without generating code. Training under bf16 autocast,
-    the backward traced under it too: every custom Function of the routing (and mHC's and
-    MUDDFormer's float32 projections) computes its backward in float32 with autocast off itself, so
-    the gradients equal eager's (without that: a dtype error, or router gradients off by 0.4-10%).
-    Evaluation under no_grad and inference_mode, where autograd Functions take another path."""
+def test_compiled_equals_eager_in_training_and_evaluation(variant):
+    """compile_model (what train.py and tools/bench.py compile with), fullgraph=True, so a graph break
+    anywhere is an error; aot_eager traces forward and backward as inductor does, without generating
+    code. Training under bf16 autocast: compile_model traces the backward outside autocast, as eager
+    runs it, so every float32 op of the routing, plain autograd (model.py: mHC's and MUDDFormer's
+    projections, HC's mixing) or a custom Function (model_fast.py), has its backward in float32 and the
+    gradients equal eager's. Evaluation under no_grad and inference_mode, where autograd Functions take
+    another path."""
     torch._dynamo.reset()
     model = randomized(tiny(**variant))
-    compiled = plain_compile(model, backend="aot_eager")
+    compiled = compile_model(model, fullgraph=True, backend="aot_eager")
     assert_compiled_equals_eager(model, compiled, torch.autocast("cpu", dtype=torch.bfloat16), rtol=1e-5)
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
             torch.testing.assert_close(compiled(IDX)[0], model(IDX)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [dict(residual="rd_attnres"), dict(residual="dar", dar_block_size=1)],
+                         ids=["rd_attnres", "dar"])
+def test_the_fast_functions_hold_under_plain_compile(variant, plain_compile):
+    """A torch.compile of one's own, whose backward AOTAutograd traces under the forward's autocast (its
+    default): the custom Functions of the fast path (the two-phase router, DAR's transport,
+    norm_project) compute their backward in float32 with autocast off themselves, so the families they
+    carry still equal eager exactly. (Plain autograd ops of the routing would not: compile such a model
+    with compile_model, or set torch._functorch.config.backward_pass_autocast = "off" as it does.)"""
+    torch._dynamo.reset()
+    model = randomized(tiny(**variant))
+    compiled = plain_compile(model, backend="aot_eager")
+    assert_compiled_equals_eager(model, compiled, torch.autocast("cpu", dtype=torch.bfloat16), rtol=1e-5)
 
 
 @pytest.mark.slow

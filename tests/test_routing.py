@@ -3,8 +3,11 @@ alone (values, every gradient, gradcheck) and every routed variant's stream, blo
 
 import pytest
 import torch
+import torch.nn as nn
 
-from model import DAR_STREAMS, GPT, GPTConfig
+import model as model_module
+import model_fast
+from model import DAR_STREAMS, GPT, RESIDUALS, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes
 from model_fast import TwoPhaseRouter, rms_inv
 from tools import bench
 from tools.bench import ReferenceRouter
@@ -157,6 +160,73 @@ def test_two_phase_model_equals_reference_model(variant):
         torch.testing.assert_close(fast(idx)[0], lf, rtol=0, atol=0)
 
 
+# --- every registered variant, and variants a user writes: fast equals plain, or runs plain ---------------
+
+class ThreeRoutes(RDAttnRes):
+    """RD-AttnRes with a third route: the Q, K and V inputs of every attention sublayer each with a
+    pseudo-query of its own (attention reads a 3-tuple as (h_Q, h_K, h_V)). Only its queries change,
+    so the fast twin serves it: three query rows per attention site."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.w_k = nn.Parameter(torch.zeros(cfg.n_layer, cfg.n_embd))
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        super().reset_parameters(rng)
+        self.w_k.zero_()
+
+    def queries(self, j):
+        rows = super().queries(j)
+        return torch.cat([rows[:1], self.w_k[j // 2:j // 2 + 1], rows[1:]]) if len(rows) == 2 else rows
+
+
+class StaticStream(AttnResStream):
+    """Static AttnRes: softmax over one learned logit per (site, source), no keys. A stream of its
+    own, which the fast path does not know: it runs as written."""
+
+    def read(self, j):
+        if j > 0 and j % self.mod.S == 0:
+            self.blocks, self.partial = self.blocks + [self.partial], None
+        sources = self.blocks + ([self.partial] if self.partial is not None else [])
+        a = self.mod.logits[j, :len(sources)].softmax(0)
+        return sum(a_r * s for a_r, s in zip(a, sources))
+
+
+class StaticAttnRes(FullAttnRes):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.logits = nn.Parameter(torch.zeros(self.L + 1, self.L + 1))
+
+    def start(self, x0, record=None):
+        return StaticStream(self, x0, record)
+
+
+USER_VARIANTS = {"three_routes": ThreeRoutes, "static_attnres": StaticAttnRes}
+
+
+@pytest.mark.parametrize("residual", [*RESIDUALS, *USER_VARIANTS])
+def test_every_variant_runs_the_same_numbers_on_both_paths(residual, monkeypatch):
+    """Every name in RESIDUALS, and two a user writes (an extra route; a stream of its own), at random
+    weights: the default path (fast twins where the plain stream has one) equals depth_impl="reference",
+    logits and every gradient in float64, and where no twin exists the default runs the plain stream."""
+    for name, cls in USER_VARIANTS.items():
+        monkeypatch.setitem(model_module.RESIDUALS, name, cls)
+    idx = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(0))
+    fast, ref = model(residual=residual), model(residual=residual, depth_impl="reference")
+    with torch.no_grad():
+        for p in (*fast.parameters(), *ref.parameters()):  # the sublayers too: trained-looking everywhere
+            p.mul_(1 + 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    ref.load_state_dict(fast.state_dict())
+    plain = type(fast.residual.start(fast.wte(idx)))
+    assert type(fast.start_stream(fast.wte(idx))) is model_fast.TWINS.get(plain, plain)  # the twin, or plain
+    (lf, gf), (lr, gr) = forward_backward(fast, idx), forward_backward(ref, idx)
+    torch.testing.assert_close(lf, lr, rtol=0, atol=1e-10)
+    assert gf.keys() == gr.keys() and all(gr[n].abs().max() > 0 for n in gr if n.startswith("residual."))
+    for n in gr:
+        torch.testing.assert_close(gf[n], gr[n], rtol=0, atol=1e-10, msg=n)
+
+
 # --- memory: references to the sources, nothing source-sized per site ----------------------------------
 
 @pytest.mark.parametrize("residual, per_site", [("full_attnres", 1), ("block_attnres", 1), ("rd_attnres", 2),
@@ -183,8 +253,8 @@ def test_saved_activations_stay_linear_in_the_sources(residual, per_site):
 
 
 def test_dar_transport_equals_its_reference():
-    from kernels import transport
-    from model import transport_reference
+    from model import transport as transport_reference
+    from model_fast import transport
     g = torch.Generator().manual_seed(0)
     P = torch.randn(2, B, T, d, generator=g, dtype=torch.float64).requires_grad_()
     y = torch.randn(B, T, d, generator=g, dtype=torch.float64).requires_grad_()

@@ -40,8 +40,8 @@ import torch._dynamo
 
 from depthres.config import need
 from depthres.files import check_writable, write_file
-from model import GPT, GPTConfig, compile_model, depth_attention
-from model_fast import TwoPhaseRouter, rms_inv
+from model import GPT, GPTConfig, depth_attention
+from model_fast import TwoPhaseRouter, compile_model, rms_inv
 
 DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc,denseformer,muddformer,delta_attnres"
 SHAPE_KEYS = {"vocab_size": "--vocab_size", "block_size": "--seq_len", "n_layer": "--n_layer", "n_head": "--n_head",

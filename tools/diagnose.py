@@ -2,13 +2,13 @@
 What did a model's depth routing learn? Diagnostics from a checkpoint, on held-out tokens.
 
     python -m tools.diagnose --ckpt runs/demo                  # routing maps, and per variant:
-        rd_attnres   Jensen-Shannon divergence between the QK and V routes, per layer and mean
+        rd_attnres   Jensen-Shannon divergence between the QK and V routes (any two routes of a site), per layer
         dar          linear CKA between the two streams per layer, and each stream's rescue gain
         hc, mhc      the mean residual mixing matrices
         full_attnres, block_attnres, delta_attnres   the mean largest routing weight per site
         denseformer  the DWA weight matrix (static: no tokens needed)
         muddformer   the mean per-token weights per way (Q, K, V, R), on the newest output and on x0
-    python -m tools.diagnose --curves runs/sweep/*/            # validation-loss curves across runs
+    python -m tools.diagnose --curves runs/sweep/*/seed*/      # validation-loss curves across runs
 
 Writes diagnostics.json and PNG plots into --out (default: the run directory), each file whole or
 not at all (written beside and renamed). Plots need matplotlib (optional: `pip install matplotlib`);
@@ -104,12 +104,15 @@ def routing_maps(records, n_layer):
     return maps
 
 
-def rd_js_per_layer(records, n_layer):
-    """JS divergence between a_QK and a_V at each attention sublayer, per token, then averaged."""
-    out = []
+def route_js_per_layer(records, n_layer, names):
+    """{"A||B": per layer} for every pair of routes A, B of the attention sublayers (RD-AttnRes: QK||V):
+    their JS divergence per token, then averaged."""
+    out = {}
     for i in range(n_layer):
-        a = torch.cat([r[f"attn.{i}"].flatten(start_dim=2) for r in records], -1)  # [n, 2, tokens]
-        out.append(js_divergence(a[:, 0], a[:, 1], dim=0).mean().item())
+        a = torch.cat([r[f"attn.{i}"].flatten(start_dim=2) for r in records], -1)  # [n, routes, tokens]
+        for x in range(a.size(1)):
+            for y in range(x + 1, a.size(1)):
+                out.setdefault(f"{names[x]}||{names[y]}", []).append(js_divergence(a[:, x], a[:, y], dim=0).mean().item())
     return out
 
 
@@ -124,14 +127,14 @@ def dar_cka_per_layer(records, n_layer):
 
 class AblatedDARStream(DARStream):
     """model.DARStream with the retrievals r_t of the targets t in ablate[j] replaced, at sublayer j,
-    by their token means (the readout is j = -1)."""
+    by their token means (the readout is j = L)."""
 
     def __init__(self, mod, x0, record=None, ablate=None):
         super().__init__(mod, x0, record)
         self.ablate = ablate or {}
 
-    def retrieve(self, j, site):
-        r = super().retrieve(j, site)
+    def retrieve(self, j):
+        r = list(super().retrieve(j))
         for t in self.ablate.get(j, ()):
             r[t] = r[t].mean(dim=(0, 1), keepdim=True).expand_as(r[t])
         return r
@@ -214,8 +217,8 @@ def pyplot():
 def recorded_kind(records):
     """What a model's routing record holds, read from the record itself (so a new variant is diagnosed
     by what it records, not by its name):
-        "one_route"    one weight vector per site [n, B, T]: Full, Block, Delta AttnRes, rd_tied
-        "two_routes"   RD-AttnRes: attention sites [n, 2 routes, B, T], MLP sites one route
+        "routes"       the AttnRes family, every site: [n, B, T] for one route, [n, R, B, T] for a site's
+                       R routes (RD-AttnRes' attention sites: QK and V); route_names(records) names them
         "two_targets"  DAR: per site [2 targets, n, B, T], with "<site>/alpha" and the states "state.j"
         "ways"         MUDDFormer: the mixes of the layer outputs [4 ways, n, B, T], at attention sites only
         "dwa"          DenseFormer: the static weights "dwa.i"
@@ -231,16 +234,23 @@ def recorded_kind(records):
     sites = [k for k in keys if "/" not in k and not k.startswith("state.")]
     if not sites:
         return None
-    if all(records[0][k].dim() == 3 for k in sites):
-        return "one_route"
-    return "two_routes" if "mlp.0" in keys else "ways"
+    return "routes" if "mlp.0" in keys or all(records[0][k].dim() == 3 for k in sites) else "ways"
 
 
-ROUTE_NAMES = {"two_routes": ("QK route", "V route"), "two_targets": ("stream 0", "stream 1"),
-               "ways": ("Q way", "K way", "V way", "R way"), "dwa": ("DWA weights",)}
+def route_names(records):
+    """The names of the routes a "routes" record holds, by their number R (the largest at any site), as
+    attention reads R inputs: one h; (h_QK, h_V); (h_Q, h_K, h_V); else route 0, 1, .."""
+    R = max((v.size(1) for k, v in records[0].items() if "/" not in k and not k.startswith("state.") and v.dim() == 4),
+            default=1)
+    return {1: ("routing weights",), 2: ("QK route", "V route"), 3: ("Q route", "K route", "V route")}.get(
+        R, tuple(f"route {r}" for r in range(R)))
 
 
-def plot_routing_maps(maps, path, title, kind):
+ROUTE_NAMES = {"two_targets": ("stream 0", "stream 1"), "ways": ("Q way", "K way", "V way", "R way"),
+               "dwa": ("DWA weights",)}
+
+
+def plot_routing_maps(maps, path, title, kind, names=None):
     """One heatmap per route: rows are sites in depth order, columns are sources (0 = embedding).
     RD-AttnRes: the QK and V routes (MLP sites and readout appear in both); DAR: one per stream;
     MUDDFormer: one per way (the readout's one way in each). DenseFormer and MUDDFormer weights are
@@ -248,14 +258,14 @@ def plot_routing_maps(maps, path, title, kind):
     plt = pyplot()
     if plt is None:
         return None
-    names = ROUTE_NAMES.get(kind, ("routing weights",))
+    names = names or ROUTE_NAMES.get(kind, ("routing weights",))
     routes = {name: {} for name in names}
     for site, m in maps.items():
         for r, name in enumerate(names):
             if m.dim() == 1:
                 routes[name][site] = m
-            else:  # RD attention sites [n, 2 routes]; DAR sites [2 targets, n]; MUDD sites [4 ways, n]
-                routes[name][site] = m[:, r] if kind == "two_routes" else m[r]
+            else:  # a site's routes [n, R]; DAR sites [2 targets, n]; MUDD sites [4 ways, n]
+                routes[name][site] = m[:, r] if kind == "routes" else m[r]
     signed = kind in ("dwa", "ways")
     top = max(v.nan_to_num().abs().max().item() for v in maps.values()) if signed else 1.0
     scale = dict(cmap="RdBu_r", vmin=-top, vmax=top) if signed else dict(cmap="viridis", vmin=0, vmax=1)
@@ -362,7 +372,8 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
     maps = routing_maps(records, n)
     if maps and kind not in ("dwa", "mixing"):
         out["routing_maps"] = {k: v.tolist() for k, v in maps.items()}
-    if kind == "one_route":
+    names = route_names(records) if kind == "routes" else None
+    if kind == "routes" and len(names) == 1:
         peak = max_weight_per_site(records, n)
         out["max_weight_per_site"], out["max_weight_mean"] = peak, statistics.fmean(peak.values()) if peak else None
     if kind == "dwa":  # NaN (j not in S(i)) as null in the JSON
@@ -370,9 +381,9 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
         out["dwa_weights"] = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in maps.items()}
     if kind == "ways":
         out["mudd_ways"] = mudd_way_summary(maps)
-    if kind == "two_routes":
-        js = rd_js_per_layer(records, n)
-        out["js_qk_v_per_layer"], out["js_qk_v_mean"] = js, sum(js) / n
+    if kind == "routes" and len(names) > 1:
+        out["js_per_layer"] = route_js_per_layer(records, n, [name.removesuffix(" route") for name in names])
+        out["js_mean"] = {pair: statistics.fmean(js) for pair, js in out["js_per_layer"].items()}
     if kind == "two_targets":
         out["cka_per_layer"] = dar_cka_per_layer(records, n)
         out["rescue_gain_per_layer"] = [dict(stream0=g0, stream1=g1, d_none=dn)
@@ -385,7 +396,7 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
         os.makedirs(out_dir, exist_ok=True)
         if "routing_maps" in out or "dwa_weights" in out:
             out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
-                                                    f"{cfg.residual}, step {ckpt['step']}", kind)
+                                                    f"{cfg.residual}, step {ckpt['step']}", kind, names)
         path = os.path.join(out_dir, "diagnostics.json")
         write_file(path, json.dumps(out, indent=1) + "\n")
     except OSError as e:
@@ -395,9 +406,9 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
 
 def summary(d):
     lines = [f"{d['residual']} at step {d['step']}: val loss {d['val_loss']:.4f} (ppl {perplexity(d['val_loss']):.2f})"]
-    if "js_qk_v_mean" in d:
-        lines.append("JS(QK || V) per layer: " + " ".join(f"{x:.3f}" for x in d["js_qk_v_per_layer"])
-                     + f"  mean {d['js_qk_v_mean']:.3f} (max ln 2 = 0.693)")
+    for pair, js in d.get("js_per_layer", {}).items():
+        lines.append(f"JS({pair.replace('||', ' || ')}) per layer: " + " ".join(f"{x:.3f}" for x in js)
+                     + f"  mean {d['js_mean'][pair]:.3f} (max ln 2 = 0.693)")
     if "cka_per_layer" in d:
         lines.append("stream CKA per layer: " + " ".join(f"{x:.3f}" for x in d["cka_per_layer"]))
         lines.append("rescue gain per layer (stream 0 / stream 1): " +
@@ -449,6 +460,15 @@ def check_args(args):
         check_writable(args.out or default_out(args.ckpt), "the diagnostics")
 
 
+def curve_labels(runs):
+    """{label: [run]} for --curves: each run by its path from the runs' common parent (a sweep's
+    <variant>/seed<s>, which folder names alone would not tell apart), a lone run by its name."""
+    paths = [os.path.abspath(r) for r in runs]
+    parent = os.path.commonpath(paths)
+    parent = os.path.dirname(parent) if parent in paths else parent
+    return {os.path.relpath(p, parent): [r] for p, r in zip(paths, runs, strict=True)}
+
+
 def curves_path(args):
     """Where --curves writes its plot: --out, or curves.png in --out with --ckpt, or ./curves.png."""
     if args.ckpt:
@@ -472,7 +492,7 @@ def main(argv=None):
     try:
         check_args(args)
         if args.curves:
-            print("wrote", plot_curves({os.path.basename(r.rstrip("/")): [r] for r in args.curves}, curves_path(args)))
+            print("wrote", plot_curves(curve_labels(args.curves), curves_path(args)))
         if args.ckpt:
             print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)))
     except (UsageError, CheckpointError, DataError) as e:
