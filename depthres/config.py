@@ -32,9 +32,10 @@ class ConfigError(ValueError):
 
 def control_character(text):
     """(position, character) of the first control character in `text` (C0 such as newline, ESC or BEL,
-    DEL, C1, or a Unicode line or paragraph separator), or None. Such a character in a name that is
-    printed or becomes a path could forge log lines or hide in a directory name."""
-    return next(((i, c) for i, c in enumerate(text) if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    DEL, C1, a Unicode line or paragraph separator, or an invisible format character such as a right-to-left
+    override or a zero-width space), or None. Such a character in a name that is printed or becomes a path
+    could forge log lines, reorder what is shown, or hide in a directory name."""
+    return next(((i, c) for i, c in enumerate(text) if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
 
 
 def check_printable(name, text, error=None):
@@ -192,12 +193,12 @@ def read_config_file(path):
         names = runpy.run_path(str(path))
     except SyntaxError as e:
         raise ConfigError(f"config file {path}, line {e.lineno}: syntax error: {e.msg}") from None
-    except Exception as e:  # the file ran and raised: name its line
+    except (Exception, SystemExit) as e:  # the file ran and raised (or called sys.exit): name its line
         line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
                      if Path(f.filename).resolve() == Path(path).resolve()), "?")
         raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}") from None
-    return {k: v for k, v in names.items()
-            if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+    return {k: v for k, v in names.items()  # (what it imports or defines to compute with is no key)
+            if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
 
 
 def parse_config(argv):

@@ -213,11 +213,16 @@ def check_data(tc, meta):
 
 def restore(ckpt, model, optimizer, loader, dist):
     """Continue from `ckpt`: the optimizer state (and the weights, from a sharded checkpoint: each rank
-    reads its part, whatever the number of ranks), the loader's place and the random generators."""
+    reads its part, whatever the number of ranks), the loader's place and the random generators. AdamW's
+    settings (weight_decay, betas, eps: each group's, as this run built them) are this run's: a checkpoint
+    gives its moments and step counts, and its loading, which would bring back its own settings, is undone."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if "sharded" in ckpt:
         load_sharded(ckpt["sharded"], model, optimizer, dist)
     else:
         load_optimizer_state(optimizer, ckpt["optimizer"])
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
     loader.load_state_dict(ckpt["loader"])
     set_rng_state(ckpt["rng"], dist.device)
 
@@ -236,8 +241,7 @@ def start_log(run):
         for name in dropped:
             with writing(run_dir / name, RunDirError):
                 (run_dir / name).unlink(missing_ok=True)
-        if not claim.continuing:
-            remove_sharded(run_dir)
+        remove_sharded(run_dir, checkpoint=not claim.continuing)  # continuing: what a kill left of a save
         write_file(run_dir / "config.json", (json.dumps(resolved, indent=2) + "\n").encode(), RunDirError)
         write_file(run_dir / "log.jsonl", "".join(line + "\n" for line in claim.kept_log).encode(), RunDirError)
     if tc.wandb_log:  # a failure to start W&B stops every rank, before step 1
@@ -265,7 +269,8 @@ def start_log(run):
     log(None, provenance(run.step))
     peak = peak_flops(dist.device)
     # tokens/s of each log interval, those a resumed run kept too: the summary gives their median
-    speeds = [r["tokens_per_s"] for r in map(json.loads, claim.kept_log if claim else []) if "tokens_per_s" in r]
+    speeds = [r["tokens_per_s"] for r in map(json.loads, claim.kept_log if claim else [])
+              if isinstance(r.get("tokens_per_s"), (int, float)) and not isinstance(r["tokens_per_s"], bool)]
     return Progress(run.step, run.max_steps, batch_tokens=tc.batch_tokens, speeds=speeds,
                     mfu_per_token_s=run.raw_model.flops_per_token() / (peak * dist.world_size) if peak else None)
 

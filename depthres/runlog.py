@@ -78,10 +78,12 @@ def run_provenance(starts):
     """A finished run's provenance for summary.json, from its "start" records (log.jsonl): when it started
     and finished (UTC), and every commit (with "+dirty" where the tree was), torch and host it ran on."""
     def distinct(values):
-        return sorted({v for v in values if v is not None})
+        return sorted({v for v in values if isinstance(v, str)})
+    starts = [r for r in starts if isinstance(r.get("utc"), str)]  # train.py's (a foreign line is skipped)
     return {"started_utc": starts[0]["utc"] if starts else None, "finished_utc": utc_now(),
-            "commits": distinct(r["commit"] and r["commit"] + ("+dirty" if r["dirty"] else "") for r in starts),
-            "torch": distinct(r["torch"] for r in starts), "hosts": distinct(r["host"] for r in starts)}
+            "commits": distinct(r.get("commit") + ("+dirty" if r.get("dirty") else "") for r in starts
+                                if isinstance(r.get("commit"), str)),
+            "torch": distinct(r.get("torch") for r in starts), "hosts": distinct(r.get("host") for r in starts)}
 
 
 def require_wandb():

@@ -157,6 +157,8 @@ def json_texts(path, text_column):
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): "
                                     "fix it") from None
+                except (ValueError, RecursionError) as e:
+                    raise DataError(f"{path} is not valid JSON ({beyond_json(e)}): fix it") from None
                 for i, record in enumerate(records):
                     yield _record_text(record, f"{path} item {i}", text_column, i == 0)
                 return
@@ -165,8 +167,16 @@ def json_texts(path, text_column):
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {n} is not valid JSON ({e.msg}, column {e.colno}): "
                                 "fix or remove that line") from None
+            except (ValueError, RecursionError) as e:
+                raise DataError(f"{path} line {n} is not valid JSON ({beyond_json(e)}): fix or remove that line") from None
             yield _record_text(record, f"{path} line {n}", text_column, first)
             first = False
+
+
+def beyond_json(e):
+    """What Python's JSON reader could not hold, said briefly: nesting deeper than its recursion limit, an integer
+    of more than 4,300 digits (the advice to raise that limit is dropped)."""
+    return f"{type(e).__name__}: {str(e).split(';')[0]}"
 
 
 def parquet_texts(path, text_column):

@@ -15,6 +15,7 @@ Every reader checks what it opens and raises DataError, one line naming the file
 import base64
 import hashlib
 import json
+import math
 import struct
 from functools import cache
 from pathlib import Path
@@ -222,6 +223,13 @@ def _meta_problem(meta):
         return f"tokenizer_fingerprint {meta['tokenizer_fingerprint']!r} is not a string"
     if not isinstance(meta["splits"], dict):
         return f"splits is a JSON {type(meta['splits']).__name__}, not an object"
+    for split in ("train", "val"):  # (test is optional: train.py scores it when it has tokens)
+        if split not in meta["splits"]:
+            return f"splits lacks {split!r}: prepare_data.py writes train, val and test"
+    baseline = meta.get("unigram_baseline_nats")
+    if baseline is not None and (isinstance(baseline, bool) or not isinstance(baseline, (int, float))
+                                 or not math.isfinite(baseline)):
+        return f"unigram_baseline_nats {baseline!r} is not a number (nor null)"
     for split, info in meta["splits"].items():
         if not isinstance(info, dict) or "tokens" not in info or "files" not in info:
             return f"split {split!r} lacks its tokens or files"

@@ -108,15 +108,24 @@ BAD_CONFIG_FILES = [
     ("residual = 'standard'\nn_layer = 2 +\n", "line 2: syntax error"),
     ("import math\nn_layer = 2\nlr = math.sqrt(-1)\n", "line 3: ValueError: math domain error"),
     ("n_layer = undefined_name\n", "line 1: NameError"),
+    ("import sys\nsys.exit(3)\n", "line 2: SystemExit: 3"),  # (train.py ended with status 3, and no message)
 ]
 
 
-@pytest.mark.parametrize("text, message", BAD_CONFIG_FILES, ids=["syntax", "raises", "name"])
+@pytest.mark.parametrize("text, message", BAD_CONFIG_FILES, ids=["syntax", "raises", "name", "exit"])
 def test_a_config_file_that_fails_names_its_line(tmp_path, text, message):
     path = tmp_path / "bad.py"
     path.write_text(text)
     with pytest.raises(ConfigError, match=re.escape(f"config file {path}, {message}")):
         config.parse_config([str(path)])
+
+
+def test_a_config_file_may_import_what_it_computes_with(tmp_path):
+    """A function imported by name is a tool of the file, not a key (it was refused as "unknown key 'ceil'")."""
+    path = tmp_path / "ok.py"
+    path.write_text("from math import ceil, log2\nmax_steps = ceil(2.5)\nn_layer = int(log2(8))\n")
+    tc, model_settings = config.parse_config([str(path)])
+    assert tc.max_steps == 3 and model_settings == {"n_layer": 3}
 
 
 @pytest.mark.parametrize("arg, message", [
@@ -142,6 +151,10 @@ def test_a_config_file_that_fails_names_its_line(tmp_path, text, message):
     ("--wandb_group=a\x07", "wandb_group holds a control character"),
     ("--wandb_tags=a,b\nc", "wandb_tags holds a control character"),
     ("--resume=x\ny", "resume holds a control character"),
+    # invisible format characters (round five): a right-to-left override reorders what follows, a zero-width
+    # space hides in a directory name
+    ("--run_name=evil\u202etxt.exe", r"run_name holds a control character \('\\u202e' at position 4\)"),
+    ("--run_name=zero\u200bwidth", r"run_name holds a control character \('\\u200b' at position 4\)"),
 ])
 def test_bad_keys_are_refused_before_step_1(data_dir, tmp_path, monkeypatch, arg, message):
     monkeypatch.chdir(tmp_path)  # a relative out_dir, if it were taken, would show there
@@ -169,7 +182,11 @@ def edit_meta(change):
     (lambda m: m.update(tokenizer="sentencepiece"), "tokenizer 'sentencepiece' is not one of gpt2, byte"),
     (lambda m: m["splits"]["train"].update(tokens=m["splits"]["train"]["tokens"] + 5),
      "split 'train' of .* holds [0-9,]+ tokens in its shards, but its meta.json says [0-9,]+"),
-], ids=["vocab_str", "vocab_negative", "splits_list", "files_str", "files_path", "tokenizer", "tokens"])
+    # round five: each was a traceback
+    (lambda m: m["splits"].pop("val"), "splits lacks 'val': prepare_data.py writes train, val and test"),
+    (lambda m: m.update(unigram_baseline_nats="3.4"), "unigram_baseline_nats '3.4' is not a number"),
+], ids=["vocab_str", "vocab_negative", "splits_list", "files_str", "files_path", "tokenizer", "tokens", "no_val",
+        "baseline_str"])
 def test_a_bad_meta_json_is_refused_before_step_1(data_dir, tmp_path, monkeypatch, change, message):
     data = broken_copy(data_dir, tmp_path, "data", edit_meta(change))
     monkeypatch.setattr(train, "train_step", None)  # never reached

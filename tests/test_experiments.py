@@ -129,6 +129,7 @@ BAD_SWEEPS = {
     "syntax": ('base = "configs/test.py"\nvariants = {"a": ""\n', "line 2: syntax error"),
     "raises": ('base = "configs/test.py"\nvariants = {"a": ""}\nseeds = [0]\nreference = "a"\nx = 1 / 0\n',
                "line 5: ZeroDivisionError"),
+    "exits": ('import sys\nbase = "configs/test.py"\nsys.exit(3)\n', "line 3: SystemExit: 3"),  # (round five)
     "variants_list": ('base = "configs/test.py"\nvariants = ["a", "b"]\nseeds = [0]\nreference = "a"\n',
                       'variants must be a dict of {name: "key=value ..."} strings'),
     "seeds": ('base = "configs/test.py"\nvariants = {"a": ""}\nseeds = "0 1"\nreference = "a"\n',
@@ -153,6 +154,12 @@ BAD_SWEEPS = {
     "owned_in_overrides": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 1]\nreference = "a"\n'
                            'overrides = "max_steps=2 seed=7"\n',
                            "the sweep's overrides ('max_steps=2 seed=7') set seed, which the sweep owns"),
+    # round five: the sweep resumes or starts over each run itself (overwrite=true failed only at a resume)
+    "owned_overwrite": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0]\nreference = "a"\n'
+                        'overrides = "overwrite=true"\n',
+                        "the sweep's overrides ('overwrite=true') set overwrite, which the sweep owns"),
+    "owned_resume": ('base = "configs/test.py"\nvariants = {"a": "", "b": "resume=runs/x"}\nseeds = [0]\n'
+                     'reference = "a"\n', "sweep variant 'b' ('resume=runs/x') sets resume, which the sweep owns"),
     # round four: the overrides and every seed, before the first run, each named as what is wrong
     "overrides_quote": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0]\nreference = "a"\n'
                         'overrides = "max_steps=2 run_name=\'x"\n',
@@ -199,6 +206,16 @@ def test_a_bad_sweep_file_is_one_line_before_any_run(case, tmp_path, monkeypatch
         sweep.main([str(path), "--out_dir", str(tmp_path / "runs")])
     assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_file_may_compute_its_settings(tmp_path):
+    """A comprehension sees the file's names, as in any Python file (exec'd with separate globals and locals,
+    it raised NameError)."""
+    path = tmp_path / "sweep_x.py"
+    path.write_text('base = "configs/test.py"\nnames = ["a", "b"]\ndepth = 3\n'
+                    'variants = {v: f"n_layer={depth}" for v in names}\nseeds = [0, 1]\nreference = names[0]\n')
+    spec = sweep.load_sweep(path)
+    assert spec["variants"] == {"a": "n_layer=3", "b": "n_layer=3"} and spec["reference"] == "a"
 
 
 def test_diagnose_refuses_a_corrupt_checkpoint_in_one_line(tmp_path, capsys):
@@ -275,7 +292,8 @@ def test_diagnostics_on_every_variant_family():
                 p.add_(torch.randn(p.shape, generator=g))
         loss, records = diagnose.collect(model, batches)
         if kw["residual"] == "rd_attnres":
-            js = diagnose.rd_js_per_layer(records, 2)
+            assert diagnose.route_names(records) == ("QK route", "V route")
+            js = diagnose.route_js_per_layer(records, 2, ["QK", "V"])["QK||V"]
             assert js[0] == 0 and 0 < js[1] < math.log(2)  # layer 0 routes over x0 alone
             maps = diagnose.routing_maps(records, 2)
             assert maps["attn.1"].shape == (2, 2)  # sources [x0, partial] by 2 routes
@@ -385,6 +403,20 @@ def test_diagnose_bad_flags_are_one_line_and_exit_2_before_any_compute(case, tmp
     assert (tmp_path / "a_file").read_text() == "mine" and not (run / "diagnostics.json").exists()
 
 
+def test_diagnose_curves_label_a_sweeps_runs_by_variant_and_seed(tmp_path, capsys, monkeypatch):
+    """A sweep's runs are <variant>/seed<s>: labelled by folder name, the runs of one seed collided and only
+    the last was drawn. Each is labelled by its path from the runs' common parent; a lone run by its name."""
+    drawn = []
+    monkeypatch.setattr(diagnose, "plot_curves", lambda groups, path: drawn.append(groups) or path)
+    runs = [tmp_path / "sweep" / variant / f"seed{s}" for variant in ("a", "b") for s in (0, 1)]
+    for run in runs:
+        run.mkdir(parents=True)
+        (run / "log.jsonl").write_text('{"kind": "eval", "split": "val", "step": 2, "loss": 3.0}\n')
+    for given, labels in ((runs, ["a/seed0", "a/seed1", "b/seed0", "b/seed1"]), (runs[:1], ["seed0"])):
+        assert diagnose_cli(capsys, "--curves", *given, "--out", tmp_path / "curves.png")[0] == 0
+        assert drawn.pop() == {label: [str(run)] for label, run in zip(labels, given, strict=True)}
+
+
 def writes_fail_under(monkeypatch, directory):
     """Writes into `directory` fail as on a read-only file system (chmod would not stop root)."""
     import builtins
@@ -474,6 +506,33 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
     assert (tmp_path / "runs" / "results.csv").read_text().count("\n") == 5
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # everything finished: nothing reruns
     assert again.returncode == 0 and "===" not in again.stdout and "sweep:" not in again.stdout
+
+
+def test_a_sweep_whose_design_changed_under_its_runs_refuses_before_any_run(tmp_path, byte_data, monkeypatch):
+    """A sweep file edited between invocations (max_steps 2 -> 4): the runs left trained at the new length
+    and were pooled with the finished ones, exit 0. Each run's config.json is compared with what the sweep
+    would run now: a change of what a run computes is one line before any run, --table_only too; a change of
+    how it computes or logs (ckpt_interval) is not."""
+    from tools import rescore
+
+    def in_process(cmd):  # train.py and tools.rescore as the sweep runs them, in this process
+        return rescore.main(cmd[3:]) if cmd[1:3] == ["-m", "tools.rescore"] else train.cli(cmd[2:])
+    monkeypatch.setattr(sweep, "run_child", in_process)
+    path = sweep_file(tmp_path, seeds=(0,), extra=f'overrides = "data_dir={byte_data} max_steps=2"\n')
+    assert sweep.main([str(path)]) == 0
+    path.write_text(path.read_text().replace("max_steps=2", "max_steps=2 ckpt_interval=1"))
+    assert sweep.main([str(path)]) == 0  # nothing to run: a finished sweep, of the same design
+    path.write_text(path.read_text().replace("max_steps=2", "max_steps=4"))
+    (tmp_path / "runs" / "b" / "seed0" / "summary.json").unlink()  # b's last run is unfinished: it would resume
+    monkeypatch.setattr(sweep, "run_child", None)  # never reached
+    for args in ([], ["--table_only"]):
+        with pytest.raises(SystemExit) as e:
+            sweep.main([str(path), *args])
+        assert str(e.value) == (
+            "error: the sweep's design changed since some of its runs ran: a seed 0 ran with max_steps 2 (now 4), "
+            "b seed 0 ran with max_steps 2 (now 4); a sweep never pools runs of different designs: restore the "
+            f"sweep file's settings, or give the new design its own out_dir (not {tmp_path / 'runs'}), or delete "
+            "those runs to run them again")
 
 
 @pytest.mark.slow

@@ -47,6 +47,16 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "--splits takes train, val and test" in capsys.readouterr().err
 
 
+def test_a_run_that_cannot_be_scored_is_one_line_and_the_others_are_scored(copy, tmp_path, capsys):
+    """rescore stopped at the first run it could not score, leaving the rest unscored."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert rescore.main([str(empty), str(copy), "--tokens", "1024"]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"error: no checkpoint at {empty / 'ckpt.pt'}\n" and out.startswith(f"{copy}: step 6, val ")
+    assert json.loads((copy / "scores.json").read_text())["step"] == 6
+
+
 def test_a_run_that_starts_over_or_continues_drops_its_scores(finished, data_dir, tmp_path):
     """scores.json describes one checkpoint: a run started over in the same directory (or continued
     past it) removes it, so a report never pairs a new run with the old one's scores."""

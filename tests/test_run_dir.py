@@ -9,6 +9,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -119,7 +120,9 @@ def test_a_link_planted_as_the_lock_is_refused_not_followed(data_dir, tmp_path):
 
 def test_resume_tolerates_a_torn_last_log_line(data_dir, tmp_path, monkeypatch, straight):
     # a kill or a full disk in the middle of an append; blank lines
-    for name, tail in (("torn", '{"kind": "train", "step": 5, "lo'), ("blank", "\n\n")):
+    foreign = ('{"kind": "note", "step": "two"}\n[1, 2]\n7\n{"kind": "start", "step": 1}\n'  # (round five: tracebacks,
+               '{"kind": "note", "step": 2, "tokens_per_s": "fast"}\n')  # one after the last step of every resume)
+    for name, tail in (("torn", '{"kind": "train", "step": 5, "lo'), ("blank", "\n\n"), ("foreign", foreign)):
         monkeypatch.setattr(train, "train_step", kill_in_step(5))
         with pytest.raises(KeyboardInterrupt):
             run(data_dir, tmp_path, f"--run_name={name}")
@@ -270,6 +273,35 @@ def test_a_damaged_checkpoint_is_refused_by_its_checksum(data_dir, tmp_path, cap
         load_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("form", ["file", "sharded"])
+@pytest.mark.parametrize("change, message", [
+    ({"step": -3}, "its step is -3, not a whole number >= 0"),
+    ({"loader": [1, 2]}, "its loader is a list, not a dict"),
+], ids=["negative_step", "loader_list"])
+def test_other_contents_under_a_recomputed_checksum_are_one_line_for_every_reader(data_dir, tmp_path, capsys, straight,
+                                                                                  form, change, message):
+    """A checkpoint whose checksum was recomputed over contents train.py never writes: at step -3 it resumed with
+    negative learning rates; a loader state that is a list gave a traceback. Every reader refuses it in one line
+    (sample.py, given shards, names the export command first)."""
+    import sample
+    from tools import export_ckpt
+    run_dir = tmp_path / "run"
+    if form == "sharded":
+        sharded_copy(straight, run_dir)
+        state = torch.load(run_dir / "ckpt" / "state.pt", weights_only=True)
+        replace_in_sharded(run_dir / "ckpt", "state.pt", torch_saved({**state, **change}))
+    else:
+        shutil.copytree(straight, run_dir, ignore=shutil.ignore_patterns(".lock"))
+        checkpoint.save_checkpoint(run_dir / "ckpt.pt", {**load_checkpoint(run_dir / "ckpt.pt"), **change})
+    capsys.readouterr()
+    statuses = [train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=run",
+                           "--resume=true"]), sample.main(["--ckpt", str(run_dir), "--max_new_tokens", "2"])]
+    statuses += [export_ckpt.main([str(run_dir)])] if form == "sharded" else []
+    err = capsys.readouterr().err.splitlines()
+    assert statuses == [1, 2, 2][:len(statuses)] and len(err) == len(statuses), err
+    assert all(line.startswith("error: ") for line in err), err
+    assert all(message in line for line in err[::2]), err  # train and export (sample names the export, as always)
+
 # ----------------------------------------------------------------------------------------------
 # Reliability, round four: no code is ever executed from a sharded checkpoint
 
@@ -311,12 +343,18 @@ def test_a_tampered_sharded_checkpoint_runs_no_code_on_any_reader(data_dir, tmp_
                     "foreign": "is not the index of a sharded checkpoint"}[where] in err, err
 
 
-def test_a_sharded_checkpoint_of_one_process_exports_bit_for_bit(tmp_path, straight):
-    """The safe reader and planner load what DCP wrote: every weight and AdamW value, hyperparameters too."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_sharded_checkpoint_of_one_process_exports_bit_for_bit(data_dir, tmp_path, straight, tied):
+    """The safe reader and planner load what DCP wrote: every weight and AdamW value, hyperparameters too.
+    With tie_embeddings=true too (export failed on every such checkpoint: 'Missing key in checkpoint
+    state_dict: optim.state.lm_head.weight.step', the model it loads into having untied them)."""
     from depthres.fsdp import export
-    run_dir = sharded_copy(straight, tmp_path / "run")  # ckpt.pt replaced by ckpt/
+    if tied:
+        run(data_dir, tmp_path, "--run_name=tied", "--tie_embeddings=true", "--max_steps=3")
+    source = tmp_path / "tied" if tied else straight
+    run_dir = sharded_copy(source, tmp_path / "run")  # ckpt.pt replaced by ckpt/
     out, step = export(run_dir)
-    a, b = load_checkpoint(straight / "ckpt.pt"), load_checkpoint(out)
+    a, b = load_checkpoint(source / "ckpt.pt"), load_checkpoint(out)
     assert step == a["step"] == b["step"] and a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(x, y) for i in a["optimizer"]["state"] for x, y in
@@ -367,6 +405,30 @@ def test_export_never_writes_inside_its_source_nor_over_another_run(tmp_path, ca
     assert export() == (0, "")
 
 
+def test_sharded_saves_over_a_linked_ckpt_keep_saving_and_never_follow_the_link(tmp_path, straight):
+    """A run directory whose ckpt/ is a symbolic link (to a checkpoint kept elsewhere): the first save renamed
+    the link to .ckpt.old, which rmtree cannot remove, and every save after it failed ('Not a directory'). The
+    link is removed, never followed: what it points to is kept as it was."""
+    from depthres.checkpoint import STATE_KEYS
+    from depthres.distributed import Dist
+    from depthres.fsdp import save_sharded
+    elsewhere = sharded_copy(straight, tmp_path / "elsewhere") / "ckpt"
+    before = contents(elsewhere)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ckpt").symlink_to(elsewhere)
+    ckpt = load_checkpoint(straight / "ckpt.pt")
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    optimizer = torch.optim.AdamW(model.param_groups(ckpt["train_config"]["weight_decay"]))
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for _ in range(3):
+        save_sharded(run_dir, model, optimizer, {k: ckpt[k] for k in STATE_KEYS}, Dist(0, 1, torch.device("cpu")))
+        assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt"] and not (run_dir / "ckpt").is_symlink()
+        assert load_checkpoint(run_dir, sharded=True)["step"] == 6
+    assert contents(elsewhere) == before
+
+
 def test_a_failed_sharded_save_leaves_no_partial_shards_and_says_why(tmp_path, straight):
     """A shard write that fails (here: past a file-size limit; torch says only "[enforce fail at
     inline_container.cc:...] file write failed") is one line; the partial shards go, the previous
@@ -407,6 +469,44 @@ def test_a_sharded_resume_records_the_change_of_world_size(data_dir, tmp_path, c
     assert f"resumedatstep6from{run_dir};changed:" in out and "world_size2->1" in out  # (and out_dir: a copy)
     [record] = records(run_dir, "resume")
     assert record["changed"]["world_size"] == [2, 1]
+
+
+# In its deletion of the sharded checkpoint that its new ckpt.pt replaces: half of it deleted, then kill -9.
+KILLED_IN_THE_REMOVAL_OF_THE_SHARDED_CHECKPOINT = """
+import os, shutil, signal, sys
+from pathlib import Path
+import train
+real = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        for name in ("manifest.json", "state.pt"):
+            (path / name).unlink()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, *args, **kwargs)
+shutil.rmtree = rmtree
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def test_kill_9_while_a_ckpt_pt_replaces_a_sharded_checkpoint_leaves_one_whole_checkpoint(data_dir, tmp_path,
+                                                                                           capsys, straight):
+    """A one-process (or DDP) run resumed from an FSDP run's ckpt/ writes ckpt.pt, then deletes ckpt/: a kill
+    in the deletion left a half-deleted ckpt/ beside the new ckpt.pt, and resume, sample.py and the tools
+    refused the run. ckpt/ is now renamed aside before it is deleted: ckpt.pt is the run's one checkpoint,
+    and the resume removes what the kill left."""
+    run_dir = sharded_copy(straight, tmp_path / "run")  # the straight run at step 6, as ckpt/
+    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=run", "--resume=true",
+            "--max_steps=9"]
+    done = subprocess.run([sys.executable, "-c", KILLED_IN_THE_REMOVAL_OF_THE_SHARDED_CHECKPOINT, *args], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert load_checkpoint(run_dir, sharded=True)["step"] == 9 and "sharded" not in load_checkpoint(run_dir, sharded=True)
+    import sample
+    assert sample.main(["--ckpt", str(run_dir), "--max_new_tokens", "2"]) == 0, capsys.readouterr().err
+    run(data_dir, tmp_path, "--run_name=run", "--resume=true", "--max_steps=9")  # its final evaluations redone
+    assert steps(run_dir) == list(range(1, 10))
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "ckpt.pt", "config.json", "log.jsonl", "summary.json"]
 
 
 def torch_saved(obj):
@@ -460,6 +560,40 @@ def test_a_bad_manifest_or_run_state_is_one_line_for_every_reader(data_dir, tmp_
 
 def record_keys(run_dir):
     return [(r["kind"], r.get("split"), r["step"]) for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())]
+
+
+def test_an_index_that_points_outside_its_checkpoint_is_refused(data_dir, tmp_path, capsys, straight):
+    """DCP's index names the file of each tensor (relative_path): one outside the checkpoint, or not in its
+    manifest, was followed (a file no checksum covers loaded and exported, exit 0). Every reader refuses it."""
+    import dataclasses
+    run_dir = sharded_copy(straight, tmp_path / "run")
+    shutil.copy(run_dir / "ckpt" / "__0_0.distcp", run_dir / "outside.distcp")
+    index = checkpoint.read_index(run_dir / "ckpt")
+    index.storage_data = {k: dataclasses.replace(v, relative_path="../outside.distcp")
+                          for k, v in index.storage_data.items()}
+    replace_in_sharded(run_dir / "ckpt", ".metadata", pickle.dumps(index))
+    capsys.readouterr()
+    for name, status in readers(data_dir, run_dir):
+        err = capsys.readouterr().err
+        assert status in (1, 2) and err.startswith("error: ") and err.count("\n") == 1, (name, err)
+        if name in ("train", "export"):
+            assert (f"{run_dir / 'ckpt' / '.metadata'} names '../outside.distcp' as a file of the checkpoint, which its "
+                    "manifest.json does not list") in err, err
+
+
+def test_a_sharded_checkpoint_that_does_not_fit_its_model_is_one_line(tmp_path, capsys, straight):
+    """DCP's load error (a run state whose model has a layer more than its shards) carried every rank's remote
+    traceback inside the `error:` line (26 lines): it is now the error's first line."""
+    from tools import export_ckpt
+    run_dir = sharded_copy(straight, tmp_path / "run")
+    state = torch.load(run_dir / "ckpt" / "state.pt", weights_only=True)
+    state["model_config"]["n_layer"] = 3
+    replace_in_sharded(run_dir / "ckpt", "state.pt", torch_saved(state))
+    capsys.readouterr()
+    assert export_ckpt.main([str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / 'ckpt'} cannot be loaded into this model (RuntimeError: Missing key in "
+                          "checkpoint state_dict: model.blocks.2.") and err.count("\n") == 1, err
 
 
 def test_a_resumed_finished_run_logs_each_record_once(data_dir, tmp_path, straight):
@@ -620,6 +754,36 @@ def test_a_resume_records_what_changed_and_at_which_step(data_dir, tmp_path, mon
     assert records(run_dir, "resume") == second
     assert len(record_keys(run_dir)) == len(set(record_keys(run_dir)))
 
+
+@pytest.mark.parametrize("form", ["file", "sharded"])
+def test_a_resume_that_changes_adamws_settings_trains_with_them(data_dir, tmp_path, straight, form):
+    """weight_decay, beta1, beta2 and eps changed on a resume are AdamW's from the resume's first step (they
+    were recorded as changed, but the checkpoint's were kept): bit for bit the run whose checkpoint already
+    held them. weight_decay is the decay group's; the other group (gains, routing parameters) keeps 0.0. A
+    ckpt.pt (load_state_dict) and a sharded ckpt/ (DCP's set_state_dict) alike."""
+    new = {"weight_decay": 0.5, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6}
+    settings = [(new["weight_decay"], (new["beta1"], new["beta2"]), new["eps"]), (0.0, (new["beta1"], new["beta2"]),
+                                                                                  new["eps"])]
+
+    def holding_them(groups):
+        for group, (weight_decay, betas, eps) in zip(groups, settings, strict=True):
+            group.update(weight_decay=weight_decay, betas=betas, eps=eps)
+
+    def source(name, edit=None):  # a copy of the straight run at step 6, its AdamW groups edited
+        if form == "sharded":
+            return sharded_copy(straight, tmp_path / name, edit and (lambda model, optimizer: edit(optimizer.param_groups)))
+        shutil.copytree(straight, tmp_path / name, ignore=shutil.ignore_patterns(".lock"))
+        ckpt = load_checkpoint(tmp_path / name / "ckpt.pt")
+        if edit:
+            edit(ckpt["optimizer"]["param_groups"])
+            checkpoint.save_checkpoint(tmp_path / name / "ckpt.pt", ckpt)
+        return tmp_path / name
+    flags = [f"--{k}={v}" for k, v in new.items()] + ["--max_steps=9"]
+    run(data_dir, tmp_path, "--run_name=changed", f"--resume={source('old')}", *flags)
+    run(data_dir, tmp_path, "--run_name=reference", f"--resume={source('new', holding_them)}", *flags)
+    assert_same_run(tmp_path / "changed", tmp_path / "reference")
+    groups = load_checkpoint(tmp_path / "changed")["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in groups] == settings
 
 def test_a_failed_compilation_is_one_line_and_a_plain_rerun_starts_the_run(data_dir, tmp_path, monkeypatch, capsys):
     from torch._inductor.exc import InductorError, InvalidCxxCompiler

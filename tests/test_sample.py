@@ -293,6 +293,14 @@ def test_cli_a_fixed_seed_reproduces_the_samples_whatever_the_batch(run_dir, cap
     assert cli(capsys, *args, "--seed", 8, "--num_samples", 3)[1] != three
 
 
+def test_cli_a_top_p_below_float32s_smallest_keeps_the_most_likely_token(run_dir, capsys):
+    """--top_p 1e-50 is 0 in float32, which every token's probability before it reaches (the first's is 0): all
+    were masked, the draw was NaN, a traceback. The most likely token always stays: the draw is greedy."""
+    args = ("--ckpt", run_dir, "--prompt", "To be", "--max_new_tokens", 10)
+    rc, out, err = cli(capsys, *args, "--top_p", 1e-50)
+    assert rc == 0 and out == cli(capsys, *args, "--temperature", 0)[1], err
+
+
 def test_cli_crops_a_long_prompt_with_a_warning(run_dir, tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("x" * 40)

@@ -231,6 +231,19 @@ def test_float32_matmuls_stay_float32_on_cuda(monkeypatch):
 
 
 @pytest.mark.slow
+def test_ranks_started_with_other_keys_are_one_line_on_every_rank(data_dir, tmp_path):
+    """Rank 1 with another lr trained silently; with another model, DDP gave a torch traceback (FSDP a gloo
+    abort). Every rank says the same line before any compute (out_dir, data_dir and resume may differ: a
+    node-local disk)."""
+    base = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + (["--lr=0.02", "--n_layer=3"] if rank else []))
+    assert (rc0, rc1) == (1, 1) and err0 == err1, err0 + err1
+    assert err0 == ("error: rank 1 was started with other keys than rank 0 (lr 0.02 here, 0.01 on rank 0; n_layer 3 "
+                    "here, 2 on rank 0): start every rank with the same config and keys\n")
+    assert not (tmp_path / "test").exists()
+
+
+@pytest.mark.slow
 def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tmp_path, straight):
     base = [CONFIG, f"--data_dir={data_dir}", "--run_name=two"]
     mine = [f"--out_dir={tmp_path}"]

@@ -20,8 +20,9 @@ same windows of seq_len, the same batches, float64 sums), so with --tokens set t
 they equal its logged losses bit for bit. On a CUDA machine the model runs there, under bfloat16
 autocast as train.py evaluates; elsewhere on the CPU in float32. A sweep scores each run it finishes
 this way (tools/sweep.py); the reports read the scores (tools/rundirs.py).
-Exit status: 0 done; 2 with one `error:` line (no checkpoint, a corrupt one, missing data or data of
-another tokenizer, a run directory that cannot be written: the scores are then printed, not saved).
+Exit status: 0 done; 2 with one `error:` line per run that could not be scored or saved (no checkpoint, a
+corrupt one, missing data or data of another tokenizer, a run directory that cannot be written: the scores
+are then printed, not saved), the other runs scored.
 """
 
 import argparse
@@ -165,6 +166,10 @@ def main(argv=None):
                 print(line(r, e.scores, splits, time.perf_counter() - t0), flush=True)
                 if not e.said:
                     print(f"error: {e}", file=sys.stderr, flush=True)
+                status = 2
+                continue
+            except (CheckpointError, DataError, RescoreError) as e:  # this run's line; the others are scored
+                print(f"error: {e}", file=sys.stderr, flush=True)
                 status = 2
                 continue
             if scores is None:

@@ -29,7 +29,8 @@ The comparison, declared before any run (what the report does with it: tools/rep
     out_dir    (optional) where runs go: out_dir/<variant>/seed<s>; default runs/<sweep file name>
     wandb      (optional) True: log every run to W&B, as --wandb does
 The sweep owns seed, data_seed, run_name and out_dir: a variant or overrides that sets one would break
-the pairing (every "seed" the same run, or runs elsewhere), and is refused before the first run.
+the pairing (every "seed" the same run, or runs elsewhere), and is refused before the first run; so are
+resume and overwrite, which the sweep sets itself for each run.
 
 Paths: those in a sweep file (base, out_dir, and paths in overrides such as data_dir) are relative to
 the project root (where train.py is), as the sweep files in configs/ are written, and every run's
@@ -41,7 +42,10 @@ wandb_group=<the sweep's name, out_dir's last part>, wandb_tags=<variant>,seed<s
 wandb_run_name=<variant>-seed<s>; overrides that set these keys win.
 
 A finished run (its summary.json readable) is skipped, a run with a checkpoint is resumed and one
-without is started over, so an interrupted sweep continues where it stopped. A run that diverged
+without is started over, so an interrupted sweep continues where it stopped. A sweep file edited under
+runs it has is refused before any run (and before --table_only's table), naming the runs and the keys:
+each run's config.json must record what the sweep would run now (NOT_DESIGN, the keys of where a run is,
+how it computes and what it logs, may change), since a table never pools runs of different designs. A run that diverged
 (train.py's log.jsonl ends on a "diverged" record) is final: the sweep goes on with the other runs,
 tabulates it as diverged and skips it on later invocations (delete its directory to run it again, say
 with a lower lr). A run that another process holds (another sweep process, or a train.py of its own)
@@ -75,19 +79,24 @@ import sys
 import time
 import traceback
 from collections import Counter
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from depthres import files
-from depthres.checkpoint import holds_checkpoint
-from depthres.config import build_model_config, control_character, parse_config
+from depthres.checkpoint import EXECUTION_KEYS, holds_checkpoint
+from depthres.config import TrainConfig, build_model_config, control_character, parse_config
 from depthres.files import os_error_message
+from model import GPTConfig
 from tools.report import SCORES, report, unequal_twins
-from tools.rundirs import collect, divergence, read_summary, run_dir, whole_split_scores
+from tools.rundirs import collect, divergence, read_json, read_summary, run_dir, whole_split_scores
 
 ROOT = Path(__file__).resolve().parent.parent
-OWNED_KEYS = ("seed", "data_seed", "run_name", "out_dir")  # what the sweep sets for every run: its pairing
+OWNED_KEYS = ("seed", "data_seed", "run_name", "out_dir", "resume", "overwrite")  # what the sweep sets for every run
 EXIT_DIVERGED = 3  # the sweep finished, but some of its runs diverged
 EXIT_TWINS = 4  # the sweep finished, but a twin does not match its twin (a bug: they train bit for bit alike)
+# the keys that say where a run is, how it computes or what it logs, not what it computes: a sweep may change them
+NOT_DESIGN = {"out_dir", "run_name", "resume", "overwrite", "device", "compile", "fsdp", "log_interval", "ckpt_interval",
+              "wandb_log", "wandb_project", "wandb_run_name", "wandb_group", "wandb_tags", *EXECUTION_KEYS}
 
 
 def fail(message):
@@ -105,14 +114,15 @@ def read_settings(path, what):
     or an exception in it is one `error: <what> <path>: ...` line (SystemExit), naming the line."""
     if not Path(path).is_file():
         raise SystemExit(f"error: {what} {path} not found")
-    settings = {}
+    settings = {}  # one namespace, as a module has: a comprehension sees the file's names
     try:
-        exec(compile(Path(path).read_text(), str(path), "exec"), {}, settings)
+        exec(compile(Path(path).read_text(), str(path), "exec"), settings)
     except SyntaxError as e:
         raise SystemExit(f"error: {what} {path}: line {e.lineno}: syntax error: {e.msg}") from None
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # (sys.exit in the file too)
         line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == str(path)), "?")
         raise SystemExit(f"error: {what} {path}: line {line}: {type(e).__name__}: {e}") from None
+    settings.pop("__builtins__", None)
     return settings
 
 
@@ -123,6 +133,7 @@ def load_sweep(path, reference=None):
         raise SystemExit(f"error: sweep file {path}: {message}")
 
     spec = read_settings(path, "sweep file")
+    spec["path"] = str(path)  # its declaration: the report names the commit that added it
     if reference:
         spec["reference"] = reference
     missing = [k for k in ("base", "variants", "seeds", "reference") if k not in spec]
@@ -225,7 +236,8 @@ def check_owned(spec, lenient=False):
                 return []
             raise
     why = ("the sweep sets seed and data_seed to each of its seeds and puts each run in out_dir/<variant>/seed<s> "
-           "(run_name, out_dir): that is its pairing")
+           "(run_name, out_dir): that is its pairing; and it resumes or starts over each run itself (resume, "
+           "overwrite)")
     for key in keys(spec["overrides"]):
         if key in OWNED_KEYS:
             fail(f"the sweep's overrides ({spec['overrides']!r}) set {key}, which the sweep owns: {why}; drop {key} "
@@ -259,6 +271,38 @@ def check_runs(spec):
             build_model_config(model_settings, tc, {"vocab_size": 1, "tokenizer": "any"})
         except ValueError as e:  # shlex: an unterminated quote; ConfigError
             raise SystemExit(f"error: sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
+
+
+def design_changes(spec, variant, seed):
+    """[(key, the value the run ran with, the value the sweep gives it now)] for each key of what a run
+    computes (not NOT_DESIGN) that changed since the run last started, as its config.json records it (a key
+    it lacks had its default then); [] for a run without train.py's config.json (not started)."""
+    recorded = read_json(run_dir(spec, variant, seed) / "config.json") or {}
+    train, model = recorded.get("train"), recorded.get("model")
+    if not isinstance(train, dict) or not isinstance(model, dict):
+        return []
+    try:
+        tc, model_settings = parse_config([spec["base"], f"--seed={seed}", f"--data_seed={seed}",
+                                           *(f"--{kv}" for kv in overrides(spec, variant))])
+        mc = build_model_config(model_settings, tc, {"vocab_size": model.get("vocab_size", 1), "tokenizer": None})
+    except ValueError as e:  # shlex: an unterminated quote; ConfigError
+        raise SystemExit(f"error: sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
+    now = {**asdict(tc), **asdict(mc)}
+    ran = {**{f.name: f.default for cls in (TrainConfig, GPTConfig) for f in fields(cls)}, **train, **model}
+    return [(k, ran.get(k), v) for k, v in now.items() if k not in NOT_DESIGN and ran.get(k) != v]
+
+
+def check_design(spec):
+    """Refuse a sweep whose settings changed under runs it has (finished, or to be resumed): its table would
+    pool runs of different designs. One `error:` line before any run, and before --table_only's table."""
+    changed = [(v, s, c) for s in spec["seeds"] for v in spec["variants"] if (c := design_changes(spec, v, s))]
+    if changed:
+        runs = [f"{v} seed {s} ran with " + ", ".join(f"{k} {old!r} (now {new!r})" for k, old, new in c[:3])
+                + (f" and {len(c) - 3} more" if len(c) > 3 else "") for v, s, c in changed[:3]]
+        more = f" and {len(changed) - 3} more runs" if len(changed) > 3 else ""
+        fail(f"the sweep's design changed since some of its runs ran: {', '.join(runs)}{more}; a sweep never pools "
+             "runs of different designs: restore the sweep file's settings, or give the new design its own out_dir "
+             f"(not {spec['out_dir']}), or delete those runs to run them again")
 
 
 def overrides(spec, variant):
@@ -491,6 +535,8 @@ def main(argv=None):
         spec["score"] = args.score
     if not args.table_only:
         check_runs(spec)
+    check_design(spec)
+    if not args.table_only:
         run_all(spec, args.launcher)
     ts = report(spec, rescore_hint=f"python -m tools.rescore --sweep {args.sweep}" + (
         f" --out_dir {args.out_dir}" if args.out_dir else "") + " (the sweep scores each run it finishes)")
