@@ -4,6 +4,8 @@ and twin comparisons, whole-split scores, the tables and plots, on runs with kno
 import json
 import math
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -336,26 +338,32 @@ def test_tost_rejects_exactly_where_the_1_minus_2alpha_interval_is_inside_the_ma
 
 
 def test_each_primary_test_shows_a_difference_equivalence_or_neither(tmp_path):
-    deltas = {"diff": [-0.05, -0.048, -0.052, -0.051, -0.049],      # far from 0: a difference
+    deltas = {"diff": [-0.05, -0.048, -0.052, -0.051, -0.049],      # far from 0: a difference beyond the margin
               "same": [0.0004, -0.0006, 0.0002, 0.0, -0.0003],      # tight around 0: inside +-0.006
               "vague": [0.012, -0.02, 0.015, -0.011, 0.004],        # wide: the design cannot tell
-              "small": [0.0010, 0.0011, 0.0009, 0.00105, 0.00095]}  # a real difference, smaller than the margin
+              "small": [0.0010, 0.0011, 0.0009, 0.00105, 0.00095],  # a real difference, smaller than the margin
+              "near": [-0.010, -0.004, -0.008, -0.012, -0.005]}     # a difference; its interval reaches inside it
     runs = runs_of(deltas)
     spec = sweep_spec(None, variants=("ref", *deltas), out_dir="unused", equivalence_margin=0.006,
                       primary=[(v, "ref") for v in deltas])
     ts = {c["variant"]: c for c in report.tests(spec, runs) if c["kind"] == "primary"}
     assert {v: c["shows"] for v, c in ts.items()} == dict(diff="difference", same="equivalence", vague="neither",
-                                                         small="difference")
+                                                         small="difference", near="difference")
     assert ts["small"]["inside_margin"] and ts["small"]["equivalent"] and not ts["diff"]["inside_margin"]
+    # beyond the margin exactly where the 95% interval lies wholly outside +-0.006 (near's: [-0.0119, -0.0037])
+    assert {v for v, c in ts.items() if c["beyond_margin"]} == {"diff"}
+    assert ts["near"]["ci95"][0] < -0.006 < ts["near"]["ci95"][1] < 0 and ts["near"]["rejected"]
     ps = [stats.tost(deltas[v], 0.006) for v in deltas]
     assert [ts[v]["p_equiv"] for v in deltas] == pytest.approx(ps)
     assert [ts[v]["p_equiv_adj"] for v in deltas] == pytest.approx(stats.holm(ps))  # Holm within the primary tests
     assert ts["vague"]["p_equiv_adj"] > 0.05 and not ts["vague"]["rejected"]
     table = report.family_table(list(ts.values()), spec, "val")
-    assert "Equivalence margin ±0.006 nats" in table and "| TOST p (adj.) | verdict |" in table
-    assert "| **a difference** |" in table and "**equivalence** (inside ±0.006) |" in table
+    assert "Equivalence margin ±0.006 nats:" in table and "| TOST p (adj.) | verdict |" in table
+    assert "| **a difference beyond the margin** |" in table and "**equivalence** (inside ±0.006) |" in table
+    assert "| **a difference**, not shown as large as the margin |" in table
     assert "neither: no difference shown, nor equivalence within ±0.006 |" in table
     assert "**a difference** (and inside ±0.006) |" in table
+    assert "NLL in nats per byte" in report.family_table(list(ts.values()), spec, "val", "byte")
 
 
 def test_a_margin_without_runs_shows_neither_and_the_report_keeps_it(tmp_path, capsys):
@@ -413,3 +421,86 @@ def test_a_twin_that_does_not_match_is_a_warning_and_exit_status_4(tmp_path, cap
     finished_run(tmp_path / "runs" / "c" / "seed1", 3.1)  # equal again: no warning, exit 0
     assert sweep.main([str(path), "--table_only"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+# --- provenance: the runs' commits and span against the declaration's commit --------------------------------
+
+def git(repo, *args, when="2026-01-01T10:00:00+00:00"):
+    env = dict(os.environ, GIT_AUTHOR_DATE=when, GIT_COMMITTER_DATE=when, GIT_AUTHOR_NAME="t", GIT_COMMITTER_NAME="t",
+               GIT_AUTHOR_EMAIL="t@example.org", GIT_COMMITTER_EMAIL="t@example.org")
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def recorded(d, start, commits, finish="2026-01-01T12:00:00+00:00"):
+    """A finished run's summary.json with the provenance train.py writes (depthres/runlog.run_provenance)."""
+    summary = json.loads((d / "summary.json").read_text())
+    summary.update(started_utc=start, finished_utc=finish, commits=commits, torch=["2.13.0"], hosts=["box"])
+    (d / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_the_report_names_its_runs_commits_and_span_against_the_declaration(tmp_path, capsys):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    path = sweep_file(repo, out_dir=tmp_path / "runs")
+    git(repo, "add", path.name)
+    git(repo, "commit", "-qm", "declared")
+    declared = git(repo, "rev-parse", "HEAD")
+    for v, s in (("a", 0), ("a", 1), ("b", 0), ("b", 1)):
+        finished_run(tmp_path / "runs" / v / f"seed{s}", 3.0 + 0.1 * s + (v == "b") * 0.01)
+        recorded(tmp_path / "runs" / v / f"seed{s}", f"2026-01-01T10:0{1 + 2 * s + (v == 'b')}:00+00:00", [declared])
+    assert sweep.main([str(path), "--table_only"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out == (f"Provenance (each run's summary.json): 4 runs from 2026-01-01 10:01:00 UTC (the first start) to "
+                   f"2026-01-01 12:00:00 UTC (the last finish), on one commit, {declared[:7]}; torch 2.13.0; host box. "
+                   f"Declared in `{path.name}`, added at {declared[:7]} (2026-01-01 10:00:00 UTC): every recorded run ran on "
+                   "it; it precedes the first recorded start.")
+    p = strict_json(tmp_path / "runs" / "results.json")["provenance"]
+    assert p["declaration"] == dict(file=path.name, commit=declared, utc="2026-01-01T10:00:00+00:00", last_change=None)
+    assert p["one_commit"] and p["on_declared_commit"] and p["declared_before_first_start"] and p["recorded"] == 4
+
+    # a run on a dirty tree before the declaration, a run that predates provenance, and a later change to the file
+    recorded(tmp_path / "runs" / "b" / "seed1", "2026-01-01T09:00:00+00:00", ["0123456789abcdef+dirty"])
+    (tmp_path / "runs" / "a" / "seed1" / "summary.json").write_text(
+        json.dumps({k: v for k, v in json.loads((tmp_path / "runs" / "a" / "seed1" / "summary.json").read_text()).items()
+                    if k not in report.PROVENANCE}))
+    path.write_text(path.read_text() + "# changed\n")
+    git(repo, "commit", "-qam", "changed", when="2026-01-01T11:00:00+00:00")
+    changed = git(repo, "rev-parse", "HEAD")
+    assert sweep.main([str(path), "--table_only"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out.startswith("Provenance (each run's summary.json; not recorded for 1 older run): 3 runs from 2026-01-01 "
+                          "09:00:00 UTC (the first start) to ")
+    assert "on 2 commits, " in out and "0123456+dirty" in out and f"{declared[:7]}; torch" in out + declared and out.endswith(
+        f"added at {declared[:7]} (2026-01-01 10:00:00 UTC), last changed at {changed[:7]} (2026-01-01 11:00:00 UTC): "
+        "not every recorded run ran on it; it does not precede the first recorded start, and its last change does not.")
+    p = strict_json(tmp_path / "runs" / "results.json")["provenance"]
+    assert (p["one_commit"], p["on_declared_commit"], p["declared_before_first_start"], p["changed_before_first_start"]) \
+        == (False, False, False, False) and p["runs"] == 4 and p["recorded"] == 3
+
+
+def test_provenance_that_git_or_the_runs_cannot_give(tmp_path, monkeypatch):
+    runs = [dict(variant="a", seed=0), dict(variant="b", seed=0)]  # runs older than the provenance fields
+    assert report.provenance_text(report.provenance(runs, None)) == (
+        "Provenance: not recorded (none of the 2 runs' summary.json has it: they predate it). No declaration file named.")
+    if shutil.which("git") is not None:
+        git(tmp_path, "init", "-q")
+        git(tmp_path, "commit", "-q", "--allow-empty", "-m", "before")
+        (tmp_path / "sweep_x.py").write_text("seeds = [0]\n")
+        assert report.declared_at(tmp_path / "sweep_x.py")["why"].startswith("no commit here adds it: not committed")
+    monkeypatch.setattr(report.shutil, "which", lambda name: None)
+    p = report.provenance(runs, tmp_path / "sweep_x.py")
+    assert p["declaration"]["why"] == "git is not available" and p["on_declared_commit"] is None
+    assert report.provenance_text(p).endswith("Declared in `sweep_x.py`, at a commit not known here (git is not "
+                                              "available).")  # outside the project: its name, no machine's path
+
+
+def test_the_loss_unit_is_what_the_runs_tokenizer_makes_a_token(tmp_path):
+    from tools.rundirs import nats, token_unit
+    for name, tokenizer in (("a", "byte"), ("b", "byte"), ("c", "gpt2")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"tokenizer": tokenizer}))
+    assert token_unit([tmp_path / "a", tmp_path / "b"]) == "byte" and token_unit([tmp_path / "c"]) == "token"
+    assert token_unit([tmp_path / "a", tmp_path / "c"]) is None and token_unit([tmp_path / "none"]) is None
+    assert (nats("byte"), nats("token"), nats(None)) == ("nats per byte", "nats per token", "nats")

@@ -469,6 +469,8 @@ def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
     for heading in ("## a. Learning rate", "## b. The gap", "## c. Compute", "## d. Wall-clock", "## Runs"):
         assert heading in text
     assert str(tmp_path) not in text
+    assert f"Provenance (each run's summary.json): {len(expected)} runs from " in text  # train.py records it
+    assert "Declared in `design.py`, at a commit not known here (" in text  # no git checkout holds it
     if robust_report.pyplot() is not None:
         assert (out / "loss_vs_flops.png").stat().st_size > 0
     ran.clear()

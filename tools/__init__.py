@@ -9,7 +9,7 @@
     robust          does the advantage hold: an lr grid, a second length, the compute multiplier
     robust_design   robust's design file and the runs it asks for
     multiplier      robust's loss-vs-FLOPs fit along the data axis (one size, several lengths), bootstrapped
-    ladder          "standard needs X times the compute" from a size ladder, the papers' way, with t-based intervals
+    ladder          "standard needs X times the compute" from a size ladder of standard, with t-based intervals
     robust_report   robust.md and the loss-vs-FLOPs plot
     bench           speed and memory against standard, in one run
     gpu_check       the one-command check on a CUDA machine (make gpu-check)

@@ -1,7 +1,8 @@
 """
-The compute multiplier from a size ladder, the papers' way (issue 37): `standard` at several model sizes
-on one recipe, its loss against training compute across the sizes, and "standard needs X times the
-compute" for each variant that ran at one of the sizes, read off that curve.
+The compute multiplier from a size ladder (issue 37): `standard` at several model sizes on one recipe,
+its loss against training compute across the sizes, and "standard needs X times the compute" for each
+variant that ran at one of the sizes, read off that curve. The papers fit a curve per method; here each
+variant, run at one size, is taken to lie on a curve parallel to standard's.
 
     python -m tools.ladder configs/ladder_cpu.py      # ladder.md, ladder.json, ladder.png in the ladder's out_dir
 
@@ -23,7 +24,8 @@ The arithmetic (configs/ladder_cpu.py declares it):
            correlation. Where alpha's interval reaches 0 the ladder does not fix the slope and the
            interval is unbounded on the side the gap points to.
 No bootstrap: with 3 seeds it has 10 distinct resamples and covers far less than it says.
-tests/test_ladder.py checks the interval's coverage by simulation.
+tests/test_ladder.py checks the interval's coverage by simulation, and that it is not uselessly wide.
+The read-off names its runs' provenance (tools.report.provenance) against the design file's commit.
 """
 
 import argparse
@@ -35,9 +37,9 @@ from pathlib import Path
 
 from depthres.files import write_file
 from tools.diagnose import pyplot, save_figure
-from tools.report import save_outputs, strict_json
+from tools.report import PROVENANCE, provenance, provenance_text, save_outputs, strict_json
 from tools.robust import flops_per_token
-from tools.rundirs import read_json, read_summary, whole_split_scores
+from tools.rundirs import nats, read_json, read_summary, token_unit, whole_split_scores
 from tools.stats import paired_t, t_quantile
 from tools.sweep import in_root, load_sweep
 
@@ -95,7 +97,8 @@ def multiplier(r, fit, level=0.95):
 
 def read_run(d):
     """A finished, whole-split-scored run: dict(loss on the whole validation split, flops_per_token,
-    tokens), or None (not finished, or not scored yet)."""
+    tokens, and its summary's PROVENANCE fields where it has them), or None (not finished, or not scored
+    yet)."""
     summary, cfg = read_summary(d), read_json(Path(d) / "config.json")
     if summary is None or cfg is None:
         return None
@@ -103,7 +106,8 @@ def read_run(d):
     if val is None:
         return None
     tokens = summary["step"] * cfg["train"]["batch_tokens"]
-    return dict(loss=val, flops_per_token=flops_per_token(cfg["model"]), tokens=tokens)
+    return dict(loss=val, flops_per_token=flops_per_token(cfg["model"]), tokens=tokens,
+                **{k: summary[k] for k in PROVENANCE if k in summary})
 
 
 def read_off(spec):
@@ -116,7 +120,9 @@ def read_off(spec):
             sizes[name] = runs
     missing = [f"{n}/seed{s}" for n in spec["variants"] for s in seeds if s not in sizes.get(n, {})]
     result = dict(design=spec.get("path"), seeds=seeds, rung=rung, missing_ladder_runs=missing, sizes={}, fit=None,
-                  variants={}, level=spec["level"])
+                  variants={}, level=spec["level"],
+                  token_unit=token_unit(out_dir / n / f"seed{s}" for n in sizes for s in sizes[n]),
+                  provenance=provenance([r for runs in sizes.values() for r in runs.values()], spec.get("path")))
     for name, runs in sizes.items():
         result["sizes"][name] = dict(n=len(runs), flops=statistics.fmean(r["flops_per_token"] * r["tokens"]
                                                                           for r in runs.values()),
@@ -159,12 +165,12 @@ def table(result):
     if result["missing_ladder_runs"]:
         lines += ["", f"Not finished or not scored yet: {', '.join(result['missing_ladder_runs'])}."]
     if not fit:
-        return "\n".join(lines + ["", "No fit yet: the ladder needs its rung and one more size."])
+        return "\n".join(lines + ["", "No fit yet: the ladder needs its rung and one more size.", "", _provenance(result)])
     lines += ["", f"Fit: log L = {fit['a']:.4f} - {fit['alpha']:.4f} log C, alpha's standard error {fit['alpha_se']:.4f} "
                   f"({fit['df']} degrees of freedom).", "",
               f"X: exp(-mean log gap / alpha), the gap paired seed by seed with `{result['rung']}`; "
               f"{100 * result['level']:g}% interval over the t-intervals of the gap and of alpha (Bonferroni).", "",
-              "| variant | seeds | gap, nats (mean) | X step-matched [interval] | FLOPs/token vs rung "
+              f"| variant | seeds | gap, {nats(result['token_unit'])} (mean) | X step-matched [interval] | FLOPs/token vs rung "
               "| X FLOP-matched [interval] |",
               "| --- | --- | --- | --- | --- | --- |"]
     for v, c in result["variants"].items():
@@ -173,7 +179,11 @@ def table(result):
         xs, xf = c["x_step"], c["x_flops"]
         lines.append(f"| `{v}` | {len(c['seeds'])} | {gap} | {_x(xs[0])} [{_x(xs[1])}, {_x(xs[2])}] | {ratio} | "
                      f"{_x(xf[0])} [{_x(xf[1])}, {_x(xf[2])}] |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", _provenance(result)])
+
+
+def _provenance(result):
+    return provenance_text(result["provenance"]) + " (The ladder's own runs: the paired variants' are their study's.)"
 
 
 def plot(result, path):
@@ -240,7 +250,6 @@ def main(argv=None):
     spec.setdefault("level", 0.95)
     if not isinstance(spec["level"], float) or not 0 < spec["level"] < 1:
         raise SystemExit(f"error: {args.design}: level must be a number between 0 and 1, got {spec['level']!r}")
-    spec["path"] = args.design
     result = read_off(spec)
     text = table(result)
     print(text)

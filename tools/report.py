@@ -18,7 +18,9 @@ The protocol is declared in the sweep file, before any run (tools/sweep.py check
               two one-sided paired t-tests against -margin and +margin (stats.tost), Holm-adjusted within
               the primary tests as the difference tests are; each primary test then shows one of three
               things: a difference (the t-test rejects), equivalence (TOST rejects: |Δ| < margin), or
-              neither (the design cannot tell)
+              neither (the design cannot tell); a difference is "beyond the margin" where its 95%
+              interval lies wholly outside +-margin, and "not shown as large as the margin" where it
+              reaches inside
 Every other comparison (each variant against the reference, and against the second reference) is
 exploratory: its p-value is uncorrected, labelled so, and claims nothing. A sweep file without
 `primary` has only exploratory comparisons.
@@ -27,6 +29,9 @@ Each comparison gives the mean paired difference over seeds (< 0: the variant is
 t-interval, the wins, the t-test's p (adjusted in the family), the exact sign-flip p (no normality;
 never below 2 / 2^n), and the smallest difference the design detects with 80% power at its level
 (alpha / m in the family, where Holm makes its first test; alpha outside it).
+
+The report names where and when its runs ran (provenance(): each run's summary.json, and the commit that
+added the sweep file, its declaration).
 
 Outputs, in out_dir, each written whole or not at all: results.md (the printed tables), results.json
 (strict JSON; run paths relative to out_dir), results.csv (one line per run), forest.png, curves.png
@@ -37,14 +42,17 @@ import csv
 import io
 import json
 import math
+import shutil
 import statistics
+import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from depthres.files import write_file
 from tools.diagnose import plot_curves
 from tools.plots import SHORT, plot_forest, plot_gaps, undefined
-from tools.rundirs import collect, collect_diverged, finite, run_dir
+from tools.rundirs import collect, collect_diverged, finite, nats, run_dir, token_unit
 from tools.stats import detectable, gated_holm, holm, paired_t, sign_flip_p, tost
 
 SCORES = {  # score -> what it is, as the tables say
@@ -173,14 +181,18 @@ def equivalence(primary, margin, alpha):
     what each primary test shows: "difference" (its t-test rejects in the family), "equivalence" (its
     TOST rejects: the mean difference is inside +-margin) or "neither". A test with fewer than 2 paired
     seeds keeps its share (p 1) and shows neither. Both can reject (a difference smaller than the
-    margin): that shows a difference, with "inside_margin" set."""
+    margin): that shows a difference, with "inside_margin" set. A difference whose 95% interval lies
+    wholly outside +-margin has "beyond_margin" set: one whose interval reaches inside the margin is a
+    difference not shown as large as the margin."""
     ps = [tost(list(c["deltas"].values()), margin) for c in primary]
     adjusted = holm([1.0 if math.isnan(p) else p for p in ps])
     for c, p, a in zip(primary, ps, adjusted):
         equivalent = bool(a <= alpha and not math.isnan(p))
+        lo, hi = c["ci95"]
         c.update(margin=margin, p_equiv=p, p_equiv_adj=a, equivalent=equivalent,
                  shows="difference" if c["rejected"] else "equivalence" if equivalent else "neither",
-                 inside_margin=bool(c["rejected"] and equivalent))
+                 inside_margin=bool(c["rejected"] and equivalent),
+                 beyond_margin=bool(c["rejected"] and (hi < -margin or lo > margin)))
 
 
 def gap_over_training(runs, reference, variants):
@@ -234,7 +246,10 @@ def _verdict(c):
     if "shows" in c:  # a primary test with a declared equivalence margin: one of three things
         within = f"±{c['margin']:g}"
         if c["shows"] == "difference":
-            return "**a difference**" + (f" (and inside {within})" if c["inside_margin"] else "")
+            if c["inside_margin"]:
+                return f"**a difference** (and inside {within})"
+            return "**a difference beyond the margin**" if c["beyond_margin"] else \
+                "**a difference**, not shown as large as the margin"
         if c["shows"] == "equivalence":
             return f"**equivalence** (inside {within})"
         if undefined(c["p"]):
@@ -247,8 +262,9 @@ def _verdict(c):
     return "**rejects**" if c["rejected"] else "does not reject"
 
 
-def family_table(ts, spec, score):
-    """The declared family: each primary test, and each control test under its variant."""
+def family_table(ts, spec, score, unit=None):
+    """The declared family: each primary test, and each control test under its variant (unit: what a token
+    of the runs is, rundirs.token_unit)."""
     fam = [c for c in ts if c["kind"] in ("primary", "control")]
     if not fam:
         return ("No primary family is declared in the sweep file (`primary`): every comparison below is "
@@ -256,16 +272,18 @@ def family_table(ts, spec, score):
     m = sum(c["kind"] == "primary" for c in fam)
     alpha = spec.get("alpha", 0.05)
     margin = spec.get("equivalence_margin")
-    head = (f"Primary family ({m} tests, declared in the sweep file), on {SCORES[score]}: paired t-tests; p (adj.): "
-            f"Holm's procedure at α = {alpha:g} with each control as a gate, tested only once its variant's primary "
-            "test rejects, on the level that frees (the graphical procedure of Bretz et al. 2009; without controls "
-            f"exactly Holm). Detectable: the difference found with about 80% power at α/m = {alpha / max(m, 1):.4f} "
-            "(a normal approximation with the seeds' own sd: optimistic at few seeds).")
+    head = (f"Primary family ({m} tests, declared in the sweep file), on {SCORES[score]}, NLL in {nats(unit)}: paired "
+            f"t-tests; p (adj.): Holm's procedure at α = {alpha:g} with each control as a gate, tested only once its "
+            "variant's primary test rejects, on the level that frees (the graphical procedure of Bretz et al. 2009; "
+            f"without controls exactly Holm). Detectable: the difference found with about 80% power at α/m = "
+            f"{alpha / max(m, 1):.4f} (t quantiles with the seeds' own sd, an approximation of the noncentral t: "
+            "optimistic at few seeds).")
     if margin is not None:
-        head += (f" Equivalence margin ±{margin:g} nats: TOST p (adj.) is the larger p of two one-sided paired t-tests "
-                 f"against -{margin:g} and +{margin:g}, Holm-adjusted within the {m} primary tests; each primary test shows "
-                 "a difference (its t-test rejects), equivalence (TOST rejects: the mean difference is inside the margin), "
-                 "or neither.")
+        head += (f" Equivalence margin ±{margin:g} {nats(unit)}: TOST p (adj.) is the larger p of two one-sided paired "
+                 f"t-tests against -{margin:g} and +{margin:g}, Holm-adjusted within the {m} primary tests; each primary "
+                 "test shows a difference (its t-test rejects), equivalence (TOST rejects: the mean difference is inside "
+                 "the margin), or neither. A difference is beyond the margin where its 95% interval lies wholly outside "
+                 "it, and not shown as large as the margin where the interval reaches inside it.")
     tost_head, tost_rule = (" TOST p (adj.) |", " --- |") if margin is not None else ("", "")
     out = [head, "", f"| hypothesis | Δ [95% CI] | wins | p | p (adj.) | sign-flip p | detectable |{tost_head} verdict |",
            f"| --- | --- | --- | --- | --- | --- | --- |{tost_rule} --- |"]
@@ -302,13 +320,13 @@ def family_on_every_score(spec, runs, score):
     return "\n".join(out)
 
 
-def exploratory_table(ts, spec, score):
+def exploratory_table(ts, spec, score, unit=None):
     rows = [c for c in ts if c["kind"] == "exploratory"]
     if not rows:
         return None
     alpha = spec.get("alpha", 0.05)
-    out = [f"Exploratory, on {SCORES[score]}: uncorrected p-values, no claim (not in the declared family). "
-           f"Detectable: with about 80% power at α = {alpha:g}.", "",
+    out = [f"Exploratory, on {SCORES[score]}, NLL in {nats(unit)}: uncorrected p-values, no claim (not in the declared "
+           f"family). Detectable: with about 80% power at α = {alpha:g}.", "",
            "| comparison | Δ [95% CI] | wins | p (uncorrected) | sign-flip p | detectable |",
            "| --- | --- | --- | --- | --- | --- |"]
     for c in rows:
@@ -419,6 +437,106 @@ def diverged_table(diverged):
     return "\n".join(out)
 
 
+# --- provenance ----------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+PROVENANCE = ("started_utc", "finished_utc", "commits", "torch", "hosts")  # a run's summary.json (depthres/runlog.py)
+
+
+def _utc(text):
+    return datetime.fromisoformat(text).astimezone(timezone.utc)
+
+
+def declared_at(path):
+    """The commit that added a study's declaration file (its latest `git log --diff-filter=A`, in the git
+    checkout that holds the file) and that commit's time, and the last commit that changed the file after
+    it: dict(file, commit, utc, last_change (dict(commit, utc), or None)), or dict(file, why) where git cannot
+    tell (git is not available, the file is in no git checkout, or no commit adds it). The file is named
+    relative to the project root, or by its name alone outside it."""
+    p = Path(path).resolve()
+    where = dict(file=str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else p.name)  # no machine's paths
+    if shutil.which("git") is None:
+        return dict(where, why="git is not available")
+    logs = []
+    for added in (["--diff-filter=A"], []):  # newest first: the add of the file as it stands, then every change
+        try:
+            git = subprocess.run(["git", "log", *added, "--format=%H %cI", "--", p.name], cwd=p.parent,
+                                 capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            return dict(where, why=f"git did not answer ({type(e).__name__})")
+        if git.returncode != 0:
+            return dict(where, why="git: " + (git.stderr.strip().splitlines() or ["failed"])[0])
+        logs.append([line.split() for line in git.stdout.splitlines() if line.strip()])
+    adds, changes = logs
+    if not adds:
+        return dict(where, why="no commit here adds it: not committed, or a shallow clone")
+    (commit, when), later = adds[0], changes[:[c for c, _ in changes].index(adds[0][0])]
+    return dict(where, commit=commit, utc=_utc(when).isoformat(),
+                last_change=dict(commit=later[0][0], utc=_utc(later[0][1]).isoformat()) if later else None)
+
+
+def provenance(runs, path):
+    """Where and when a study's runs ran, from each run's PROVENANCE fields (older runs have none), and its
+    declaration file `path` (declared_at; None: none named): the commits (+dirty where the tree was), torch
+    versions and hosts, the UTC span from the first start to the last finish, whether every recorded run ran
+    on one commit and on the declaration's, and whether that commit (and the file's last change after it)
+    precedes the first recorded start."""
+    recorded = [r for r in runs if r.get("started_utc")]
+    commits = sorted({c for r in recorded for c in r.get("commits") or []})
+    no_commit = sum(not r.get("commits") for r in recorded)  # ran outside a git checkout
+    out = dict(runs=len(runs), recorded=len(recorded), without_commit=no_commit, commits=commits,
+               torch=sorted({v for r in recorded for v in r.get("torch") or []}),
+               hosts=sorted({v for r in recorded for v in r.get("hosts") or []}),
+               first_start=min((r["started_utc"] for r in recorded), key=_utc, default=None),
+               last_finish=max((r["finished_utc"] for r in recorded if r.get("finished_utc")), key=_utc, default=None),
+               one_commit=len(commits) == 1 and not no_commit if recorded else None,
+               declaration=declared_at(path) if path else None, on_declared_commit=None,
+               declared_before_first_start=None, changed_before_first_start=None)
+    d = out["declaration"] or {}
+    if recorded and d.get("commit"):
+        first = _utc(out["first_start"])
+        out["on_declared_commit"] = commits == [d["commit"]] and not no_commit
+        out["declared_before_first_start"] = _utc(d["utc"]) < first
+        if d["last_change"]:
+            out["changed_before_first_start"] = _utc(d["last_change"]["utc"]) < first
+    return out
+
+
+def provenance_text(p):
+    """provenance() as the report's paragraph."""
+    def when(t):
+        return _utc(t).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+    def short(c):
+        return c[:7] + ("+dirty" if c.endswith("+dirty") else "")
+    d, n, k = p["declaration"], p["runs"], p["recorded"]
+    if k == 0:
+        text = f"Provenance: not recorded (none of the {n} runs' summary.json has it: they predate it)."
+    else:
+        cs = p["commits"]
+        older = "" if k == n else f"; not recorded for {n - k} older run{'s' * (n - k != 1)}"
+        text = (f"Provenance (each run's summary.json{older}): "
+                f"{k} runs from {when(p['first_start'])} (the first start) to "
+                f"{when(p['last_finish']) if p['last_finish'] else '?'} (the last finish), on "
+                + (f"one commit, {short(cs[0])}" if p["one_commit"] else f"{len(cs)} commits, {', '.join(map(short, cs))}")
+                + (f" ({p['without_commit']} outside a git checkout)" if p["without_commit"] else "")
+                + f"; torch {', '.join(p['torch'])}; host{'s' * (len(p['hosts']) != 1)} {', '.join(p['hosts'])}.")
+    if d is None:
+        return text + " No declaration file named."
+    if "why" in d:
+        return text + f" Declared in `{d['file']}`, at a commit not known here ({d['why']})."
+    last = d["last_change"]
+    text += (f" Declared in `{d['file']}`, added at {d['commit'][:7]} ({when(d['utc'])})"
+             + (f", last changed at {last['commit'][:7]} ({when(last['utc'])})" if last else ""))
+    if k == 0:
+        return text + ": whether the runs ran on it, and after it, is not recorded."
+    return (text + ": " + ("every recorded run ran on it" if p["on_declared_commit"] else "not every recorded run ran on it")
+            + "; it " + ("precedes" if p["declared_before_first_start"] else "does not precede")
+            + " the first recorded start" + ("" if not last else ", and so does its last change"
+                                            if p["changed_before_first_start"] else ", and its last change does not")
+            + ".")
+
+
 # --- the report --------------------------------------------------------------------------------------
 
 def strict_json(x):
@@ -493,12 +611,15 @@ def report(spec, rescore_hint=None):
     shown = [v for v in spec["variants"] if v not in twins]
     gaps = {b: gap_over_training(runs, b, shown if b in (reference, second) else
                                  [v for v, base in spec.get("primary", []) if base == b]) for b in baselines}
-    sections = [family_table(ts, spec, score), family_on_every_score(spec, runs, score),
-                exploratory_table(ts, spec, score), twin_table(ts, runs), variant_table(rows, reference),
+    unit = token_unit(run_dir(spec, r["variant"], r["seed"]) for r in runs)
+    prov = provenance(runs, spec.get("path"))
+    sections = [family_table(ts, spec, score, unit), family_on_every_score(spec, runs, score),
+                exploratory_table(ts, spec, score, unit), twin_table(ts, runs), variant_table(rows, reference),
                 seed_table(ts, rows, reference, score)]
     sections += [gap_table(g, b) for b, g in gaps.items() if g or b == reference]
     if diverged:
         sections.append(diverged_table(diverged))
+    sections.append(provenance_text(prov))
     text = "\n\n".join(s for s in sections if s)
     print(text, flush=True)
 
@@ -515,7 +636,7 @@ def report(spec, rescore_hint=None):
     for d in diverged:
         w.writerow([d["variant"], d["seed"]] + [""] * 8 + ["diverged"])
     results = dict(reference=reference, second_reference=second, score=score, alpha=spec.get("alpha", 0.05),
-                   equivalence_margin=spec.get("equivalence_margin"),
+                   token_unit=unit, equivalence_margin=spec.get("equivalence_margin"), provenance=prov,
                    primary=[list(p) for p in spec.get("primary", [])], controls=spec.get("controls", {}), twins=twins,
                    tests=ts, rows=rows, gaps={b: {v: {str(k): x for k, x in g.items()} for v, g in gs.items()}
                                               for b, gs in gaps.items()}, runs=runs, diverged=diverged)

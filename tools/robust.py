@@ -74,10 +74,10 @@ from depthres.files import write_file
 from model import GPT, GPTConfig
 from tools import sweep
 from tools.multiplier import bootstrap, fit_ladder, inside, multiple
-from tools.report import save_outputs
+from tools.report import PROVENANCE, provenance, save_outputs
 from tools.robust_design import SCORES, STAGES, bench_path, check_design_runs, load_design, lr_name, stage_spec, steps_name
 from tools.robust_report import plot, render, strict
-from tools.rundirs import whole_split_scores
+from tools.rundirs import token_unit, whole_split_scores
 from tools.stats import holm, paired_t
 
 # --- the runs ---------------------------------------------------------------------------------------
@@ -98,7 +98,8 @@ def flops_per_token(model_config):
 def read_run(out_dir, name, seed, score="val"):
     """A finished run (summary.json and config.json) as one flat record, or None. Its val_loss and
     test_loss are the design's score: the whole splits (scores.json; None while the run is unscored) for
-    "val", the logged eval_tokens prefix (summary.json) for "val_prefix"."""
+    "val", the logged eval_tokens prefix (summary.json) for "val_prefix". The summary's PROVENANCE fields
+    come with it where it has them."""
     d = Path(out_dir) / name / f"seed{seed}"
     try:
         summary = json.loads((d / "summary.json").read_text())
@@ -112,7 +113,8 @@ def read_run(out_dir, name, seed, score="val"):
     return dict(name=name, seed=seed, dir=f"{name}/seed{seed}", val_loss=val,
                 test_loss=test, params=summary.get("params"), seconds=summary.get("seconds"),
                 steps=steps, tokens=steps * bt, lr=cfg["train"]["lr"], min_lr=cfg["train"]["min_lr"],
-                eval_tokens=cfg["train"].get("eval_tokens"), flops_per_token=f, flops=f * steps * bt)
+                eval_tokens=cfg["train"].get("eval_tokens"), flops_per_token=f, flops=f * steps * bt,
+                **{k: summary[k] for k in PROVENANCE if k in summary})
 
 
 def read_finished(spec):
@@ -383,6 +385,8 @@ def analyze(design):
         cpu_seconds={st: sum(r["seconds"] or 0 for k, r in everything.items()
                              if specs[st] and k[0] in specs[st]["variants"] and k[1] in specs[st]["seeds"])
                      for st in STAGES},
+        token_unit=token_unit(Path(design["out_dir"]) / r["dir"] for r in finished.values()),
+        provenance=provenance(list(finished.values()), design.get("path")),
     )
     pts = result["ladder"]
     if len(pts) >= (4 if design["fit"] == "power" else 2):  # the ladder's means, every seed that finished each

@@ -27,6 +27,7 @@ def load_design(path, out_dir=None):
         raise SystemExit(f"error: design file {path}: {message}")
 
     d = sweep.read_settings(path, "design file")
+    d["path"] = str(path)  # its declaration: the report names the commit that added it
     missing = [k for k in ("base", "variants", "reference", "lrs", "tuning_seeds", "seeds", "steps", "ladder")
                if k not in d]
     if missing:

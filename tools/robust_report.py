@@ -7,7 +7,9 @@ import statistics
 
 from tools.diagnose import pyplot, save_figure
 from tools.multiplier import inverse, predict
+from tools.report import provenance_text
 from tools.robust_design import STAGES, steps_name
+from tools.rundirs import nats
 
 
 def _f(x, fmt, none="-"):
@@ -37,18 +39,20 @@ def render(result, design):
     ref = design["reference"]
     out = [f"# Does the advantage hold? lr, length, compute (`{design['base']}`, reference `{ref}`)", ""]
     et = ", ".join(f"{x:,}" for x in r["eval_tokens"]) or "?"
+    unit = r["token_unit"]
+    tokens = f"{unit or 'token'}s"  # what the runs' tokens are: bytes with the byte tokenizer
     if design["score"] == "val":
-        scores = ("Scores: validation NLL on the whole validation split (each run's scores.json, tools/rescore.py), "
-                  "the design's declared score. ")
+        scores = (f"Scores: validation NLL in {nats(unit)} on the whole validation split (each run's scores.json, "
+                  "tools/rescore.py), the design's declared score. ")
     else:
-        scores = (f"Scores: validation NLL (summary.json `val_loss`) on the fixed first {et} tokens of the validation "
-                  "split (the runs' `eval_tokens`), the same chunk for every run: not whole-split scores. ")
+        scores = (f"Scores: validation NLL in {nats(unit)} (summary.json `val_loss`) on the fixed first {et} {tokens} of "
+                  "the validation split (the runs' `eval_tokens`), the same chunk for every run: not whole-split scores. ")
     unscored = sum(len(x) for x in r["unscored"].values())
     if unscored:
         scores += (f"**{unscored} finished run(s) have no whole-split scores yet and are left out** (listed under Runs; "
                    "`python -m tools.robust DESIGN` without --table_only scores them). ")
     out += [scores + f"Recipe: lr {shared}, min_lr {design['recipe']['min_lr']:g}, {design['recipe']['steps']} steps of "
-            f"{design['recipe']['batch_tokens']:,} tokens. Tuning seeds {list(design['tuning_seeds'])}; comparison "
+            f"{design['recipe']['batch_tokens']:,} {tokens}. Tuning seeds {list(design['tuning_seeds'])}; comparison "
             f"seeds {list(design['seeds'])}. Finished runs: {len(r['runs'])}, "
             f"{sum(r['cpu_seconds'].values()) / 3600:.2f} hours of run time (summary.json `seconds`, summed).", ""]
     # a.
@@ -211,6 +215,7 @@ def render(result, design):
         out.append(f"- {st}: {r['cpu_seconds'][st] / 3600:.2f} h of finished runs; "
                    + (f"{len(miss)} unfinished: {', '.join(f'`{x}`' for x in miss)}" if miss else "all finished")
                    + (f"; {len(waiting)} unscored: {', '.join(f'`{x}`' for x in waiting)}" if waiting else ""))
+    out += ["", provenance_text(r["provenance"])]
     return "\n".join(out) + "\n"
 
 

@@ -35,6 +35,19 @@ def finite(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def token_unit(dirs):
+    """What one token of the runs in `dirs` is, from their config.json's tokenizer: "byte" (the byte
+    tokenizer), "token" (any other), or None (no config.json says, or the runs are of both kinds)."""
+    kinds = {"byte" if t == "byte" else "token" for d in dirs
+             if isinstance(t := (read_json(Path(d) / "config.json") or {}).get("tokenizer"), str)}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def nats(unit):
+    """The unit of a loss as the reports name it: "nats per byte", "nats per token", or "nats" (unit None)."""
+    return f"nats per {unit}" if unit else "nats"
+
+
 def tabulable(summary):
     return summary is not None and finite(summary.get("val_loss"))
 

@@ -17,6 +17,7 @@ the differences d_s = loss(variant, s) - loss(reference, s) are the data; seed n
 cancels in them.
 """
 
+import functools
 import math
 import statistics
 from fractions import Fraction
@@ -61,6 +62,7 @@ def t_two_sided_p(t, df):
     return betainc(df / 2, 0.5, df / (df + t * t))
 
 
+@functools.cache  # every interval of a simulation asks for the same few quantiles
 def t_quantile(q, df):
     """The q-quantile of Student's t with df degrees of freedom (bisection on the distribution)."""
     if not 0 < q < 1:
