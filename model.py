@@ -4,7 +4,8 @@ A decoder-only GPT with depth-routing residual connections.
 Every residual variant answers two questions for sublayer j (attention or MLP, L = 2 * n_layer of
 them): what is its input h_j, and where does its output y_j = F_j(PreNorm_j(h_j)) go? The sublayers
 never change; GPT.forward's loop asks the variant's stream: h_j = stream.read(j), stream.write(j, y_j).
-VARIANTS.md is the math; section numbers below refer to it. This file is that math, in plain autograd.
+VARIANTS.md is the math; section numbers below refer to it. This file is that math, in plain autograd
+(a config's values are checked where one is read: depthres.config.model_config).
 
 The default depth_impl="two_phase" swaps in the fast twins of model_fast.py (GPT.start_stream), tested
 equal to the plain streams here in float64, values and gradients (tests/test_routing.py). Reading this
@@ -48,9 +49,6 @@ class GPTConfig:
     depth_chunk: int = 4  # two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)
     activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (memory only)
 
-    def __post_init__(self):
-        check_config(self)  # one clear ValueError for a bad value (at the end of this file)
-
 
 # ----------------------------------------------------------------------------------------------
 # The transformer: RMSNorm pre-norms without gains, rotary attention with QK-norm, ReLU^2 MLP.
@@ -78,8 +76,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=False)
 
     def forward(self, h, cos, sin, layer, cache=None):
-        """h is the sublayer input h_j, or (h_QK, h_V) (RD-AttnRes routes values separately), or
-        (h_Q, h_K, h_V) (MUDDFormer). Each distinct input is normalised once."""
+        """h: the input h_j, or (h_QK, h_V) (RD-AttnRes), or (h_Q, h_K, h_V); each normalised once."""
         h = h if isinstance(h, tuple) else (h,)
         h_q, h_k, h_v = h if len(h) == 3 else (h[0], h[0], h[-1])
         x_q = norm(h_q)
@@ -100,8 +97,8 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def normed(self, linear, h):
-        """linear(norm(h)) for a K or V input of its own; the fast path's norm_project computes the same,
-        saving h (the routing keeps it anyway) instead of norm(h)."""
+        """linear(norm(h)) for a K or V input of its own (model_fast.norm_project: the same numbers,
+        saving h, which the routing keeps anyway, instead of norm(h))."""
         if self.norm_project is not None and torch.is_grad_enabled() and h.requires_grad:
             return self.norm_project(h, linear.weight)
         return linear(norm(h))
@@ -129,9 +126,11 @@ class GPT(nn.Module):
     def __init__(self, cfg, seed=0):
         super().__init__()
         self.cfg = cfg
-        # depth_impl="two_phase": model_fast's twins of the plain streams, and its K/V projection
-        # (without activation checkpointing, which recomputes the whole sublayer anyway)
-        fast = fast_path() if cfg.depth_impl == "two_phase" else None
+        # depth_impl="two_phase": model_fast's twins of the plain streams, and its K/V projection (not
+        # with activation checkpointing, which recomputes the sublayer). model_fast imports this file.
+        fast = None
+        if cfg.depth_impl == "two_phase":
+            import model_fast as fast
         self.twins = fast.TWINS if fast else {}
         norm_project = fast.norm_project if fast and not cfg.activation_checkpointing else None
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -147,12 +146,9 @@ class GPT(nn.Module):
             self.init_weights(seed)
 
     def forward(self, idx, targets=None, kv_cache=None, record=None):
-        """idx [B, T] token ids. Returns (logits, loss); loss is None without targets.
-        kv_cache: a sample.KVCache for incremental decoding. record: diagnostics, a dict the plain streams
-        fill with each site's depth-routing weights [n_sources, B, T] (a site with R > 1 routes:
-        [n, R, B, T], RD-AttnRes' QK route then V route; DAR: [2 targets, n, B, T]; MUDDFormer:
-        [4 ways, n, B, T] at the attention that reads a mix; DenseFormer: "dwa.i", the static weights
-        [|S(i)|] of the DWA after layer i) and states."""
+        """idx [B, T] token ids -> (logits, loss; None without targets). kv_cache: a sample.KVCache
+        (incremental decoding). record: a dict the plain streams fill with each site's routing weights
+        and states, for diagnostics (docs/model.md, "What a record holds")."""
         B, T = idx.shape
         pos = kv_cache.pos if kv_cache is not None else 0
         if pos + T > self.cfg.block_size:
@@ -220,16 +216,9 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
 
-def fast_path():
-    """model_fast, the fast twins (it imports this file: the fast path is built on the math here)."""
-    import model_fast
-    return model_fast
-
-
 # ----------------------------------------------------------------------------------------------
-# Depth attention (section 0): the one primitive of the AttnRes family, and the dtype rule of
-# every depth mix: float32 (float64 for float64 models), also inside bf16 autocast regions
-# (GPT.forward runs every stream with autocast off, so a variant cannot miss it).
+# Depth attention (section 0), the AttnRes family's one primitive, and the dtype rule of every depth
+# mix: float32 (float64 models: float64) under bf16 autocast too (GPT.forward runs the streams so).
 
 
 def compute_dtype(t):
@@ -249,9 +238,8 @@ def autocast_of(t):
 
 def depth_attention(w, keys, values=None):
     """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r over sources k_r, v_r [..., d] (values: the keys if
-    None), in the compute dtype with autocast off (also when called outside GPT.forward); h in the
-    values' dtype. No temperature, no 1/sqrt(d); the key norm has no gain (w.(g*k) = (w*g).k: it would
-    be redundant). Returns h [..., d] and the routing weights a [n, ...]."""
+    None), in the compute dtype with autocast off; h in the values' dtype. No temperature, no 1/sqrt(d),
+    no gain in the key norm (w.(g*k) = (w*g).k). Returns h [..., d] and the weights a [n, ...]."""
     values = keys if values is None else values
     dt = compute_dtype(keys[0])
     with float32_routing(w):
@@ -262,9 +250,8 @@ def depth_attention(w, keys, values=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Residual variants. Each is a module that holds its parameters and starts, per forward pass, a
-# stream object with three methods: read(j) -> h_j, write(j, y_j), readout() -> final hidden state.
-# The streams below are the math; AttnRes, DAR and Delta AttnRes run model_fast.py's twins by default.
+# Residual variants: a module holds the parameters and starts, per forward pass, a stream with
+# read(j) -> h_j, write(j, y_j) and readout() -> the final state. The streams are the math.
 
 
 def site_name(j):
@@ -322,13 +309,11 @@ class AttnRes(nn.Module):
         self.w.zero_()
 
     def queries(self, j):
-        """Site j's pseudo-queries, one row per route [routes, d] (j = L: the readout's). Both streams
-        take every query from here, so a change of the queries (a temperature, w / tau) is made once."""
+        """Site j's pseudo-queries [routes, d] (j = L: the readout's), for the plain and the fast stream."""
         return self.w[j:j + 1]
 
     def combine(self, h):
-        """The sublayer's input from its routes' outputs h (one per query row), as attention reads it:
-        one route is h_j; two are (h_QK, h_V); three (h_Q, h_K, h_V)."""
+        """The sublayer's input from its routes' outputs: h_j, (h_QK, h_V) or (h_Q, h_K, h_V)."""
         return h[0] if len(h) == 1 else tuple(h)
 
     def start(self, x0, record=None):
@@ -342,11 +327,13 @@ class FullAttnRes(AttnRes):
         return 1
 
 
+RD_MODES = ("decoupled", "tied", "average", "frozen_v")
+
+
 class RDAttnRes(AttnRes):
-    """Section 4, Role-Decoupled AttnRes: Block AttnRes whose attention sublayers read two routes,
-    the Q/K input with w[j] and the V input with w_v[i] (layer i's). rd_mode: "decoupled" (the
-    method), "tied" (w_V = w_QK: Block AttnRes), "average" (both routes, their mean as one input),
-    "frozen_v" (w_v stays 0: uniform values)."""
+    """Section 4, Role-Decoupled AttnRes: Block AttnRes whose attention sublayers read the Q/K input with
+    w[j] and the V input with w_v[i] (layer i's). rd_mode: "decoupled" (the method), "tied" (w_V = w_QK:
+    Block AttnRes), "average" (the routes' mean as one input), "frozen_v" (w_v stays 0: uniform values)."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -408,22 +395,15 @@ DAR_STREAMS = {
 
 
 class DualAttnRes(nn.Module):
-    """Section 5, Dual Attention Residuals. Per site j (sublayers 0..L-1, readout L), all scalars per
-    site [our reading]:
-        w[j, m]            pseudo-query of target stream m, zero-init
-        alpha_j = softmax(theta_alpha[j])      fusion of the two retrievals, init 0.6 for stream
-                                               j mod 2 and 0.4 for the other
-        rho_j   = sigmoid(theta_rho[j])        doubly-stochastic transport inside a block, init 0.982
-                                               (near identity)
-        beta_jm = 2 sigmoid(theta_beta[j, m])  gated write, init 1 into stream j mod 2 and 0.24 into
-                                               the other
-        v_proj[m]          (sep_v only) d x d value projection per stream, identity-init
-    A block is dar_block_size = K transformer layers (2K sublayers): each layer's attention and MLP
-    writes, with the transport between them, form one history entry, so K = 1 is Full DAR.
-    Symmetry: both streams start as x0. The beta init makes their states differ; the alpha init
-    makes their gradients differ (with alpha = 1/2 and zero queries both streams would get equal
-    gradients, and rho none). Without both the streams could stay equal forever.
-    """
+    """Section 5, Dual Attention Residuals: two streams m = 0, 1. Per site j (sublayers 0..L-1,
+    readout L), scalars per site [our reading]:
+        w[j, m]                                pseudo-query of target stream m, zero-init
+        alpha_j = softmax(theta_alpha[j])      fusion of the retrievals, init 0.6 stream j mod 2, 0.4 the other
+        rho_j   = sigmoid(theta_rho[j])        doubly-stochastic transport in a block, init 0.982
+        beta_jm = 2 sigmoid(theta_beta[j, m])  gated write, init 1 into stream j mod 2, 0.24 the other
+        v_proj[m]                              (sep_v only) d x d value projection, identity-init
+    A block is K = dar_block_size transformer layers (2K sublayers; K = 1 is Full DAR). The alpha and
+    beta inits break the symmetry of two streams that both start as x0 (VARIANTS.md, section 5)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -516,12 +496,9 @@ class DARStream:
 
 
 class HyperConnections(nn.Module):
-    """Dynamic Hyper-Connections (Zhu et al.), per sublayer j:
-        h = sum_i Am_i H_i;   H_i <- sum_k Ar_{k,i} H_k + B_i y
-    each coefficient static + s * tanh(RMSNorm(H_k) . W): Am, B from W[..., 0], W[..., -1] with
-    scale s_beta for B; Ar from W[..., 1:n+1] with scale s_alpha.
-    Init: W = 0, s = 0.01, B = 1, Am one-hot at j mod n, Ar = I: exactly the pre-norm residual.
-    (So s_alpha and s_beta start with a zero gradient: tanh(0) = 0; W's gradient is non-zero.)"""
+    """Dynamic Hyper-Connections (Zhu et al.), per sublayer j: h = sum_i Am_i H_i and
+    H_i <- sum_k Ar_{k,i} H_k + B_i y, each coefficient static + s * tanh(RMSNorm(H_k) . W) (Am, Ar with
+    s_alpha; B with s_beta). Init: W = 0, s = 0.01, B = 1, Am one-hot at j mod n, Ar = I: the pre-norm residual."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -559,18 +536,13 @@ class HyperConnections(nn.Module):
 
 
 class ManifoldHC(nn.Module):
-    """Manifold-constrained Hyper-Connections (DeepSeek mHC), per sublayer j, from x = RMSNorm of
-    the flattened n*d state and one projection phi[j] [n*d, 2n + n^2], all in float32:
-        H_pre  = sigmoid(a_pre z_pre + b_pre)              [n]
-        H_post = 2 sigmoid(a_post z_post + b_post)         [n]
-        H_res  = SinkhornKnopp(exp(a_res z_res + b_res))   [n, n], doubly stochastic
-    h = sum_i H_pre_i H_i;  H_i <- sum_k H_res[i, k] H_k + H_post_i y.
-    Init [our reading]: phi ~ normal(0, 0.02) and a = 0.01 (a small dynamic part whose gains all
-    have gradients); b_pre = +3 at stream j mod n, -3 elsewhere (one-hot-ish reads that break the
-    symmetry of streams all starting at x0); b_post = 0 (every stream gets y); b_res = 2 I, so
-    H_res starts near the identity (diagonal 0.88 for n = 2, 0.71 for n = 4) with logits far from
-    exp's underflow. 20 Sinkhorn-Knopp iterations make rows and columns sum to 1 within 1e-5 while
-    the logits' spread stays moderate; a larger diagonal would converge too slowly for that."""
+    """Manifold-constrained Hyper-Connections (DeepSeek mHC), per sublayer j, from z = RMSNorm(H
+    flattened to n*d) @ phi[j], in float32:
+        H_pre = sigmoid(a_pre z_pre + b_pre),  H_post = 2 sigmoid(a_post z_post + b_post),
+        H_res = SinkhornKnopp(exp(a_res z_res + b_res))  (doubly stochastic, 20 iterations)
+        h = sum_i H_pre_i H_i;  H_i <- sum_k H_res[i, k] H_k + H_post_i y
+    Init [our reading; why: VARIANTS.md, section 6]: phi ~ normal(0, 0.02), a = 0.01, b_pre = +3 at
+    stream j mod n and -3 elsewhere, b_post = 0, b_res = 2 I (H_res near the identity)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -624,10 +596,8 @@ class MultiStream:
 
     def read(self, j):
         pre, self.res, self.post = self.mod.coefficients(j, self.H)
-        if self.record is not None:
-            site = site_name(j)
-            self.record[site + "/pre"], self.record[site + "/res"] = pre.detach(), self.res.detach()
-            self.record[site + "/post"] = self.post.detach()
+        for name, value in (("pre", pre), ("res", self.res), ("post", self.post)):
+            note(self.record, f"{site_name(j)}/{name}", value)
         return torch.einsum("btn,btnd->btd", pre, self.H)
 
     def write(self, j, y):
@@ -639,10 +609,8 @@ class MultiStream:
 
 
 # ----------------------------------------------------------------------------------------------
-# Section 7. DenseFormer and MUDDFormer connect whole transformer layers, as their papers do: they
-# keep the layer outputs X_0 = x0, X_1, .., X_D (D = n_layer; X_i is the state after layer i, its
-# internal residual included) and feed each layer a mix of them. Delta AttnRes routes per sublayer
-# (or block) and adds its routing to the standard stream instead of replacing it.
+# Section 7. DenseFormer and MUDDFormer connect whole layers, as their papers do: each layer reads a
+# mix of the layer outputs X_0 = x0, X_1, .., X_D (X_i: the state after layer i, D = n_layer).
 
 
 class DenseFormer(nn.Module):
@@ -701,17 +669,14 @@ def round64(x):
 
 class MUDDFormer(nn.Module):
     """MUDDFormer (Xiao et al., arXiv 2502.12170), section 7.2: multiway dynamic dense connections.
-    After layer i (i = 1..D), over the sources X_0..X_i, per token:
-        A_i   = W2_i GELU(W1_i RMSNorm(X_i)) + a_i      [C_i, i+1]: C_i = 4 ways Q, K, V, R; C_D = 1
+    After layer i (i = 1..D), per token, over the sources X_0..X_i:
+        A_i = W2_i GELU(W1_i RMSNorm(X_i)) + a_i   [C_i, i+1]  (C_i = 4 ways Q, K, V, R; C_D = 1)
         Z_i^c = sum_j A_i[c, j] X_j
-    Layer i+1:  attn = Attn(q from norm(Z_i^Q), k from norm(Z_i^K), v from norm(Z_i^V));  m = Z_i^R + attn;
-                X_{i+1} = m + MLP(norm(m))   (R is the residual base; the MLP reads the plain in-layer residual)
-    The readout is Z_D, the last layer's one way. Hidden width H_i = round64(C_i (i+1) e_i), e_i = 1,
-    and 4 after the last layer (the reference code's rule). W1, W2: no bias; a_i: the static part.
-    W1[i-1], W2[i-1], a[i-1] hold W1_i, W2_i, a_i.
-    Init (the reference's training code): W1 ~ normal(0, std 1/sqrt(d)), W2 = 0, a_i one-hot on the current
-    output X_i in every way, so every Z^c = X_i: exactly the standard residual. (W1 then starts with
-    a zero gradient: it sits behind W2 = 0.)"""
+    Layer i+1: attn = Attn(Z_i^Q, Z_i^K, Z_i^V), m = Z_i^R + attn, X_{i+1} = m + MLP(norm(m)); the
+    readout is Z_D. Hidden width round64(C_i (i+1) e_i), e_i = 1 and 4 after the last layer (the
+    reference code's rule); W1[i-1], W2[i-1], a[i-1] hold W1_i, W2_i, a_i (no biases). Init (the
+    reference's training code): W1 ~ normal(0, std 1/sqrt(d)), W2 = 0, a_i one-hot on X_i in every
+    way, so every Z^c = X_i: the standard residual (W1's gradient starts at 0, behind W2 = 0)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -766,14 +731,11 @@ class MuddStream:
 
 
 class DeltaAttnRes(nn.Module):
-    """Delta Attention Residuals (Luo, Cai, Hu, arXiv 2605.18855), section 7.3: additive routing.
-    The standard residual stream stays as it is; each sublayer's input adds depth attention over the
-    completed sources (S = delta_block_size sublayers per block; S = 1: every earlier output):
-        h~_j = x0 + y_0 + .. + y_{j-1}
-        h_j  = h~_j + depth_attention([x0, b_1, .., b_m], w_j)   b = completed block sums (S = 1: y_0..y_{j-1})
-        y_j  = F_j(PreNorm_j(h_j)),  h~_{j+1} = h~_j + y_j         (the routed h_j is never written back)
-    The open block reaches h_j only through h~_j. The readout is h~_L (no readout query). w_j is
-    zero-initialised; w_0 is inert (sublayer 0 routes over x0 alone: h_0 = 2 x0, x0 after the norm)."""
+    """Delta Attention Residuals (Luo, Cai, Hu, arXiv 2605.18855), section 7.3: the standard stream
+    h~ stays; each sublayer's input adds depth attention over the completed blocks (S = delta_block_size
+    sublayers each; S = 1: every earlier output):
+        h_j = h~_j + depth_attention([x0, b_1, .., b_m], w_j),   h~_{j+1} = h~_j + y_j
+    The routed h_j is never written back; the readout is h~_L. w is zero-init; w_0 is inert (x0 alone)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -809,7 +771,7 @@ class DeltaStream:
 
 
 # Every residual variant: its name (the `residual` key) and the module that implements it. This table
-# is the one list of variants: GPTConfig accepts exactly its names, and a new variant is one more row.
+# is the one list of variants: a config accepts exactly its names, and a new variant is one more row.
 RESIDUALS = {
     "standard": StandardResidual,
     "full_attnres": FullAttnRes,
@@ -825,25 +787,21 @@ RESIDUALS = {
 
 
 def make_residual(cfg):
-    if cfg.residual not in RESIDUALS:  # GPTConfig refuses it first; this guards a config built otherwise
+    if cfg.residual not in RESIDUALS:
         raise ValueError(f"unknown residual {cfg.residual!r}; choose one of {', '.join(RESIDUALS)}")
     return RESIDUALS[cfg.residual](cfg)
 
 
 # ----------------------------------------------------------------------------------------------
-# What the model needs besides: activation checkpointing, rotary tables, the initial weights (also
-# for a model built on the meta device), the config's checks.
+# What the model needs besides: activation checkpointing, rotary tables, the initial weights.
 
 
-def call(amp, f, *args):
-    """f(*args) under autocast amp."""
+def call(amp, f, *args):  # f(*args) under autocast amp
     with amp:
         return f(*args)
 
 
-def checkpointed(amp, f, *args):
-    """f(*args) under autocast amp, keeping only its inputs for backward, which recomputes the rest
-    (activation_checkpointing)."""
+def checkpointed(amp, f, *args):  # the same, its internals recomputed in backward (activation_checkpointing)
     return torch.utils.checkpoint.checkpoint(call, amp, f, *args, use_reentrant=False)
 
 
@@ -856,10 +814,9 @@ def rotary_tables(cfg):
 
 
 class InitialWeights:
-    """Every parameter's initial value, by name, without a model: init(name, shape) is a float32 CPU
-    tensor. GPT.init_weights sets a model's parameters to these; a model built on the meta device
-    (FSDP, depthres/fsdp.py) gives each rank its shards of them, bit for bit the same. Each weight
-    draws from its own generator seeded by (seed, name), so two variants built with one seed share every
+    """Every parameter's initial value by name, without a model: init(name, shape), a float32 CPU
+    tensor (a model built on the meta device, depthres/fsdp.py, takes its shards of the same). Each
+    weight draws from a generator seeded by (seed, name): two variants built with one seed share every
     common weight bit for bit (section 8):
         wte, c_q, c_k, c_v, c_fc, lm_head   normal(0, 0.02)                    (GPT-2)
         attn.c_proj, mlp.c_proj             normal(0, 0.02 / sqrt(2 n_layer))  (GPT-2's scaled residual init)
@@ -898,44 +855,3 @@ class InitialWeights:
 def param_seed(seed, name):
     """A stable 63-bit seed for one parameter (Python's hash() is salted per process)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
-
-
-RD_MODES = ("decoupled", "tied", "average", "frozen_v")
-DAR_ROUTINGS = tuple(DAR_STREAMS)
-DEPTH_IMPLS = ("two_phase", "reference")
-# A flag of one family of variants: the class its residual must be (or subclass), so a subclass gets its flags
-FLAG_OWNERS = {"rd_mode": RDAttnRes, "dar_routing": DualAttnRes, "denseformer_dilation": DenseFormer,
-               "denseformer_period": DenseFormer, "delta_block_size": DeltaAttnRes}
-
-
-def check_config(c):
-    """GPTConfig's values, each checked with a message that says what to do (a ValueError)."""
-    def need(ok, msg):
-        if not ok:
-            raise ValueError(msg)
-
-    need(c.residual in RESIDUALS, f"unknown residual {c.residual!r}; choose one of {', '.join(RESIDUALS)}")
-    for name, owner in FLAG_OWNERS.items():
-        value, owners = getattr(c, name), [r for r, cls in RESIDUALS.items() if issubclass(cls, owner)]
-        need(value is None or issubclass(RESIDUALS[c.residual], owner),
-             f"{name}={value!r} only applies to residual={' or '.join(map(repr, owners))} (got residual={c.residual!r}); "
-             f"drop {name}")
-    for name, choices in (("rd_mode", RD_MODES), ("dar_routing", DAR_ROUTINGS), ("depth_impl", DEPTH_IMPLS)):
-        value = getattr(c, name)
-        need(value is None or value in choices, f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
-    layers, sublayers = " counts transformer layers and", " counts sublayers and"
-    for name, unit in (("vocab_size", ""), ("block_size", ""), ("n_layer", ""), ("n_head", ""), ("n_embd", ""),
-                       ("mlp_ratio", ""), ("mlp_hidden", ""), ("hc_streams", ""), ("dar_block_size", layers),
-                       ("attnres_block_size", sublayers), ("delta_block_size", sublayers), ("depth_chunk", sublayers)):
-        value = getattr(c, name)
-        need(value is None or value >= 1, f"{name}{unit} must be >= 1, got {value}")
-    for name in ("denseformer_dilation", "denseformer_period"):
-        value = getattr(c, name)
-        need(value is None or 1 <= value <= c.n_layer,
-             f"{name} counts transformer layers and must be between 1 and n_layer={c.n_layer}, got {value}")
-    need(c.n_embd % c.n_head == 0, f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
-    need((c.n_embd // c.n_head) % 2 == 0, f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
-    need(math.isfinite(c.logit_softcap) and c.logit_softcap >= 0,
-         f"logit_softcap must be a finite number >= 0, got {c.logit_softcap}")
-    need(math.isfinite(c.rope_base) and c.rope_base > 0,
-         f"rope_base must be a finite number > 0 (rotary frequencies are base^(-2i/head_dim)), got {c.rope_base}")

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from depthres.config import total_steps
+from depthres.config import model_config, total_steps
 from depthres.files import Lock, lock_dir, write_atomic, writing
 from model import GPT, GPTConfig
 
@@ -402,8 +402,15 @@ def load_model(path_or_run_dir, device="cpu"):
     No readable checkpoint, or a model this model.py cannot build or load, is one CheckpointError line."""
     ckpt = load_checkpoint(path_or_run_dir)
     try:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
+        mc = model_config(ckpt["model_config"], CheckpointError)
+        weights, wte = ckpt["model"], ckpt["model"].get("wte.weight")
+        layers = len({k.split(".")[1] for k in weights if k.startswith("blocks.")})
+        if layers != mc.n_layer or wte is None or tuple(wte.shape) != (mc.vocab_size, mc.n_embd):  # before a model
+            raise ValueError(f"its config declares n_layer={mc.n_layer}, vocab_size={mc.vocab_size}, n_embd={mc.n_embd}; "
+                             f"its weights hold {layers} layers and an embedding of shape "
+                             f"{tuple(wte.shape) if wte is not None else None}")  # of that size is built
+        model = GPT(mc)
+        model.load_state_dict(weights)
     except (TypeError, ValueError, RuntimeError) as e:  # torch's load_state_dict: a line per mismatch, the first said
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         first = " ".join(lines[:2]) + (f" (and {len(lines) - 2} more)" if len(lines) > 2 else "")

@@ -20,7 +20,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from model import GPTConfig
+from model import DAR_STREAMS, RD_MODES, RESIDUALS, DeltaAttnRes, DenseFormer, DualAttnRes, GPTConfig, RDAttnRes
 
 FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 TRAINING_BYTES_PER_PARAM = 16  # float32 weight and gradient, AdamW's two moments (docs/training.md)
@@ -230,9 +230,54 @@ def build_model_config(model_settings, tc, meta):
     if kv["block_size"] < tc.seq_len:
         raise ConfigError(f"block_size={kv['block_size']} is shorter than seq_len={tc.seq_len}")
     try:
-        return GPTConfig(**kv)
-    except ValueError as e:
+        return model_config(kv)
+    except ConfigError as e:
         raise ConfigError(f"model config: {e}") from None
+
+
+
+DEPTH_IMPLS = ("two_phase", "reference")
+# A flag of one family of variants: the class its residual must be (or subclass), so a subclass gets its flags
+FLAG_OWNERS = {"rd_mode": RDAttnRes, "dar_routing": DualAttnRes, "denseformer_dilation": DenseFormer,
+               "denseformer_period": DenseFormer, "delta_block_size": DeltaAttnRes}
+
+
+def model_config(settings, error=ConfigError):
+    """model.GPTConfig(**settings), each value checked: a bad one is error(one line that says what to do)."""
+    unknown = sorted(set(settings) - set(MODEL_TYPES))
+    need(not unknown, f"unknown model key {unknown[0]!r}" if unknown else "", error)
+    c = GPTConfig(**settings)
+
+    def check(ok, message):
+        need(ok, message, error)
+
+    check(c.residual in RESIDUALS, f"unknown residual {c.residual!r}; choose one of {', '.join(RESIDUALS)}")
+    for name, owner in FLAG_OWNERS.items():
+        value, owners = getattr(c, name), [r for r, cls in RESIDUALS.items() if issubclass(cls, owner)]
+        check(value is None or issubclass(RESIDUALS[c.residual], owner),
+              f"{name}={value!r} only applies to residual={' or '.join(map(repr, owners))} (got residual="
+              f"{c.residual!r}); drop {name}")
+    for name, choices in (("rd_mode", RD_MODES), ("dar_routing", tuple(DAR_STREAMS)), ("depth_impl", DEPTH_IMPLS)):
+        value = getattr(c, name)
+        check(value is None or value in choices, f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+    layers, sublayers = " counts transformer layers and", " counts sublayers and"
+    for name, unit in (("vocab_size", ""), ("block_size", ""), ("n_layer", ""), ("n_head", ""), ("n_embd", ""),
+                       ("mlp_ratio", ""), ("mlp_hidden", ""), ("hc_streams", ""), ("dar_block_size", layers),
+                       ("attnres_block_size", sublayers), ("delta_block_size", sublayers), ("depth_chunk", sublayers)):
+        value = getattr(c, name)
+        check(value is None or value >= 1, f"{name}{unit} must be >= 1, got {value}")
+    for name in ("denseformer_dilation", "denseformer_period"):
+        value = getattr(c, name)
+        check(value is None or 1 <= value <= c.n_layer,
+              f"{name} counts transformer layers and must be between 1 and n_layer={c.n_layer}, got {value}")
+    check(c.n_embd % c.n_head == 0, f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
+    check((c.n_embd // c.n_head) % 2 == 0,
+          f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
+    check(math.isfinite(c.logit_softcap) and c.logit_softcap >= 0,
+          f"logit_softcap must be a finite number >= 0, got {c.logit_softcap}")
+    check(math.isfinite(c.rope_base) and c.rope_base > 0,
+          f"rope_base must be a finite number > 0 (rotary frequencies are base^(-2i/head_dim)), got {c.rope_base}")
+    return c
 
 
 def check_memory(mc, tc, world_size):

@@ -61,9 +61,10 @@ from depthres.checkpoint import (
     save_checkpoint,
     verify_files,
 )
+from depthres.config import model_config
 from depthres.distributed import agreed, shard
 from depthres.files import lock_dir, os_error_message, sync_dir, write_file, writing
-from model import GPT, GPTConfig, InitialWeights
+from model import GPT, InitialWeights
 
 
 def sharded_model(mc, seed, dist, weights=None, init=True):
@@ -324,7 +325,7 @@ def whole_checkpoint(path):
     optimizer state an AdamW's state_dict over model.param_groups, as one process saves them."""
     state = read_sharded(path)
     with torch.device("meta"):
-        model = GPT(GPTConfig(**state["model_config"]))
+        model = GPT(model_config(state["model_config"], CheckpointError))
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # each parameter given storage in place, so
     try:                                                         # tied ones (tie_embeddings) stay one

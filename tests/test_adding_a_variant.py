@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import model
 import sample
+from depthres.config import model_config
 from model import GPT, AttnRes, FullAttnRes, GPTConfig, RDAttnRes, SumStream
 from test_equivalence import zero_grad_at_init
 from tools import diagnose
@@ -83,7 +84,7 @@ def tokens():
 
 def test_an_unregistered_name_is_refused():
     with pytest.raises(ValueError, match="unknown residual 'rezero'; choose one of standard, "):
-        GPTConfig(residual="rezero")
+        model_config(dict(residual="rezero"))
 
 
 @pytest.mark.parametrize("residual", ["rezero", "tempered"])
@@ -170,7 +171,7 @@ def test_a_subclass_is_what_its_class_declares_not_what_its_name_says(monkeypatc
                 q.copy_(p)
         torch.testing.assert_close(a(idx)[0], b(idx)[0], rtol=0, atol=1e-12, msg=mine)
     with pytest.raises(ValueError, match="rd_mode='tied' only applies to residual='rd_attnres' or 'my_rd'"):
-        GPTConfig(residual="my_block", rd_mode="tied")
+        model_config(dict(residual="my_block", rd_mode="tied"))
 
 
 def test_diagnostics_read_the_routes_the_record_holds(monkeypatch):

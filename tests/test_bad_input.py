@@ -207,3 +207,32 @@ def test_a_model_too_large_for_memory_is_refused_before_it_is_built(data_dir, tm
     with pytest.raises(ConfigError, match=message):
         run(data_dir, tmp_path, "--vocab_size=10000000000")
     assert not (tmp_path / "test").exists()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(residual="resnet"), "unknown residual 'resnet'"),
+    (dict(residual="block_attnres", rd_mode="tied"), "rd_mode='tied' only applies to residual='rd_attnres'"),
+    (dict(residual="rd_attnres", rd_mode="shared"), "unknown rd_mode 'shared'"),
+    (dict(residual="block_attnres", attnres_block_size=0), "attnres_block_size counts sublayers and must be >= 1"),
+    (dict(n_embd=30, n_head=4), "n_embd=30 is not divisible by n_head=4"),
+    (dict(n_embd=24, n_head=8), "head dim .* must be even"),
+    (dict(n_layer=0), "n_layer must be >= 1"),
+    (dict(depth_impl="triton"), "unknown depth_impl 'triton'"),
+    (dict(residual="block_attnres", dar_routing="cross"), "dar_routing='cross' only applies to residual='dar'"),
+    (dict(residual="dar", dar_routing="mixed"), "unknown dar_routing 'mixed'"),
+    (dict(residual="dar", dar_block_size=0), "dar_block_size counts transformer layers and must be >= 1"),
+    (dict(depth_chunk=0), "depth_chunk counts sublayers and must be >= 1"),
+    (dict(residual="mhc", hc_streams=0), "hc_streams must be >= 1"),
+    (dict(residual="standard", denseformer_dilation=2), "denseformer_dilation=2 only applies to residual='denseformer'"),
+    (dict(residual="muddformer", denseformer_period=2), "denseformer_period=2 only applies to residual='denseformer'"),
+    (dict(residual="denseformer", n_layer=4, denseformer_period=5),
+     "denseformer_period counts transformer layers and must be between 1 and n_layer=4, got 5"),
+    (dict(residual="denseformer", denseformer_dilation=0), "denseformer_dilation .* between 1 and n_layer"),
+    (dict(residual="block_attnres", delta_block_size=4), "delta_block_size=4 only applies to residual='delta_attnres'"),
+    (dict(residual="delta_attnres", delta_block_size=0), "delta_block_size counts sublayers and must be >= 1"),
+])
+def test_a_bad_model_key_is_one_clear_line(kw, match):
+    """depthres.config.model_config checks every model key, wherever a GPTConfig is built from user input
+    (train.py, a checkpoint, the bench)."""
+    with pytest.raises(config.ConfigError, match=match):
+        config.model_config(kw)

@@ -38,7 +38,7 @@ import typing
 import torch
 import torch._dynamo
 
-from depthres.config import need
+from depthres.config import model_config, need
 from depthres.files import check_writable, write_file
 from model import GPT, GPTConfig, depth_attention
 from model_fast import TwoPhaseRouter, compile_model, rms_inv
@@ -118,9 +118,9 @@ def parse_variant(spec):
 def variant_config(spec, args):
     """The GPTConfig of a variant at the benchmark's size; BenchError naming the variant if it does not build."""
     try:
-        return GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                         n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec))
-    except (BenchError, ValueError, TypeError) as e:
+        return model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
+                                 n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec)), BenchError)
+    except BenchError as e:
         raise BenchError(f"--variants {spec}: {e}") from None
 
 
@@ -144,11 +144,8 @@ def check_args(args):
              BenchError)
         need(device.type != "cuda" or device.index is None or device.index < torch.cuda.device_count(),
              f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", BenchError)
-    try:
-        GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                  n_embd=args.n_embd)
-    except ValueError as e:
-        raise BenchError(str(e)) from None
+    model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                      n_embd=args.n_embd), BenchError)
     specs = args.variants.split(",")
     if "standard" not in specs:
         specs.insert(0, "standard")
