@@ -114,6 +114,25 @@ def agreed(dist, fn):
     return result
 
 
+NODE_LOCAL_KEYS = ("out_dir", "data_dir", "resume")  # may differ between ranks: paths on a node's own disk
+
+
+def check_same_keys(dist, keys):
+    """Every rank was started with rank 0's keys (but NODE_LOCAL_KEYS): else, on every rank, one ConfigError
+    line that names the first rank that differs and how (before any compute: ranks that train different
+    models or lrs would otherwise train silently, or fail in a collective with a torch traceback)."""
+    if dist.world_size == 1:
+        return
+    everyone = [None] * dist.world_size
+    torch_dist.all_gather_object(everyone, keys, group=dist.objects)
+    for r, theirs in enumerate(everyone[1:], 1):
+        differ = [k for k, v in everyone[0].items() if k not in NODE_LOCAL_KEYS and theirs.get(k) != v]
+        if differ:
+            raise ConfigError(f"rank {r} was started with other keys than rank 0 ("
+                              + "; ".join(f"{k} {theirs.get(k)!r} here, {everyone[0][k]!r} on rank 0" for k in differ)
+                              + "): start every rank with the same config and keys")
+
+
 def from_rank0(dist, obj):
     """Rank 0's `obj` on every rank."""
     if dist.world_size == 1:

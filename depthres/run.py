@@ -46,6 +46,7 @@ from depthres.distributed import (
     Dist,
     agreed,
     any_rank,
+    check_same_keys,
     from_rank0,
     full_state,
     launch_env,
@@ -176,6 +177,7 @@ def open_run(tc, model_settings, config_path=None):
     dist = setup_distributed(tc.device)
     claim = None
     try:
+        check_same_keys(dist, {**asdict(tc), **asdict(mc)})
         # before any compute: wandb if asked, the data (one process per node reads it), the run directory (rank 0)
         if tc.wandb_log:
             agreed(dist, lambda: require_wandb() if dist.master else None)
