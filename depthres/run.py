@@ -177,7 +177,8 @@ def open_run(tc, model_settings, config_path=None):
     dist = setup_distributed(tc.device)
     claim = None
     try:
-        check_same_keys(dist, {**asdict(tc), **asdict(mc)})
+        data = f"{meta['tokenizer']} tokens, " + ", ".join(f"{s} {i['tokens']:,}" for s, i in meta["splits"].items())
+        check_same_keys(dist, {**asdict(tc), **asdict(mc), "data": data})  # (data_dir may differ: its tokens may not)
         # before any compute: wandb if asked, the data (one process per node reads it), the run directory (rank 0)
         if tc.wandb_log:
             agreed(dist, lambda: require_wandb() if dist.master else None)

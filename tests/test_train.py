@@ -15,6 +15,7 @@ from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
 from depthres.run import DeviceBatches, DivergedError, Run
 from depthres.token_data import load_meta
+from prepare_data import prepare
 
 from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, losses, records, run, steps, two_ranks, untimed
 
@@ -233,14 +234,21 @@ def test_float32_matmuls_stay_float32_on_cuda(monkeypatch):
 @pytest.mark.slow
 def test_ranks_started_with_other_keys_are_one_line_on_every_rank(data_dir, tmp_path):
     """Rank 1 with another lr trained silently; with another model, DDP gave a torch traceback (FSDP a gloo
-    abort). Every rank says the same line before any compute (out_dir, data_dir and resume may differ: a
-    node-local disk)."""
+    abort); with other data (data_dir may differ, a node-local disk, but not its tokens), silently. Every rank
+    says the same line before any compute."""
     base = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + (["--lr=0.02", "--n_layer=3"] if rank else []))
     assert (rc0, rc1) == (1, 1) and err0 == err1, err0 + err1
     assert err0 == ("error: rank 1 was started with other keys than rank 0 (lr 0.02 here, 0.01 on rank 0; n_layer 3 "
                     "here, 2 on rank 0): start every rank with the same config and keys\n")
     assert not (tmp_path / "test").exists()
+    other = tmp_path / "other"  # rank 1's data_dir: the same tokenizer, other data (a larger validation split)
+    prepare(data_files=[str(next(data_dir.parent.glob("*.jsonl")))], tokenizer="byte", out_dir=other, val_fraction=0.2)
+    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + ([f"--data_dir={other}"] if rank else []))
+    assert (rc0, rc1) == (1, 1) and err0 == err1, err0 + err1
+    assert re.fullmatch(r"error: rank 1 was started with other keys than rank 0 \(data 'byte tokens, train [0-9,]+, "
+                        r"val [0-9,]+, test [0-9,]+' here, 'byte tokens, train [0-9,]+, val [0-9,]+, test [0-9,]+' on "
+                        r"rank 0\): start every rank with the same config and keys\n", err0), err0
 
 
 @pytest.mark.slow
