@@ -35,6 +35,7 @@ Exit status: 0 done; 2 with one `error:` line (bad flags, prompt or checkpoint);
 """
 
 import argparse
+import codecs
 import hashlib
 import math
 import os
@@ -167,30 +168,25 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=
 
 
 class TextStream:
-    """Writes the text of tokens as they come. A character whose UTF-8 bytes are split across
-    tokens decodes to U+FFFD until its last byte arrives, so tokens are held back until the text
-    they decode to ends cleanly; the longest clean prefix is written at once."""
+    """Writes the text of tokens as they come, through an incremental UTF-8 decoder: a character whose
+    bytes are split across tokens is held back until its last byte arrives, and bytes that can never
+    complete one print as U+FFFD at once (each token's bytes are decoded once)."""
 
     def __init__(self, tokenizer, out):
-        self.tokenizer, self.out, self.pending = tokenizer, out, []
+        self.tokenizer, self.out = tokenizer, out
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def write(self, token):
-        self.pending.append(token)
-        for n in range(len(self.pending), 0, -1):
-            text = self.tokenizer.decode(self.pending[:n])
-            if not text.endswith("\ufffd"):
-                self._emit(text, n)
-                return
+        self._emit(self.decoder.decode(self.tokenizer.decode_bytes([token])))
 
     def close(self):
         """Write what is held back (bytes that never completed a character print as U+FFFD)."""
-        if self.pending:
-            self._emit(self.tokenizer.decode(self.pending), len(self.pending))
+        self._emit(self.decoder.decode(b"", final=True))
 
-    def _emit(self, text, n):
-        self.out.write(text)
-        self.out.flush()
-        del self.pending[:n]
+    def _emit(self, text):
+        if text:
+            self.out.write(text)
+            self.out.flush()
 
 
 class SampleWriter:
@@ -316,6 +312,10 @@ def run(args):
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, ckpt = load_model(args.ckpt, device)
     tokenizer = get_tokenizer(ckpt["tokenizer"])
+    if model.cfg.vocab_size < tokenizer.vocab_size:  # its ids would index past the embedding
+        raise CheckpointError(f"{args.ckpt}: the model's vocab_size={model.cfg.vocab_size} is smaller than its "
+                              f"tokenizer {tokenizer.name!r}'s {tokenizer.vocab_size} tokens: the checkpoint does not "
+                              "match its tokenizer; use an intact copy or another checkpoint")
     prompt_ids = [tokenizer.eot] if text is None else tokenizer.encode(text)
     block_size = model.cfg.block_size
     if len(prompt_ids) > block_size:

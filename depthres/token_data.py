@@ -67,11 +67,11 @@ class ByteTokenizer:
     def encode(self, text):
         return list(text.encode("utf-8"))
 
+    def decode_bytes(self, ids):
+        return b"".join(b"<|endoftext|>" if i == self.eot else bytes([i]) for i in ids)
+
     def decode(self, ids):
-        out = bytearray()
-        for i in ids:
-            out += b"<|endoftext|>" if i == self.eot else bytes([i])
-        return out.decode("utf-8", errors="replace")
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
 class GPT2Tokenizer:
@@ -100,6 +100,9 @@ class GPT2Tokenizer:
 
     def encode(self, text):
         return self.enc.encode_ordinary(text)  # "<|endoftext|>" inside a text is plain text
+
+    def decode_bytes(self, ids):
+        return self.enc.decode_bytes(ids)
 
     def decode(self, ids):
         return self.enc.decode(ids)

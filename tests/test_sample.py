@@ -188,10 +188,11 @@ class PieceTokenizer:
     """Token i is the byte string pieces[i]; broken UTF-8 decodes to U+FFFD, as in the real tokenizers."""
 
     def __init__(self, pieces):
-        self.pieces = pieces
+        self.pieces, self.decoded = pieces, 0
 
-    def decode(self, ids):
-        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+    def decode_bytes(self, ids):
+        self.decoded += len(ids)
+        return b"".join(self.pieces[i] for i in ids)
 
 
 class Recorder:
@@ -229,6 +230,19 @@ def test_text_stream_passes_broken_bytes_through():
     assert "".join(out.writes) == "\ufffdx"
     stream.close()
     assert "".join(out.writes) == "\ufffdx\ufffd"
+
+
+def test_text_stream_decodes_each_token_once_and_prints_broken_bytes_at_once():
+    """A byte model that emits bytes that never make UTF-8: each token was decoded again with every later
+    one (cubic in the tokens: 800 took 27 s) and nothing printed until the end."""
+    tokenizer = PieceTokenizer([b"\xff", b"\xc3", b"a"])
+    out = Recorder()
+    stream = TextStream(tokenizer, out)
+    for i in [0, 1, 2] * 400:
+        stream.write(i)
+    assert tokenizer.decoded == 1200 and len(out.writes) >= 800 and out.writes[0] == "\ufffd"
+    stream.close()
+    assert "".join(out.writes) == "\ufffd\ufffda" * 400
 
 
 def test_sample_writer_prints_samples_in_order_streaming_the_current_one():
@@ -353,6 +367,18 @@ def test_cli_bad_input_gives_one_clear_error(case, match, run_dir, tmp_path, cap
     rc, out, err = cli(capsys, "--ckpt", ckpt, *extra.get(case, []))
     assert rc == 2 and out == ""
     assert err.startswith("error: ") and match in err and "Traceback" not in err
+
+
+def test_cli_a_checkpoint_whose_tokenizer_outgrows_its_vocabulary_is_one_line(tmp_path, capsys):
+    """A byte-sized model (vocab 260) whose checkpoint names the GPT-2 tokenizer: the prompt's ids index past the
+    embedding (an IndexError from sample.py)."""
+    checkpoint.save_checkpoint(tmp_path / "ckpt.pt", {
+        "format": checkpoint.CKPT_FORMAT, "model_config": CONFIG, "model": GPT(GPTConfig(**CONFIG)).state_dict(),
+        "tokenizer": "gpt2", "step": 0, "train_config": {}, "optimizer": {}, "loader": {}, "rng": {}})
+    rc, out, err = cli(capsys, "--ckpt", tmp_path, "--prompt", "To be")
+    assert (rc, out) == (2, "") and err == (f"error: {tmp_path}: the model's vocab_size=260 is smaller than its tokenizer "
+                                            "'gpt2''s 50257 tokens: the checkpoint does not match its tokenizer; use an "
+                                            "intact copy or another checkpoint\n")
 
 
 def test_a_tiny_temperature_samples_the_most_likely_token(run_dir, capsys):
