@@ -7,9 +7,10 @@ never change; GPT.forward's loop asks the variant's stream: h_j = stream.read(j)
 VARIANTS.md is the math; section numbers below refer to it. This file is that math, in plain autograd
 (a config's values are checked where one is read: depthres.config.model_config).
 
-The default depth_impl="two_phase" swaps in the fast twins of model_fast.py (GPT.start_stream), tested
-equal to the plain streams here in float64, values and gradients (tests/test_routing.py). Reading this
-file needs nothing from that one.
+GPT runs the plain streams (depth_impl="reference"). model_fast.py builds on this file: its FastGPT, which
+model_fast.make_model(cfg) gives for the default depth_impl="two_phase", runs fast twins of the streams, tested
+equal to them in float64, values and gradients (tests/test_routing.py). Reading this file needs nothing
+from that one.
 """
 
 import hashlib
@@ -45,7 +46,7 @@ class GPTConfig:
     denseformer_dilation: int | None = None  # k, in transformer layers; denseformer only; None means 1
     denseformer_period: int | None = None  # p, a DWA after every p-th layer; denseformer only; None means 1
     delta_block_size: int | None = None  # S, in sublayers; delta_attnres only; None means 1 (per sublayer)
-    depth_impl: str = "two_phase"  # "two_phase" (model_fast.py's twins) or "reference" (this file's plain streams)
+    depth_impl: str = "two_phase"  # "two_phase" (model_fast.make_model: its twins) or "reference" (the plain streams here)
     depth_chunk: int = 4  # two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)
     activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (memory only)
 
@@ -69,7 +70,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         d = cfg.n_embd
         self.n_head, self.head_dim = cfg.n_head, d // cfg.n_head
-        self.norm_project = norm_project  # the fast path's linear(norm(h)) (model_fast.norm_project), or None
+        self.norm_project = norm_project  # FastGPT's linear(norm(h)) (model_fast.norm_project), or None
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
@@ -123,16 +124,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    twins = {}  # plain stream class -> its fast twin; FastGPT (model_fast.py) fills this and norm_project
+    norm_project = None
+
     def __init__(self, cfg, seed=0):
         super().__init__()
+        if cfg.depth_impl == "two_phase" and not self.twins:
+            raise ValueError('depth_impl="two_phase" runs model_fast\'s twins: build the model with '
+                             'model_fast.make_model(cfg), or set depth_impl="reference" for the plain streams here')
         self.cfg = cfg
-        # depth_impl="two_phase": model_fast's twins of the plain streams, and its K/V projection (not
-        # with activation checkpointing, which recomputes the sublayer). model_fast imports this file.
-        fast = None
-        if cfg.depth_impl == "two_phase":
-            import model_fast as fast
-        self.twins = fast.TWINS if fast else {}
-        norm_project = fast.norm_project if fast and not cfg.activation_checkpointing else None
+        # (not with activation checkpointing, which recomputes the sublayer anyway)
+        norm_project = None if cfg.activation_checkpointing else self.norm_project
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, norm_project) for _ in range(cfg.n_layer))
         self.residual = make_residual(cfg)  # the variant: its parameters, and a stream per forward pass
@@ -176,9 +178,9 @@ class GPT(nn.Module):
         return logits, loss
 
     def start_stream(self, x0, record=None):
-        """The variant's stream for one forward pass: its plain stream, or that stream's fast twin
-        (model_fast.TWINS, keyed by the plain stream's class: a variant with a stream of its own runs
-        it as written). A record is filled by the plain streams only."""
+        """The variant's stream for one forward pass: its plain stream, or that stream's fast twin (twins,
+        keyed by the plain stream's class: a stream of one's own runs as written). A record is filled by the
+        plain streams only."""
         stream = self.residual.start(x0, record)
         twin = self.twins.get(type(stream)) if record is None else None
         return twin(self.residual, x0, self.cfg.depth_chunk) if twin else stream

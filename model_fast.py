@@ -31,8 +31,9 @@ reads keys from stream streams[t][0] and values from stream streams[t][1] of eve
 Everything runs in float32 (float64 for float64 models) with autocast off, forward and backward.
 
 Beside the router: DAR's transport elementwise (`transport`), "normalise, then project" for an
-attention K or V input of its own (`norm_project`), `compile_model`, and TWINS, the plain stream ->
-fast twin table GPT.start_stream reads. Every torch.autograd.Function of the project is in this file.
+attention K or V input of its own (`norm_project`), TWINS (the plain stream -> fast twin table), FastGPT
+and `make_model` (the model a config asks for), and `compile_model`. Every torch.autograd.Function of the
+project is in this file.
 """
 
 import math
@@ -677,6 +678,23 @@ def norm_project(h, W):
     if needs_grad(h, W):
         return _NormProject.apply(h, W)
     return F.linear(model.norm(h), W)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fast model, and how a config picks its model.
+
+
+class FastGPT(model.GPT):
+    """model.GPT for depth_impl="two_phase": the same parameters and numbers, its AttnRes, DAR and Delta
+    streams run by their twins (TWINS) and an attention K or V input of its own projected by norm_project."""
+
+    twins = TWINS
+    norm_project = staticmethod(norm_project)
+
+
+def make_model(cfg, seed=0):
+    """The model a config asks for: FastGPT for depth_impl="two_phase", model.GPT for "reference"."""
+    return (FastGPT if cfg.depth_impl == "two_phase" else model.GPT)(cfg, seed)
 
 
 # ----------------------------------------------------------------------------------------------

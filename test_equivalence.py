@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 import model as model_module
 import model_fast
-from model import GPT, RESIDUALS, AttnRes, DualAttnRes, GPTConfig, MUDDFormer, depth_attention, norm
-from model_fast import norm_project
+from model import RESIDUALS, AttnRes, DualAttnRes, GPTConfig, MUDDFormer, depth_attention, norm
+from model_fast import make_model, norm_project
 from sample import KVCache
 from tools import bench
 
@@ -48,7 +48,7 @@ def zero_grad_at_init(exempt, name):
 def tiny(seed=0, dtype=torch.float64, **kw):
     """A 3-layer model: 6 sublayers, so block size 4 gives a full block and a short one."""
     kw = dict(dict(vocab_size=61, block_size=24, n_layer=3, n_head=2, n_embd=32, attnres_block_size=4), **kw)
-    return GPT(GPTConfig(**kw), seed=seed).to(dtype)
+    return make_model(GPTConfig(**kw), seed=seed).to(dtype)
 
 
 def tokens(B=2, T=12, seed=0):
@@ -208,7 +208,7 @@ INITIAL_WEIGHTS_SHA256 = {
 @pytest.mark.parametrize("key", INITIAL_WEIGHTS_SHA256)
 def test_initial_weights_are_the_same_bits_as_before(key):
     residual, seed = key.split("/")
-    m = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=32, residual=residual), seed=int(seed))
+    m = make_model(GPTConfig(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=32, residual=residual), seed=int(seed))
     h = hashlib.sha256()
     for n, p in m.named_parameters():
         h.update(n.encode())
@@ -320,7 +320,7 @@ def test_activation_checkpointing_recomputes_the_sublayers_and_changes_no_gradie
     through model_fast.norm_project without checkpointing and through the plain ops with it (the
     sublayer is recomputed whole): there the gradients agree to float64 rounding."""
     own_input = []
-    monkeypatch.setattr(model_fast, "norm_project", lambda h, W: own_input.append(1) or norm_project(h, W))
+    monkeypatch.setattr(model_fast.FastGPT, "norm_project", staticmethod(lambda h, W: own_input.append(1) or norm_project(h, W)))
     plain, ckpt = tiny(**variant), tiny(activation_checkpointing=True, **variant)
     randomize_routing(plain)
     randomize_routing(ckpt)
@@ -638,10 +638,10 @@ def test_muddformer_parameter_count():
     """Per layer d H_i + H_i C_i n_i + C_i n_i with H_i = round64(C_i n_i e_i): 610,689 at 12 x 768
     (the design note's count of the reference's rule); every layer's H_i is 64 there."""
     cfg = GPTConfig(n_layer=12, n_embd=768, residual="muddformer")
-    router = MUDDFormer(cfg)
-    assert sum(p.numel() for p in router.parameters()) == 610_689
-    assert [W.size(1) for W in router.W1] == [64] * 12
-    assert [tuple(a.shape) for a in router.a][::11] == [(4, 2), (1, 13)]  # 4 ways, then the readout's one
+    mudd = MUDDFormer(cfg)
+    assert sum(p.numel() for p in mudd.parameters()) == 610_689
+    assert [W.size(1) for W in mudd.W1] == [64] * 12
+    assert [tuple(a.shape) for a in mudd.a][::11] == [(4, 2), (1, 13)]  # 4 ways, then the readout's one
 
 
 def test_attention_reads_one_two_or_three_inputs_and_normalises_each_once(monkeypatch):

@@ -47,8 +47,7 @@ from depthres.run import (
 )
 from depthres.runlog import log_eval, log_train
 from depthres.token_data import TokenLoader
-from model import GPT
-from model_fast import compile_model
+from model_fast import compile_model, make_model
 
 # ----------------------------------------------------------------------------------------------
 # The loop: one optimizer step, then the steps of a run with their logs, evaluations and checkpoints.
@@ -158,7 +157,7 @@ def build(tc, mc, dist, ckpt):
     if tc.fsdp and dist.world_size > 1:
         model = sharded_model(mc, tc.seed, dist, weights, init=ckpt is None)
     else:
-        model = GPT(mc, seed=tc.seed).to(dist.device)
+        model = make_model(mc, seed=tc.seed).to(dist.device)
         if weights is not None:
             model.load_state_dict(weights)
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),

@@ -25,7 +25,8 @@ import torch
 
 from depthres.config import model_config, total_steps
 from depthres.files import Lock, lock_dir, write_atomic, writing
-from model import GPT, GPTConfig
+from model import GPTConfig
+from model_fast import make_model
 
 CKPT_FORMAT = "depthres-ckpt-2"
 CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_config", "optimizer", "loader", "rng",
@@ -409,7 +410,7 @@ def load_model(path_or_run_dir, device="cpu"):
             raise ValueError(f"its config declares n_layer={mc.n_layer}, vocab_size={mc.vocab_size}, n_embd={mc.n_embd}; "
                              f"its weights hold {layers} layers and an embedding of shape "
                              f"{tuple(wte.shape) if wte is not None else None}")  # of that size is built
-        model = GPT(mc)
+        model = make_model(mc)
         model.load_state_dict(weights)
     except (TypeError, ValueError, RuntimeError) as e:  # torch's load_state_dict: a line per mismatch, the first said
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]

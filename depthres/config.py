@@ -64,7 +64,7 @@ class TrainConfig:
     run_name: str = key("", "default: the config file's name")
     resume: str = key("", "true: continue the run directory's checkpoint; or a run directory or checkpoint file")
     overwrite: bool = key(False, "start afresh in a run directory that holds a run, deleting that run")
-    seed: int = key(0, "model init, GPT(cfg, seed); also torch's global seed")
+    seed: int = key(0, "model init, make_model(cfg, seed); also torch's global seed")
     data_seed: int = key(0, "order of the training batches")
     batch_tokens: int = key(8192, "tokens per optimizer step, all ranks together")
     batch_size: int = key(8, "sequences per micro-batch on each rank")
@@ -286,10 +286,10 @@ def check_memory(mc, tc, world_size):
     allocated: the parameters are counted on the meta device."""
     import torch
 
-    from model import GPT
+    from model_fast import make_model
 
     with torch.device("meta"):
-        n = GPT(mc).num_params()
+        n = make_model(mc).num_params()
     need = TRAINING_BYTES_PER_PARAM * n / (world_size if tc.fsdp else 1)
     cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
     if cuda and torch.cuda.is_available():

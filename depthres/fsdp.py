@@ -64,7 +64,8 @@ from depthres.checkpoint import (
 from depthres.config import model_config
 from depthres.distributed import agreed, shard
 from depthres.files import lock_dir, os_error_message, sync_dir, write_file, writing
-from model import GPT, InitialWeights
+from model import InitialWeights
+from model_fast import make_model
 
 
 def sharded_model(mc, seed, dist, weights=None, init=True):
@@ -73,7 +74,7 @@ def sharded_model(mc, seed, dist, weights=None, init=True):
     from torch.distributed.tensor import distribute_tensor
 
     with torch.device("meta"):
-        model = GPT(mc, seed=seed)  # parameters without storage; GPT leaves their values to us
+        model = make_model(mc, seed=seed)  # parameters without storage; GPT leaves their values to us
     shard(model, dist)
     model.to_empty(device=dist.device)  # storage for this rank's shards (and the buffers), uninitialised
     model.init_buffers()
@@ -325,7 +326,7 @@ def whole_checkpoint(path):
     optimizer state an AdamW's state_dict over model.param_groups, as one process saves them."""
     state = read_sharded(path)
     with torch.device("meta"):
-        model = GPT(model_config(state["model_config"], CheckpointError))
+        model = make_model(model_config(state["model_config"], CheckpointError))
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # each parameter given storage in place, so
     try:                                                         # tied ones (tie_embeddings) stay one

@@ -15,7 +15,8 @@ import train
 from depthres.checkpoint import MANIFEST, STATE_KEYS, file_digest, load_checkpoint
 from depthres.distributed import Dist
 from depthres.fsdp import save_sharded, whole_checkpoint
-from model import GPT, GPTConfig
+from model import GPTConfig
+from model_fast import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "test.py")  # 2 layers of width 32, 6 steps of 256 byte tokens
@@ -129,7 +130,7 @@ def sharded_copy(run_dir, to, tamper=None):
     first, if given."""
     shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(".lock"))
     ckpt = load_checkpoint(to / "ckpt.pt")
-    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model = make_model(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     optimizer = torch.optim.AdamW(model.param_groups(ckpt["train_config"]["weight_decay"]))
     optimizer.load_state_dict(ckpt["optimizer"])

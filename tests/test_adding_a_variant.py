@@ -11,7 +11,8 @@ import torch.nn as nn
 import model
 import sample
 from depthres.config import model_config
-from model import GPT, AttnRes, FullAttnRes, GPTConfig, RDAttnRes, SumStream
+from model import AttnRes, FullAttnRes, GPTConfig, RDAttnRes, SumStream
+from model_fast import make_model
 from test_equivalence import zero_grad_at_init
 from tools import diagnose
 
@@ -75,7 +76,7 @@ def registered(monkeypatch):
 
 def tiny(residual, **kw):
     cfg = dict(vocab_size=61, block_size=24, n_layer=3, n_head=2, n_embd=32, attnres_block_size=4)
-    return GPT(GPTConfig(residual=residual, **{**cfg, **kw}), seed=0).double()
+    return make_model(GPTConfig(residual=residual, **{**cfg, **kw}), seed=0).double()
 
 
 def tokens():

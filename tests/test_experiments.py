@@ -18,7 +18,8 @@ import torch
 
 import train
 from depthres import config
-from model import GPT, GPTConfig
+from model import GPTConfig
+from model_fast import make_model
 from tools import diagnose, sweep
 
 from runs import poll
@@ -34,7 +35,7 @@ def test_the_sweep_controls_match_their_variants_parameters():
     def params(variant):
         argv = [spec["base"]] + [f"--{kv}" for kv in sweep.overrides(spec, variant)]
         tc, model_settings = config.parse_config(argv)
-        return GPT(config.build_model_config(model_settings, tc, dict(vocab_size=257, tokenizer="byte"))).num_params()
+        return make_model(config.build_model_config(model_settings, tc, dict(vocab_size=257, tokenizer="byte"))).num_params()
 
     standard = params("standard")
     controls = set(spec["controls"].values())
@@ -286,7 +287,7 @@ def test_diagnostics_on_every_variant_family():
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 50, (2, 12), generator=g),) * 2 for _ in range(2)]
     for kw in (dict(residual="rd_attnres"), dict(residual="dar"), dict(residual="mhc", hc_streams=2)):
-        model = GPT(GPTConfig(vocab_size=50, block_size=12, n_layer=2, n_head=2, n_embd=16, **kw))
+        model = make_model(GPTConfig(vocab_size=50, block_size=12, n_layer=2, n_head=2, n_embd=16, **kw))
         with torch.no_grad():
             for p in model.residual.parameters():
                 p.add_(torch.randn(p.shape, generator=g))
@@ -316,7 +317,7 @@ def test_diagnostics_of_denseformer_muddformer_and_delta():
     batches = [(torch.randint(0, 50, (2, 12), generator=g),) * 2 for _ in range(2)]
     for kw in (dict(residual="denseformer", denseformer_dilation=2), dict(residual="muddformer"),
                dict(residual="delta_attnres")):
-        model = GPT(GPTConfig(vocab_size=50, block_size=12, n_layer=3, n_head=2, n_embd=16, **kw))
+        model = make_model(GPTConfig(vocab_size=50, block_size=12, n_layer=3, n_head=2, n_embd=16, **kw))
         with torch.no_grad():
             for p in model.residual.parameters():
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
@@ -360,7 +361,7 @@ def fake_run(run_dir, data_dir):
     from depthres import checkpoint
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.save_checkpoint(run_dir / "ckpt.pt", {
-        "format": checkpoint.CKPT_FORMAT, "model_config": TINY, "model": GPT(GPTConfig(**TINY)).state_dict(),
+        "format": checkpoint.CKPT_FORMAT, "model_config": TINY, "model": make_model(GPTConfig(**TINY)).state_dict(),
         "tokenizer": "byte", "step": 2, "train_config": {"data_dir": str(data_dir)}, "optimizer": {}, "loader": {},
         "rng": {}})
     return run_dir

@@ -44,14 +44,15 @@ import sys, torch
 import torch.distributed as torch_dist
 from depthres.distributed import setup_distributed
 from depthres.fsdp import sharded_model
-from model import GPT, GPTConfig, RESIDUALS
+from model import GPTConfig, RESIDUALS
+from model_fast import make_model
 dist = setup_distributed("cpu")
 configs = [dict(residual=r) for r in RESIDUALS] + [dict(residual="dar", dar_routing="sep_v"),
            dict(residual="rd_attnres", rd_mode="frozen_v"), dict(residual="standard", tie_embeddings=True)]
 differ, families = [], set()
 for extra in configs:
     cfg = GPTConfig(vocab_size=67, block_size=16, n_layer=3, n_head=2, n_embd=16, **extra)
-    sharded, one = sharded_model(cfg, 5, dist), GPT(cfg, seed=5)
+    sharded, one = sharded_model(cfg, 5, dist), make_model(cfg, seed=5)
     local = 0
     for name, p in sharded.named_parameters():
         local += p.to_local().numel()

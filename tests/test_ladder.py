@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from depthres.config import build_model_config, parse_config, total_steps
-from model import GPT
+from model_fast import make_model
 from tools import ladder, sweep
 from tools.stats import paired_t
 
@@ -47,7 +47,7 @@ def test_the_gpu_ladder_s_rung_is_the_family_s_standard_run():
         mc = build_model_config(settings, tc, {"vocab_size": 50257, "tokenizer": "gpt2"})
         assert mc.residual == "standard" and mc.n_embd // mc.n_head == 64 and mc.n_layer == 16
         with torch.device("meta"):
-            m = GPT(mc)
+            m = make_model(mc)
         fpt[name], params[name] = m.flops_per_token(), m.num_params()
         tokens = total_steps(tc) * tc.batch_tokens
     assert round(params["w320"] / 1e6) == 52 and round(params["w1024"] / 1e6) == 304  # 52M-304M, 5.9x, as stated

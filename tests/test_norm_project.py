@@ -11,8 +11,8 @@ import torch.utils.checkpoint
 
 import model as model_module
 import model_fast
-from model import GPT, GPTConfig, norm
-from model_fast import norm_project
+from model import GPTConfig, norm
+from model_fast import make_model, norm_project
 from tools import bench
 
 B, T, d, n = 2, 5, 16, 12
@@ -118,7 +118,7 @@ Bm, Tm, dm, n_layer = 2, 12, 32, 4
 
 
 def tiny(residual, **kw):
-    m = GPT(GPTConfig(vocab_size=61, block_size=24, n_layer=n_layer, n_head=2, n_embd=dm, residual=residual, **kw),
+    m = make_model(GPTConfig(vocab_size=61, block_size=24, n_layer=n_layer, n_head=2, n_embd=dm, residual=residual, **kw),
             seed=0).double()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -157,7 +157,7 @@ def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypat
     less (a [B, T, d] activation and one float per token), and against the checkpoint a reference to the projection's weight (a
     parameter, resident anyway; the checkpoint hid it), and no activation more."""
     calls = []
-    monkeypatch.setattr(model_fast, "norm_project", lambda h, W: calls.append(1) or norm_project(h, W))
+    monkeypatch.setattr(model_fast.FastGPT, "norm_project", staticmethod(lambda h, W: calls.append(1) or norm_project(h, W)))
     logits, grads, saved = run(tiny(residual))
     assert len(calls) == 2 * USES[residual]  # run() steps twice: counting with and without the parameters
     for path, normed in PATHS.items():
@@ -180,7 +180,7 @@ def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypat
 def test_activation_checkpointing_steps_aside(monkeypatch):
     """With activation_checkpointing the sublayer is recomputed whole: the plain ops, no norm_project."""
     calls = []
-    monkeypatch.setattr(model_fast, "norm_project", lambda h, W: calls.append(1) or norm_project(h, W))
+    monkeypatch.setattr(model_fast.FastGPT, "norm_project", staticmethod(lambda h, W: calls.append(1) or norm_project(h, W)))
     for residual in USES:
         run(tiny(residual, activation_checkpointing=True))
     assert calls == []

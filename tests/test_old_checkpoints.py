@@ -9,7 +9,8 @@ import torch
 import sample
 from depthres.checkpoint import load_checkpoint, renamed
 from depthres.fsdp import whole_checkpoint
-from model import GPT, GPTConfig
+from model import GPTConfig
+from model_fast import make_model
 from tools import diagnose
 
 from runs import losses, run
@@ -39,7 +40,7 @@ def test_a_checkpoint_from_before_the_renaming_loads_samples_diagnoses_and_resum
     assert "router.w" in written  # the file holds the old names
     ckpt = load_checkpoint(run_dir)
     assert ckpt["model"].keys() == {renamed(k) for k in written} and ckpt["step"] == 3  # read under the new ones
-    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model = make_model(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])  # strict: every weight found under its new name
     assert torch.equal(model.residual.w, written["router.w"])
     assert sample.main(["--ckpt", str(run_dir), "--max_new_tokens", "2"]) == 0

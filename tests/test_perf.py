@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from model import GPT, GPTConfig
-from model_fast import compile_model
+from model import GPTConfig
+from model_fast import compile_model, make_model
 from tools import bench
 
 FAMILIES = [  # 2 layers; 1 where every layer runs the same ops and nothing is read across layers (less to trace)
@@ -28,7 +28,7 @@ IDS = ["-".join(map(str, v.values())) for v in FAMILIES]
 
 
 def tiny(**kw):
-    return GPT(GPTConfig(**{**dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32), **kw}), seed=0)
+    return make_model(GPTConfig(**{**dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32), **kw}), seed=0)
 
 
 def randomized(model):

@@ -7,8 +7,8 @@ import torch.nn as nn
 
 import model as model_module
 import model_fast
-from model import DAR_STREAMS, GPT, RESIDUALS, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes
-from model_fast import TwoPhaseRouter, rms_inv
+from model import DAR_STREAMS, RESIDUALS, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes
+from model_fast import TwoPhaseRouter, make_model, rms_inv
 from tools import bench
 from tools.bench import ReferenceRouter
 
@@ -130,7 +130,7 @@ MODELS = [
 def model(**kw):
     """4 layers: 8 sublayers, so most block and chunk sizes leave a short last one."""
     cfg = GPTConfig(**dict(dict(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=16), **kw))
-    m = GPT(cfg, seed=0).double()
+    m = make_model(cfg, seed=0).double()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in m.residual.parameters():
@@ -243,7 +243,7 @@ def test_saved_activations_stay_linear_in_the_sources(residual, per_site):
     idx = torch.randint(0, 61, (Bt, Tt), generator=torch.Generator().manual_seed(0))
 
     def saved(**kw):
-        m = GPT(GPTConfig(vocab_size=61, block_size=Tt, n_layer=n_layer, n_head=2, n_embd=dm, **kw), seed=0)
+        m = make_model(GPTConfig(vocab_size=61, block_size=Tt, n_layer=n_layer, n_head=2, n_embd=dm, **kw), seed=0)
         return bench.saved_activation_bytes(lambda: m(idx, idx)[1].backward())
 
     extra = saved(residual=residual) - saved(residual="standard")

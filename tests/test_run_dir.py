@@ -25,7 +25,8 @@ from depthres import checkpoint, files, runlog
 from depthres.checkpoint import CheckpointError, load_checkpoint
 from depthres.config import ConfigError
 from depthres.run import DivergedError, Stopped
-from model import GPT, GPTConfig
+from model import GPTConfig
+from model_fast import make_model
 
 from runs import (
     CONFIG,
@@ -418,7 +419,7 @@ def test_sharded_saves_over_a_linked_ckpt_keep_saving_and_never_follow_the_link(
     run_dir.mkdir()
     (run_dir / "ckpt").symlink_to(elsewhere)
     ckpt = load_checkpoint(straight / "ckpt.pt")
-    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model = make_model(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     optimizer = torch.optim.AdamW(model.param_groups(ckpt["train_config"]["weight_decay"]))
     optimizer.load_state_dict(ckpt["optimizer"])
@@ -441,7 +442,7 @@ def test_a_failed_sharded_save_leaves_no_partial_shards_and_says_why(tmp_path, s
     run_dir = sharded_copy(straight, tmp_path / "run")
     before = contents(run_dir / "ckpt")
     ckpt = load_checkpoint(straight / "ckpt.pt")
-    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model = make_model(GPTConfig(**ckpt["model_config"]))
     optimizer = torch.optim.AdamW(model.param_groups(0.1))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the shard is about 600 kB

@@ -10,6 +10,7 @@ import torch
 from depthres import checkpoint
 from depthres.token_data import get_tokenizer
 from model import GPT, RD_MODES, RESIDUALS, GPTConfig
+from model_fast import make_model
 from sample import SampleWriter, TextStream, Window, filter_logits, generate, main, sample_logits, sample_seed
 
 VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]
@@ -39,7 +40,7 @@ def tiny(block_size=8, **kw):
     """3 layers: 6 sublayers, so AttnRes block size 4 gives a full block and a short one. A context of
     8: 20 generated tokens slide the window three or four times."""
     cfg = GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=3, n_head=2, n_embd=32, **kw)
-    model = GPT(cfg).to(torch.float64)
+    model = make_model(cfg).to(torch.float64)
     randomize_routing(model)
     return model
 
@@ -275,7 +276,7 @@ def save_checkpoint(path, model):
 
 @pytest.fixture
 def run_dir(tmp_path):
-    model = GPT(GPTConfig(**CONFIG))
+    model = make_model(GPTConfig(**CONFIG))
     randomize_routing(model)
     save_checkpoint(tmp_path / "ckpt.pt", model)
     return tmp_path
@@ -325,7 +326,7 @@ def test_cli_crops_a_long_prompt_with_a_warning(run_dir, tmp_path, capsys):
 
 @torch.no_grad()
 def test_cli_a_sample_ends_at_end_of_text(tmp_path, capsys, monkeypatch):
-    model = GPT(GPTConfig(**CONFIG))
+    model = make_model(GPTConfig(**CONFIG))
     for p in model.parameters():
         p.zero_()
     model.wte.weight.fill_(1.0)  # sublayer outputs are zero: the final state is the embedding
@@ -373,7 +374,7 @@ def test_cli_a_checkpoint_whose_tokenizer_outgrows_its_vocabulary_is_one_line(tm
     """A byte-sized model (vocab 260) whose checkpoint names the GPT-2 tokenizer: the prompt's ids index past the
     embedding (an IndexError from sample.py)."""
     checkpoint.save_checkpoint(tmp_path / "ckpt.pt", {
-        "format": checkpoint.CKPT_FORMAT, "model_config": CONFIG, "model": GPT(GPTConfig(**CONFIG)).state_dict(),
+        "format": checkpoint.CKPT_FORMAT, "model_config": CONFIG, "model": make_model(GPTConfig(**CONFIG)).state_dict(),
         "tokenizer": "gpt2", "step": 0, "train_config": {}, "optimizer": {}, "loader": {}, "rng": {}})
     rc, out, err = cli(capsys, "--ckpt", tmp_path, "--prompt", "To be")
     assert (rc, out) == (2, "") and err == (f"error: {tmp_path}: the model's vocab_size=260 is smaller than its tokenizer "

@@ -211,7 +211,7 @@ def test_ddp_does_not_broadcast_the_constant_buffers(data_dir, tmp_path):
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         tc, model_settings = config.parse_config([CONFIG, f"--data_dir={data_dir}"])
-        model = train.GPT(config.build_model_config(model_settings, tc, load_meta(data_dir)))
+        model = train.make_model(config.build_model_config(model_settings, tc, load_meta(data_dir)))
         assert {name for name, _ in model.named_buffers()} == {"cos", "sin"}  # constants, the same on every rank
         _, ddp = train.wrap(model, tc, distributed.Dist(rank=0, world_size=2, device=torch.device("cpu")))
         assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and ddp.broadcast_buffers is False

@@ -40,8 +40,8 @@ import torch._dynamo
 
 from depthres.config import model_config, need
 from depthres.files import check_writable, write_file
-from model import GPT, GPTConfig, depth_attention
-from model_fast import TwoPhaseRouter, compile_model, rms_inv
+from model import GPTConfig, depth_attention
+from model_fast import TwoPhaseRouter, compile_model, make_model, rms_inv
 
 DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc,denseformer,muddformer,delta_attnres"
 SHAPE_KEYS = {"vocab_size": "--vocab_size", "block_size": "--seq_len", "n_layer": "--n_layer", "n_head": "--n_head",
@@ -169,7 +169,7 @@ class Runner:
 
     def __init__(self, spec, args, device, dtype):
         self.spec = spec
-        self.model = GPT(variant_config(spec, args), seed=0).to(device)
+        self.model = make_model(variant_config(spec, args), seed=0).to(device)
         self.step_fn = compile_model(self.model, backend=args.compile_backend) if args.compile else self.model
         self.opt = torch.optim.AdamW(self.model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
         g = torch.Generator().manual_seed(0)

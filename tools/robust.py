@@ -71,7 +71,8 @@ from pathlib import Path
 import torch
 
 from depthres.files import write_file
-from model import GPT, GPTConfig
+from model import GPTConfig
+from model_fast import make_model
 from tools import sweep
 from tools.multiplier import bootstrap, fit_ladder, inside, multiple
 from tools.report import PROVENANCE, provenance, save_outputs
@@ -91,7 +92,7 @@ def flops_per_token(model_config):
     key = json.dumps(model_config, sort_keys=True)
     if key not in _FLOPS:
         with torch.device("meta"):
-            _FLOPS[key] = GPT(GPTConfig(**model_config)).flops_per_token()
+            _FLOPS[key] = make_model(GPTConfig(**model_config)).flops_per_token()
     return _FLOPS[key]
 
 
