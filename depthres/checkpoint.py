@@ -280,7 +280,7 @@ INDEX_CLASSES = {
 
 
 class _Foreign(pickle.UnpicklingError):
-    """A name that INDEX_CLASSES does not admit."""
+    """A name that INDEX_CLASSES does not admit: (module, name)."""
 
 
 class _IndexUnpickler(pickle.Unpickler):
@@ -289,7 +289,7 @@ class _IndexUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise _Foreign(f"it names {module}.{name}, which an index never holds")
+        raise _Foreign(module, name)
 
 
 def read_index(path):
@@ -302,13 +302,31 @@ def read_index(path):
         index = _IndexUnpickler(io.BytesIO((path / INDEX).read_bytes())).load()
         why = None if isinstance(index, Metadata) else f"it holds a {type(index).__name__}, not a Metadata"
     except _Foreign as e:
-        why = str(e)
+        module, name = e.args
+        why = f"it names {module}.{name}, which an index never holds"
+        if module.split(".")[0] == "torch":  # perhaps a torch whose DCP writes more than this reader admits
+            wrote = _manifest_torch(path)
+            if wrote != torch.__version__:
+                raise CheckpointError(
+                    f"{path / INDEX} names {module}.{name}, which this reader does not admit under torch "
+                    f"{torch.__version__}; the checkpoint was written by torch {wrote or '(not recorded)'}, whose DCP "
+                    "may hold it: read the checkpoint with that torch (requirements.txt states the tested range), "
+                    "or admit the name in depthres.checkpoint.INDEX_CLASSES once it is known to be plain data") from None
     except Exception as e:  # not a pickle, or a cut one: nothing outside INDEX_CLASSES was called
         why = f"{type(e).__name__} reading it"
     if why is not None:
         raise CheckpointError(f"{path / INDEX} is not the index of a sharded checkpoint ({why}): it was not written "
                               "by train.py, or was altered after; use an intact copy or another checkpoint")
     return index
+
+
+def _manifest_torch(path):
+    """The torch version a sharded checkpoint's manifest records (None: an older manifest, or none readable)."""
+    try:
+        version = json.loads((path / MANIFEST).read_text()).get("torch")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return version if isinstance(version, str) else None
 
 
 def read_sharded(path):

@@ -265,7 +265,8 @@ def _write_sharded(tmp, model, optimizer, state, dist):
         write_file(tmp / STATE, _saved(state), RunDirError)
         with writing(tmp, RunDirError):
             files = {n: digests.get(n) or file_digest(tmp / n) for n in sorted(os.listdir(tmp))}  # .metadata, state.pt
-        manifest = {"format": SHARDED_FORMAT, "step": state["step"], "world_size": dist.world_size, "files": files}
+        manifest = {"format": SHARDED_FORMAT, "step": state["step"], "world_size": dist.world_size,
+                    "torch": torch.__version__, "files": files}  # torch: whose DCP wrote the index
         write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode(), RunDirError)
     agreed(dist, lambda: run_state() if dist.master else None)
 

@@ -829,3 +829,27 @@ def test_a_stray_launcher_variable_is_one_line(data_dir, tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("wrote", ["9.9.9", None, "this torch"])
+def test_an_index_a_newer_torch_wrote_names_the_versions_not_tampering(tmp_path, capsys, straight, wrote):
+    """The index reader admits what this torch's DCP writes (INDEX_CLASSES). An index that names another torch
+    class, from a checkpoint another torch wrote (its manifest's "torch"; older manifests have none), is one line
+    that names both versions; written by this very torch, the same name is a refusal as before."""
+    run_dir = sharded_copy(straight, tmp_path / "run")
+    replace_in_sharded(run_dir / "ckpt", ".metadata", b"ctorch.distributed.checkpoint.metadata\nFutureStorageMetadata\n.")
+    manifest = json.loads((run_dir / "ckpt" / "manifest.json").read_text())
+    manifest["torch"] = torch.__version__ if wrote == "this torch" else wrote
+    (run_dir / "ckpt" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.read_index(run_dir / "ckpt")
+    index = run_dir / "ckpt" / ".metadata"
+    if wrote == "this torch":
+        assert str(e.value).startswith(f"{index} is not the index of a sharded checkpoint (it names "
+                                       "torch.distributed.checkpoint.metadata.FutureStorageMetadata, which an index never holds)")
+    else:
+        assert str(e.value) == (
+            f"{index} names torch.distributed.checkpoint.metadata.FutureStorageMetadata, which this reader does not admit "
+            f"under torch {torch.__version__}; the checkpoint was written by torch {wrote or '(not recorded)'}, whose DCP "
+            "may hold it: read the checkpoint with that torch (requirements.txt states the tested range), or admit the "
+            "name in depthres.checkpoint.INDEX_CLASSES once it is known to be plain data")

@@ -18,6 +18,12 @@ two implementations, against its memory-traffic floor over the bandwidth of a pl
 each completed source and each site's partial sum read once and each output written once;
 backward, the same reads again plus each output's gradient, and each source gradient written once.
 
+`--memory` measures, instead, what a process holds (peak resident set), which depends on the allocator,
+the torch build and the machine, so it is a figure here and not a threshold in a test (the tests check the
+mechanisms: a stream's bounded window, FSDP's shards): prepare_data.py on a 4 and a 16 MB corpus, in shards of
+10^5 tokens, whose peak stays where it was (the source is read as a stream), and each rank of a 2-rank DDP and FSDP run of a
+16 x 512 model (FSDP's ranks hold shards: docs/training.md, "the memory rule").
+
 Variants are `residual[:key=value...]`, e.g. `rd_attnres:rd_mode=tied`, `full_attnres:depth_impl=reference`,
 `block_attnres:activation_checkpointing=true` (each sublayer recomputed in backward).
 
@@ -31,15 +37,18 @@ import difflib
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import typing
+from pathlib import Path
 
 import torch
 import torch._dynamo
 
 from depthres.config import model_config, need
-from depthres.files import check_writable, write_file
+from depthres.files import check_writable, os_error_message, write_file
 from model import GPTConfig, depth_attention
 from model_fast import TwoPhaseRouter, compile_model, make_model, rms_inv
 
@@ -275,6 +284,60 @@ def bench_block_routing(args, device, dtype, bandwidth, reps=10):
     return rows
 
 
+ROOT = Path(__file__).resolve().parents[1]
+MEMORY_MODEL = ["--n_layer=16", "--n_embd=512", "--n_head=8", "--max_steps=1", "--batch_size=1", "--seq_len=16",
+                "--batch_tokens=32", "--eval_tokens=32"]
+
+
+# The peak resident set of a command (ru_maxrss, KiB on Linux), read by a small launcher process: a child forked
+# from this one would count this process's pages (the corpora it wrote) until its exec
+LAUNCHER = """import os, subprocess, sys
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+err = p.stderr.read().decode(errors="replace")
+_, status, usage = os.wait4(p.pid, 0)
+print(usage.ru_maxrss if os.waitstatus_to_exitcode(status) == 0 else "failed: " + err.strip()[-300:])
+"""
+
+
+def peak_rss_bytes(cmd):
+    """Run cmd (a list) from the project root with one thread; its peak resident set in bytes."""
+    out = subprocess.run([sys.executable, "-c", LAUNCHER, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.strip()
+    if not out.isdigit():
+        raise BenchError(f"{' '.join(map(str, cmd[1:3]))} {out or 'failed'}")
+    return int(out) * 1024
+
+
+def memory_figures():
+    """{prepare_data: {MB: peak RSS}, ddp/fsdp: [peak RSS of each rank]} (see the module's doc)."""
+    import gzip
+
+    from prepare_data import DEFAULT_CORPUS
+    out = {"prepare_data": {}}
+    with tempfile.TemporaryDirectory() as tmp, gzip.open(DEFAULT_CORPUS, "rt") as f:
+        text = "".join(json.loads(line)["text"] for line in f)
+        for mb in (4, 16):
+            src = Path(tmp) / f"c{mb}.txt"
+            src.write_text((text * (mb * 2**20 // len(text) + 1))[:mb * 2**20])
+            out["prepare_data"][mb] = peak_rss_bytes([sys.executable, "prepare_data.py", "--data_files", src,  # small
+                                                      "--out_dir", Path(tmp) / f"data{mb}", "--tokenizer", "byte",  # shards:
+                                                      "--shard_tokens", "1e5"])  # a shard's mapped pages count too
+        for fsdp in ("false", "true"):
+            run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                   "configs/test.py", f"--data_dir={Path(tmp) / 'data4'}", f"--out_dir={tmp}", f"--run_name={fsdp}",
+                   f"--fsdp={fsdp}", *MEMORY_MODEL]
+            peak_rss_bytes(run)
+            summary = json.loads((Path(tmp) / fsdp / "summary.json").read_text())
+            out["fsdp" if fsdp == "true" else "ddp"] = summary["peak_memory_bytes_per_rank"]
+    print("| what | peak resident set per process, MiB |\n| --- | --- |")
+    for mb, peak in out["prepare_data"].items():
+        print(f"| prepare_data.py, a {mb} MB corpus | {peak / 2**20:.0f} |")
+    for kind in ("ddp", "fsdp"):
+        print(f"| 2 ranks, {kind.upper()}, 16 x 512 model | {', '.join(f'{b / 2**20:.0f}' for b in out[kind])} |")
+    print(f"FSDP's largest rank / DDP's smallest: {max(out['fsdp']) / min(out['ddp']):.2f}")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated residual[:key=value...]")
@@ -293,8 +356,22 @@ def main(argv=None):
     p.add_argument("--routing_blocks", default=[(4, 4), (8, 4), (16, 4)],
                    type=lambda s: [tuple(int(x) for x in b.split(":")) for b in s.split(",") if b],
                    help="completed sources:sites of the blocks in the routing table; empty: no table")
+    p.add_argument("--memory", action="store_true", help="the process-level memory figures instead (see above)")
     p.add_argument("--out", default="bench.json")
     args = p.parse_args(argv)
+    if args.memory:
+        try:
+            check_writable(os.path.dirname(args.out) or ".")
+            report = memory_figures()
+            write_file(args.out, json.dumps(report, indent=1) + "\n")
+        except BenchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except OSError as e:
+            print(f"error: {os_error_message(e, args.out)}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"\nwrote {args.out}")
+        return report
     try:
         device, specs = check_args(args)
     except BenchError as e:
