@@ -14,6 +14,19 @@ from model_fast import make_model, norm_project
 from sample import KVCache
 from tools import bench
 
+# --- tolerances: each from the rounding of the arithmetic it compares -------------------------------------
+# u, the unit roundoff: float64 2^-53 = 1.1e-16, float32 2^-24 = 6.0e-8, bfloat16 2^-8 = 3.9e-3. The models here
+# are tiny (width <= 32, <= 8 layers, values below ~10), and a sum of n terms below X rounds to within n u X.
+F64 = 1e-10  # one function in float64 through other ops (a fast path, a textbook, a reduction, a cache): the
+#              logits chain ~10^2 ops, each a sum of <= 10^2 terms below 10, so they differ by <= 10^5 u = 1e-11;
+#              1e-10 is 10x that, and 600x below float32's u: one float32 op on either side fails it
+F64_OP = 1e-12  # one float64 op or sublayer in another order (<= 10^2 terms below 10): <= 10^3 u = 1e-13, 10x that
+F64_ZERO = 1e-13  # a gradient that is zero by construction: its terms cancel exactly in exact arithmetic, and its
+#                   sum of <= 10^2 of them below 1 rounds to <= 10^2 u = 1e-14
+F64_EPS = 1e-9  # a reduction through RMSNorm(c h) = RMSNorm(h) (c > 0, uniform routing: c >= 1/9 on <= 9 sources):
+#                 the norm's eps (2.2e-16) makes them differ by (1/c^2 - 1) eps / (2 ms(h)) <= 80 x 2.2e-16 / 8e-4
+#                 = 2e-11 relative (ms(h) >= 4e-4: embeddings of std 0.02), a few norms deep: below 1e-9
+
 # Every registered variant at its defaults, then the options that change what a variant computes
 VARIANTS = [dict(residual=r) for r in RESIDUALS] + [
     *[dict(residual="rd_attnres", rd_mode=m) for m in ("tied", "average", "frozen_v")],
@@ -69,7 +82,7 @@ def loss_and_grads(model, idx):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_grads_equal(ga, gb, names=None, atol=1e-10):
+def assert_grads_equal(ga, gb, names=None, atol=F64):
     for n in names if names is not None else ga.keys() & gb.keys():
         torch.testing.assert_close(ga[n], gb[n], rtol=0, atol=atol, msg=f"gradient of {n}")
 
@@ -81,7 +94,7 @@ def test_zero_queries_equal_standard(variant):
     idx = tokens()
     ref, _ = tiny(residual="standard")(idx)
     out, _ = tiny(**variant)(idx)  # pseudo-queries are zero at init
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-9)
+    torch.testing.assert_close(out, ref, rtol=0, atol=F64_EPS)
 
 
 # --- 2. Block AttnRes with S = 1 is Full AttnRes -----------------------------------------------------
@@ -93,7 +106,7 @@ def assert_same_function(a, b):
     randomize_routing(b)
     la, ga = loss_and_grads(a, idx)
     lb, gb = loss_and_grads(b, idx)
-    torch.testing.assert_close(la, lb, rtol=0, atol=1e-10)
+    torch.testing.assert_close(la, lb, rtol=0, atol=F64)
     assert ga.keys() == gb.keys()
     assert_grads_equal(ga, gb)
 
@@ -121,7 +134,7 @@ def test_rd_decoupled_with_copied_queries_equals_block_forward():
     randomize_routing(block)
     randomize_routing(rd)
     _with_value_queries_from_qk(rd)
-    torch.testing.assert_close(rd(idx)[0], block(idx)[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(rd(idx)[0], block(idx)[0], rtol=0, atol=F64)
     with torch.no_grad():
         rd.residual.w_v.add_(0.5)
     assert (rd(idx)[0] - block(idx)[0]).abs().max() > 1e-4  # the V route matters
@@ -147,7 +160,7 @@ def test_rd_average_differs_from_block_once_queries_differ():
     randomize_routing(block)
     randomize_routing(avg)
     _with_value_queries_from_qk(avg)
-    torch.testing.assert_close(avg(idx)[0], block(idx)[0], rtol=0, atol=1e-10)  # same queries: same
+    torch.testing.assert_close(avg(idx)[0], block(idx)[0], rtol=0, atol=F64)  # same queries: same
     with torch.no_grad():
         avg.residual.w_v.mul_(-1.0)
     assert (avg(idx)[0] - block(idx)[0]).abs().max() > 1e-4
@@ -245,6 +258,7 @@ def test_first_input_is_embedding_and_all_params_get_grads(variant):
     h0 = seen[0] if not isinstance(seen[0], tuple) else seen[0][0]
     x0 = model.wte(idx)
     if variant["residual"] in ("dar", "mhc", "delta_attnres"):
+        # RMSNorm(c x0) against RMSNorm(x0), c = 2 (delta) or 1 up to rounding: the eps term of F64_EPS, one norm deep
         eps_effect = 1e-11 if variant["residual"] == "delta_attnres" else 1e-12  # 2 x0: the norm's eps counts half
         torch.testing.assert_close(norm(h0), norm(x0), rtol=0, atol=eps_effect)
     else:
@@ -254,9 +268,9 @@ def test_first_input_is_embedding_and_all_params_get_grads(variant):
         if p.requires_grad:
             assert p.grad is not None and torch.isfinite(p.grad).all(), n
             if zero_grad_at_init(exempt, n):
-                assert p.grad.abs().max() < 1e-13, f"{n} was expected to start with a zero gradient"
+                assert p.grad.abs().max() < F64_ZERO, f"{n} was expected to start with a zero gradient"
             else:
-                assert p.grad.abs().max() > 1e-12, f"{n} has an all-zero gradient at init"
+                assert p.grad.abs().max() > 10 * F64_ZERO, f"{n} has an all-zero gradient at init"
 
 
 def saved_activation_bytes(model, idx):
@@ -307,7 +321,7 @@ def test_a_separate_value_input_keeps_no_normalised_copy(residual, monkeypatch):
     logits_p, grads_p = loss_and_grads(plain_model, idx)
     assert plain - fast >= n * B * T * d * 8
     assert torch.equal(logits_f, logits_p) and grads_f.keys() == grads_p.keys()
-    assert_grads_equal(grads_f, grads_p, atol=1e-12)
+    assert_grads_equal(grads_f, grads_p, atol=F64_OP)  # one op (the K/V projection's backward) in another order
 
 
 # --- activation checkpointing: memory, not math ---------------------------------------------------------
@@ -336,7 +350,7 @@ def test_activation_checkpointing_recomputes_the_sublayers_and_changes_no_gradie
     assert len(calls) == 2 * (2 * ckpt.cfg.n_layer)  # each sublayer: forward, then again in backward
     assert torch.equal(logits_c, logits_p) and grads_c.keys() == grads_p.keys()
     assert bool(own_input) == any(separate)
-    assert_grads_equal(grads_c, grads_p, atol=1e-12 if own_input else 0)
+    assert_grads_equal(grads_c, grads_p, atol=F64_OP if own_input else 0)
     assert saved_activation_bytes(ckpt, idx) < saved_activation_bytes(plain, idx)
     with torch.no_grad():  # nothing to recompute without gradients
         calls.clear()
@@ -355,7 +369,7 @@ def test_kv_cache_matches_full_forward(variant):
     cache = KVCache(model.cfg, batch_size=2, dtype=torch.float64)
     steps = [model(idx[:, :5], kv_cache=cache)[0]]  # prefill 5, then one token at a time
     steps += [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(5, 12)]
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=F64)
 
 
 # --- the multi-stream family: DAR, HC, mHC ------------------------------------------------------------
@@ -375,10 +389,10 @@ def test_dar_self_kv_with_saturated_gates_is_block_attnres():
         dar.residual.theta_rho.fill_(800.0)
     la, ga = loss_and_grads(block, idx)
     lb, gb = loss_and_grads(dar, idx)
-    torch.testing.assert_close(lb, la, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lb, la, rtol=0, atol=F64)
     shared = [n for n in ga if not n.startswith("residual.")]
     assert_grads_equal(ga, gb, shared)
-    torch.testing.assert_close(gb["residual.w"][:, 0], ga["residual.w"], rtol=0, atol=1e-10)
+    torch.testing.assert_close(gb["residual.w"][:, 0], ga["residual.w"], rtol=0, atol=F64)
 
 
 def test_full_dar_reads_each_stream_through_the_other():
@@ -443,10 +457,10 @@ def test_dar_matches_its_textbook_definition(variant):
             model.residual.v_proj.mul_(0.2)  # random projections, at a scale that keeps activations sane
     idx = tokens()
     textbook = dar_textbook_logits(model, idx)
-    torch.testing.assert_close(model(idx)[0], textbook, rtol=0, atol=1e-10)
+    torch.testing.assert_close(model(idx)[0], textbook, rtol=0, atol=F64)
     plain = tiny(depth_impl="reference", **variant)  # the plain stream too
     plain.load_state_dict(model.state_dict())
-    torch.testing.assert_close(plain(idx)[0], textbook, rtol=0, atol=1e-10)
+    torch.testing.assert_close(plain(idx)[0], textbook, rtol=0, atol=F64)
 
 
 @pytest.mark.parametrize("variant", DAR, ids=lambda v: "-".join(map(str, v.values())))
@@ -460,7 +474,7 @@ def test_dar_streams_differ_at_init(variant):
 
 def test_hc_at_init_is_standard():
     idx = tokens()
-    torch.testing.assert_close(tiny(residual="hc")(idx)[0], tiny(residual="standard")(idx)[0], rtol=0, atol=1e-9)
+    torch.testing.assert_close(tiny(residual="hc")(idx)[0], tiny(residual="standard")(idx)[0], rtol=0, atol=F64_EPS)
 
 
 @pytest.mark.parametrize("streams", [2, 4])
@@ -474,6 +488,7 @@ def test_mhc_mixing_matrices_are_doubly_stochastic(streams):
     assert len(res) == 2 * model.cfg.n_layer
     for H in res:
         assert (H - torch.eye(streams)).abs().max() > 1e-3  # not trivially the identity
+        # not rounding: Sinkhorn-Knopp's 20 iterations end on a column scaling, rows converge to within 1e-5 (section 6)
         torch.testing.assert_close(H.sum(-1), torch.ones(H.shape[:-1], dtype=H.dtype), rtol=0, atol=1e-5)
         torch.testing.assert_close(H.sum(-2), torch.ones(H.shape[:-1], dtype=H.dtype), rtol=0, atol=1e-5)
 
@@ -488,6 +503,7 @@ def test_block_sums_accumulate_in_the_embedding_dtype_under_bf16():
     for j, y in enumerate(ys):
         stream.write(j, y)
     assert stream.partial.dtype == torch.float32
+    # float32 sums of bf16 values (exact in float32): two roundings of <= u = 6e-8 each; 1e-6 is 8x that
     torch.testing.assert_close(stream.partial, ys[0].float() + ys[1].float() + ys[2].float(), rtol=1e-6, atol=0)
 
 
@@ -594,7 +610,7 @@ def test_denseformer_matches_its_textbook_definition(k, p):
     model = tiny(residual="denseformer", denseformer_dilation=k, denseformer_period=p)
     randomize_routing(model)
     idx = tokens()
-    torch.testing.assert_close(model(idx)[0], denseformer_textbook_logits(model, idx), rtol=0, atol=1e-10)
+    torch.testing.assert_close(model(idx)[0], denseformer_textbook_logits(model, idx), rtol=0, atol=F64)
 
 
 @pytest.mark.parametrize("k, p, count", [(1, 1, 90), (2, 1, 48), (4, 5, 5), (1, 12, 13)])
@@ -631,7 +647,7 @@ def test_muddformer_matches_its_textbook_definition(n_layer):
         for W in model.residual.W2:
             W.mul_(0.1)  # random dynamic weights at a scale that keeps activations sane
     idx = tokens()
-    torch.testing.assert_close(model(idx)[0], mudd_textbook_logits(model, idx), rtol=0, atol=1e-10)
+    torch.testing.assert_close(model(idx)[0], mudd_textbook_logits(model, idx), rtol=0, atol=F64)
 
 
 def test_muddformer_parameter_count():
@@ -664,7 +680,7 @@ def test_attention_reads_one_two_or_three_inputs_and_normalises_each_once(monkey
     q, k, v = (lin(norm(x)).view(2, 12, 2, 16) for lin, x in ((attn.c_q, a), (attn.c_k, b), (attn.c_v, c)))
     q, k = model_module.rotary(norm(q), cos, sin), model_module.rotary(norm(k), cos, sin)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-    torch.testing.assert_close(qkv, attn.c_proj(y.transpose(1, 2).reshape(2, 12, 32)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(qkv, attn.c_proj(y.transpose(1, 2).reshape(2, 12, 32)), rtol=0, atol=F64_OP)
 
 
 def delta_textbook_logits(model, idx):
@@ -687,7 +703,7 @@ def test_delta_with_zero_queries_and_s1_equals_standard():
     """S = 1, uniform weights: h_j = h~_j + h~_j / (j + 1), a positive multiple of the standard input."""
     idx = tokens()
     ref, _ = tiny(residual="standard")(idx)
-    torch.testing.assert_close(tiny(residual="delta_attnres")(idx)[0], ref, rtol=0, atol=1e-9)
+    torch.testing.assert_close(tiny(residual="delta_attnres")(idx)[0], ref, rtol=0, atol=F64_EPS)
     block = tiny(residual="delta_attnres", delta_block_size=4)(idx)[0]
     assert (block - ref).abs().max() > 1e-4  # S > 1 is not an exact reduction (section 7.3)
 
@@ -697,7 +713,7 @@ def test_delta_matches_its_textbook_definition(S):
     model = tiny(residual="delta_attnres", delta_block_size=S)
     randomize_routing(model)
     idx = tokens()
-    torch.testing.assert_close(model(idx)[0], delta_textbook_logits(model, idx), rtol=0, atol=1e-10)
+    torch.testing.assert_close(model(idx)[0], delta_textbook_logits(model, idx), rtol=0, atol=F64)
 
 
 def test_delta_adds_one_vector_per_sublayer():

@@ -13,7 +13,7 @@ import sample
 from depthres.config import model_config
 from model import AttnRes, FullAttnRes, GPTConfig, RDAttnRes, SumStream
 from model_fast import make_model
-from test_equivalence import zero_grad_at_init
+from test_equivalence import F64, F64_OP, F64_ZERO, zero_grad_at_init
 from tools import diagnose
 
 from runs import run
@@ -96,7 +96,7 @@ def test_a_new_variant_learns_and_exempts_only_what_its_init_zeroes(registered, 
     for name, p in net.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         if zero_grad_at_init(ZERO_GRAD[residual], name):
-            assert p.grad.abs().max() < 1e-13, f"{name} was expected to start with a zero gradient"
+            assert p.grad.abs().max() < F64_ZERO, f"{name} was expected to start with a zero gradient"
         else:
             assert p.grad.abs().max() > 1e-12, f"{name} has an all-zero gradient at init"
 
@@ -105,7 +105,7 @@ def test_rezero_starts_as_the_embedding_alone(registered):
     """alpha = 0: every sublayer's output is hidden, the logits are lm_head(norm(x0))."""
     net, idx = tiny("rezero"), tokens()
     expected = net.lm_head(model.norm(net.wte(idx)))
-    torch.testing.assert_close(net(idx)[0], expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(net(idx)[0], expected, rtol=0, atol=F64_OP)
 
 
 def test_a_temperature_of_one_is_block_attnres_on_both_paths(registered):
@@ -127,7 +127,7 @@ def test_a_temperature_of_one_is_block_attnres_on_both_paths(registered):
         loss.backward()
         out.append((logits, net.residual.log_tau.grad, net.residual.w.grad))
     for a, b in zip(*out):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+        torch.testing.assert_close(a, b, rtol=0, atol=F64)
     with torch.no_grad():  # the readout's query is tempered too: it comes from queries as well
         net.residual.log_tau[-1] += 1.0
     assert not torch.allclose(net(idx)[0], out[-1][0])
@@ -170,7 +170,7 @@ def test_a_subclass_is_what_its_class_declares_not_what_its_name_says(monkeypatc
             for p, q in zip(a.residual.parameters(), b.residual.parameters()):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
                 q.copy_(p)
-        torch.testing.assert_close(a(idx)[0], b(idx)[0], rtol=0, atol=1e-12, msg=mine)
+        torch.testing.assert_close(a(idx)[0], b(idx)[0], rtol=0, atol=F64_OP, msg=mine)  # the same ops
     with pytest.raises(ValueError, match="rd_mode='tied' only applies to residual='rd_attnres' or 'my_rd'"):
         model_config(dict(residual="my_block", rd_mode="tied"))
 

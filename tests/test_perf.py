@@ -49,6 +49,9 @@ def step(model, fn, autocast):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+# Compiled against eager, the same traced graph: decompositions (rms_norm into pow, mean and rsqrt; fused adds)
+# reorder float32 sums of up to d = 32 terms, 32 u = 2e-6 relative; rtol 1e-5 is 5x that, atol 1e-6 the same for
+# entries near 0. Under bf16 autocast the bf16 ops are the same ops in the same dtype, so the same bound holds.
 def assert_compiled_equals_eager(model, compiled, autocast, rtol):
     loss_c, grads_c = step(model, compiled, autocast)
     loss_e, grads_e = step(model, model, autocast)
@@ -114,10 +117,10 @@ def test_inductor_under_bf16_autocast_equals_eager(variant, plain_compile):
     model = randomized(tiny(n_layer=1, **variant))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     (loss_c, grads_c), (loss_e, grads_e) = step(model, plain_compile(model), autocast), step(model, model, autocast)
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-2, atol=0)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-2, atol=0)  # 2-3 bf16 u (3.9e-3): one rounding fewer a sublayer
     assert grads_c.keys() == grads_e.keys()
     for n in grads_e:
-        assert (grads_c[n] - grads_e[n]).abs().max() <= 0.03 * grads_e[n].abs().max(), n
+        assert (grads_c[n] - grads_e[n]).abs().max() <= 0.03 * grads_e[n].abs().max(), n  # 8 bf16 u of the largest
 
 
 @pytest.mark.slow

@@ -193,6 +193,9 @@ def test_a_power_law_ladder_recovers_its_exponent():
     true = dict(E=1.3, A=25.0, alpha=0.27)
     L = [true["E"] + true["A"] * c ** -true["alpha"] for c in C]
     fit = multiplier.fit_ladder(C, L, "power")
+    # not rounding: a golden-section search finds a smooth minimum to about sqrt(u) = 1.5e-8 in log alpha (the
+    # squared error is flat to second order there), 1e-6 is 70x that; E and A follow from alpha (A through C^alpha,
+    # log C ~ 13: 10x looser), and the residuals with them
     assert fit["alpha"] == pytest.approx(true["alpha"], rel=1e-6)
     assert fit["E"] == pytest.approx(true["E"], rel=1e-6) and fit["A"] == pytest.approx(true["A"], rel=1e-5)
     assert fit["rms"] < 1e-9

@@ -9,6 +9,7 @@ import model as model_module
 import model_fast
 from model import DAR_STREAMS, RESIDUALS, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes
 from model_fast import TwoPhaseRouter, make_model, rms_inv
+from test_equivalence import F64, F64_OP
 from tools import bench
 from tools.bench import ReferenceRouter
 
@@ -59,7 +60,7 @@ def test_router_equals_reference(case, K):
         return (*hs, *torch.autograd.grad(sum((h * g).sum() for h, g in zip(hs, gh)), leaves))
 
     for fast, ref in zip(run(TwoPhaseRouter), run(ReferenceRouter), strict=True):
-        torch.testing.assert_close(fast, ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(fast, ref, rtol=0, atol=F64_OP)  # one router step in another order
 
     def outputs(W, *rest):
         n = len(completed)
@@ -75,7 +76,7 @@ def test_a_row_without_gradient_leaves_the_others_exact():
     grads = [torch.autograd.grad(route(Router, W, completed, recent, [(0, 1)])[1].square().sum(), [W, *completed, *recent])
              for Router in (TwoPhaseRouter, ReferenceRouter)]
     for fast, ref in zip(*grads, strict=True):
-        torch.testing.assert_close(fast, ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(fast, ref, rtol=0, atol=F64_OP)  # one router step in another order
 
 
 @pytest.mark.parametrize("reads", [[0, 1], [(0, 1)]], ids=["read", "read_rows"])
@@ -152,10 +153,10 @@ def test_two_phase_model_equals_reference_model(variant):
     idx = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(0))
     fast, ref = model(**variant), model(depth_impl="reference", **variant)
     (lf, gf), (lr, gr) = forward_backward(fast, idx), forward_backward(ref, idx)
-    torch.testing.assert_close(lf, lr, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lf, lr, rtol=0, atol=F64)
     assert gf.keys() == gr.keys()
     for n in gr:
-        torch.testing.assert_close(gf[n], gr[n], rtol=0, atol=1e-10, msg=n)
+        torch.testing.assert_close(gf[n], gr[n], rtol=0, atol=F64, msg=n)
     with torch.no_grad():
         torch.testing.assert_close(fast(idx)[0], lf, rtol=0, atol=0)
 
@@ -221,10 +222,10 @@ def test_every_variant_runs_the_same_numbers_on_both_paths(residual, monkeypatch
     plain = type(fast.residual.start(fast.wte(idx)))
     assert type(fast.start_stream(fast.wte(idx))) is model_fast.TWINS.get(plain, plain)  # the twin, or plain
     (lf, gf), (lr, gr) = forward_backward(fast, idx), forward_backward(ref, idx)
-    torch.testing.assert_close(lf, lr, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lf, lr, rtol=0, atol=F64)
     assert gf.keys() == gr.keys() and all(gr[n].abs().max() > 0 for n in gr if n.startswith("residual."))
     for n in gr:
-        torch.testing.assert_close(gf[n], gr[n], rtol=0, atol=1e-10, msg=n)
+        torch.testing.assert_close(gf[n], gr[n], rtol=0, atol=F64, msg=n)
 
 
 # --- memory: references to the sources, nothing source-sized per site ----------------------------------
@@ -265,5 +266,5 @@ def test_dar_transport_equals_its_reference():
     ref = [transport_reference(P, rho, beta, y),
            *torch.autograd.grad((transport_reference(P, rho, beta, y) * gout).sum(), (P, rho, beta, y))]
     for f, r in zip(fast, ref):
-        torch.testing.assert_close(f, r, rtol=0, atol=1e-12)
+        torch.testing.assert_close(f, r, rtol=0, atol=F64_OP)  # one op in another order
     torch.autograd.gradcheck(transport, (P, rho, beta, y))

@@ -12,6 +12,7 @@ from depthres.token_data import get_tokenizer
 from model import GPT, RD_MODES, RESIDUALS, GPTConfig
 from model_fast import make_model
 from sample import SampleWriter, TextStream, Window, filter_logits, generate, main, sample_logits, sample_seed
+from test_equivalence import F64
 
 VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]
 VARIANTS += [dict(residual="rd_attnres", rd_mode=m) for m in RD_MODES]
@@ -77,7 +78,7 @@ def test_cached_logits_equal_a_full_forward_pass(variant):
     for t in range(5, 25):  # 20 steps through a context of 8: the window slides four times
         with torch.no_grad():
             full, _ = model(window.tokens)
-        torch.testing.assert_close(window.next_logits(), full[:, -1], rtol=0, atol=1e-10)
+        torch.testing.assert_close(window.next_logits(), full[:, -1], rtol=0, atol=F64)
         window.append(torch.tensor([s[t] for s in seqs]))
         slides += window.cache is None
     assert slides == 4

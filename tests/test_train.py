@@ -32,6 +32,9 @@ def test_two_ddp_ranks_reach_the_parameters_of_one_process(data_dir, tmp_path, r
     assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
     one, two = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
     assert two["train_config"]["batch_tokens"] == one["train_config"]["batch_tokens"]
+    # float32, the gradients summed in another order (2 ranks, not 2 micro-steps): 2 u = 1.2e-7 relative a step;
+    # AdamW scales an update by lr / sqrt(v), so weights drift by ~lr x that (1e-9) a step, losses by as little:
+    # 1e-5 holds 3 (or 6) steps with 10^3 to spare and stays far below one step's change (lr = 1e-2)
     for name, p in one["model"].items():
         torch.testing.assert_close(two["model"][name], p, atol=1e-5, rtol=0, msg=name)
     for (s1, l1), (s2, l2) in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
@@ -270,6 +273,9 @@ def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tm
     assert not (tmp_path / "node1").exists()
     one, two = load_checkpoint(straight), load_checkpoint(tmp_path / "two")  # one process, 6 steps
     assert two["step"] == 6 and steps(tmp_path / "two") == [1, 2, 3, 4, 5, 6]
+    # float32, the gradients summed in another order (2 ranks, not 2 micro-steps): 2 u = 1.2e-7 relative a step;
+    # AdamW scales an update by lr / sqrt(v), so weights drift by ~lr x that (1e-9) a step, losses by as little:
+    # 1e-5 holds 3 (or 6) steps with 10^3 to spare and stays far below one step's change (lr = 1e-2)
     for name, p in one["model"].items():
         torch.testing.assert_close(two["model"][name], p, atol=1e-5, rtol=0, msg=name)
     for (s1, l1), (s2, l2) in zip(losses(straight), losses(tmp_path / "two"), strict=True):
