@@ -467,6 +467,11 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     had = (out_dir / "meta.json").exists()
     try:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed run left
+        odd = next((p for p in _our_files(out_dir) if p.is_symlink() or not p.is_file()), None)
+        if odd is not None:  # (before any compute, and before --overwrite removes a shard)
+            kind = "a symbolic link" if odd.is_symlink() else "a directory" if odd.is_dir() else "not a regular file"
+            raise DataError(f"{odd} is {kind}, where prepare_data.py keeps a file of its own: move or remove it, then "
+                            "run again")
         if not overwrite and _up_to_date(out_dir, settings):
             print(f"{out_dir} is already prepared from this source with these settings (--overwrite rebuilds it)")
             return load_meta(out_dir)

@@ -147,6 +147,9 @@ def read_header(path):
     path = Path(path)
     redo = f"re-create it with `python prepare_data.py --overwrite --out_dir {path.parent}` and the same source"
     if not path.is_file():
+        if path.exists() or path.is_symlink():
+            raise DataError(f"shard {path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a shard: "
+                            f"move or remove it, then {redo}")
         raise DataError(f"shard {path} is missing: {redo}")
     size = path.stat().st_size
     if size == 0:

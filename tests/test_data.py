@@ -872,3 +872,22 @@ def test_absurd_numbers_of_shards_are_refused(tmp_path, monkeypatch, capsys):
                        "--shard_tokens (default 1e8)")
     assert not out.exists()
     assert prepare_data.MAX_SHARDS * 10 < 18_912 and monkeypatch.undo() is None and prepare_data.MAX_SHARDS == 10_000
+
+
+def test_a_shard_replaced_by_a_directory_is_one_line_and_overwrite_deletes_nothing(data_dir, tmp_path, capsys):
+    """A shard's path holding a directory read as 'missing'; --overwrite then deleted the other shards and crashed
+    on it (IsADirectoryError), every time. Both now say what it is, before anything is read or removed."""
+    import shutil
+    out = tmp_path / "d"
+    shutil.copytree(data_dir, out)
+    shard = out / "val_000000.bin"
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(DataError, match=f"shard {shard} is a directory, not a shard: move or remove it, then re-create"):
+        token_data.read_header(shard)
+    before = sorted(p.name for p in out.iterdir())
+    source = next(data_dir.parent.glob("*.jsonl"))
+    assert main(["--data_files", str(source), "--tokenizer", "byte", "--out_dir", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {shard} is a directory, where prepare_data.py keeps a file of its own: move or remove it, then run again\n"
+    assert sorted(p.name for p in out.iterdir()) == before and (out / "train_000000.bin").is_file()
