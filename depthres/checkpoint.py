@@ -42,7 +42,9 @@ EXECUTION_KEYS = {"depth_impl": "execution only: equal to float rounding",
                   "depth_chunk": "execution only: equal to float rounding",
                   "activation_checkpointing": "execution only: bit for bit"}
 # training keys that are the run's identity: a resume cannot change them
-IDENTITY_KEYS = {"seed": "the initial weights", "data_seed": "the order of the batches"}
+IDENTITY_KEYS = {"seed": "the initial weights", "data_seed": "the order of the batches",
+                 "batch_tokens": "the tokens of a step: a run's tokens are its steps x batch_tokens, as its summary "
+                                 "and the tools count them"}
 
 
 class CheckpointError(ValueError):

@@ -720,7 +720,13 @@ def test_a_resume_keeps_the_runs_identity_and_names_the_key_that_was_set(data_di
                            "resume with seed=0, or start a fresh run under another run_name"),
             (["--data_seed=5"], "a resume cannot change data_seed (5 here: the order of the batches)"),
             (["--seed=5", "--data_seed=6"], "was trained with seed=0, data_seed=0; a resume cannot change seed (5 here: "
-                                            "the initial weights) or data_seed (6 here: the order of the batches)")):
+                                            "the initial weights) or data_seed (6 here: the order of the batches)"),
+            # round five: max_tokens and batch_tokens changed trained half the asked tokens, while config.json and
+            # the summary (steps x batch_tokens, as the tools count) overstated them
+            (["--batch_tokens=512", "--max_steps=0", "--max_tokens=4096"],
+             "was trained with batch_tokens=256; a resume cannot change batch_tokens (512 here: the tokens of a step: a "
+             "run's tokens are its steps x batch_tokens, as its summary and the tools count them): resume with "
+             "batch_tokens=256")):
         with pytest.raises(CheckpointError, match=re.escape(message)):
             run(data_dir, straight.parent, "--run_name=straight", "--resume=true", *args)
     with pytest.raises(CheckpointError, match="a resume cannot change seed"):  # from another run's checkpoint too
