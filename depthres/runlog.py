@@ -7,10 +7,13 @@ each start of a run, fresh or resumed, is a "start" record of the commit, torch,
 
 import json
 import math
+import os
 import re
 import socket
 import subprocess
+import sys
 import time
+from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,7 +36,13 @@ class RunLog:
         if not self.enabled:
             return
         if line is not None:
-            print(line, flush=True)
+            try:
+                print(line, flush=True)
+            except OSError as e:  # stdout failed (a full disk, a closed pipe: `| head`): the run goes on, unprinted
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                with suppress(OSError):
+                    print(f"note: stdout failed ({e.strerror or e}); the run goes on without printing, and "
+                          f"{self.path} keeps every record", file=sys.stderr, flush=True)
         if record is not None:
             with writing(self.path, RunDirError), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -3,6 +3,7 @@ the schedules; one synchronisation per step, prefetched batches, DDP buffers, TF
 
 import json
 import math
+import os
 import random
 import re
 
@@ -17,7 +18,7 @@ from depthres.run import DeviceBatches, DivergedError, Run
 from depthres.token_data import load_meta
 from prepare_data import prepare
 
-from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, losses, records, run, steps, two_ranks, untimed
+from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, ROOT, losses, records, run, steps, two_ranks, untimed
 
 
 @pytest.mark.parametrize("ranks_args", [[], pytest.param(["--activation_checkpointing=true"], marks=pytest.mark.slow)],
@@ -287,3 +288,27 @@ def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tm
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + (mine if rank == 0 else elsewhere) + ["--resume=true"])
     assert (rc0, rc1) == (1, 1)
     assert err0 == err1 and err0.startswith(f"error: {ckpt} is not a readable checkpoint") and err0.count("\n") == 1
+
+
+@pytest.mark.parametrize("stdout", ["full", "closed pipe"])
+def test_a_failing_stdout_does_not_stop_the_run(data_dir, tmp_path, stdout):
+    """stdout on a full disk, or a pipe whose reader left (`| head`): train.py died with a traceback and no
+    checkpoint. The run goes on without printing, says so once on stderr, and log.jsonl keeps every record."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "train.py", CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=x"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if stdout == "full":
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        rc, err = p.returncode, p.stderr
+    else:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p.stdout.close()  # the reader leaves before the first line
+        err = p.stderr.read()
+        rc = p.wait(timeout=300)
+    assert rc == 0 and "Traceback" not in err, err
+    assert re.search(r"note: stdout failed \((No space left on device|Broken pipe)\); the run goes on without printing, "
+                     r"and .*log.jsonl keeps every record", err), err
+    assert steps(tmp_path / "x") == [1, 2, 3, 4, 5, 6] and (tmp_path / "x" / "summary.json").is_file()
