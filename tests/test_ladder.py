@@ -210,3 +210,22 @@ def test_a_design_without_its_rung_is_one_error_line(tmp_path):
     with pytest.raises(SystemExit) as e:
         ladder.main([str(design)])
     assert str(e.value).startswith("error: ") and "rung 'c' is not one of the variants" in str(e.value)
+
+
+@pytest.mark.parametrize("out", ["missing", "a file"])
+def test_an_out_dir_that_is_missing_or_a_file_is_one_warning(tmp_path, capsys, out):
+    """The read-off wrote nothing, and said nothing, when its out_dir was missing or a file: the table is printed,
+    then one warning names what it could not write."""
+    where = tmp_path / "ladder"
+    if out == "a file":
+        where.write_text("a user's file\n")
+    design = tmp_path / "ladder_x.py"
+    design.write_text(f'base = "configs/test.py"\nvariants = {{"a": "", "b": ""}}\nseeds = [0]\nreference = "a"\n'
+                      f'rung = "a"\npairs = {{}}\nout_dir = {str(where)!r}\n')
+    assert ladder.main([str(design)]) == 0
+    captured = capsys.readouterr()
+    assert "No fit yet" in captured.out
+    why = "no such directory" if out == "missing" else "not a directory"
+    assert captured.err == (f"warning: could not write ladder.md, ladder.json, ladder.png in {where} ({why}); "
+                            "the read-off above is complete\n")
+    assert not where.exists() if out == "missing" else where.read_text() == "a user's file\n"

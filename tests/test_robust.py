@@ -526,3 +526,28 @@ def test_a_read_only_out_dir_is_one_warning_as_in_a_sweep(tmp_path, read_only, c
     assert err == (f"warning: could not write robust.md, robust.json{plot} in {out} (read-only file system); "
                    "the report above is complete\n")
     assert not any((out / f).exists() for f in REPORT_FILES)
+
+
+def test_odd_run_files_are_unfinished_runs_and_a_bad_bench_file_is_one_line(tmp_path):
+    """robust (and the ladder, which reads runs the same way: tools.rundirs.finished_run) crashed on run files
+    that are not train.py's: a summary.json that is a list, a step that is text, a config.json without its
+    train keys, a model config no model.py builds, an lr that is missing. Such a run is unfinished (listed as
+    such), never read; a bench file that is not tools.bench's is one `error:` line."""
+    fake_run(tmp_path, "standard", 0, 2.0, 4)
+    d = tmp_path / "standard" / "seed0"
+    assert robust.read_run(tmp_path, "standard", 0)["val_loss"] == 2.0
+    odd = [("summary.json", "[1, 2]"), ("summary.json", '{"step": "4", "val_loss": 2.0}'),
+           ("config.json", '{"model": {}}'), ("config.json", json.dumps({"train": {"batch_tokens": 8, "lr": 0.01,
+                                                                                    "min_lr": 0.001}, "model": {"n_layer": "x"}})),
+           ("config.json", json.dumps({"train": {"batch_tokens": BATCH}, "model": dict(TINY)}))]
+    for name, text in odd:
+        kept = (d / name).read_text()
+        (d / name).write_text(text)
+        assert robust.read_run(tmp_path, "standard", 0) is None, (name, text)
+        (d / name).write_text(kept)
+    for text in ("not json", "[]", '{"steps": 3}', '{"steps": [{"variant": "standard"}], "args": []}'):
+        (tmp_path / "bench.json").write_text(text)
+        design = design_file(tmp_path, bench=repr(str(tmp_path / "bench.json")))
+        with pytest.raises(SystemExit, match=rf"^error: bench file {tmp_path / 'bench.json'} is not a tools.bench JSON "
+                                             r"file \(.*\): run python -m tools.bench at the design's size, or drop bench"):
+            robust.bench_ratios(design)

@@ -39,7 +39,7 @@ from depthres.files import write_file
 from tools.diagnose import pyplot, save_figure
 from tools.report import PROVENANCE, provenance, provenance_text, save_outputs, strict_json
 from tools.robust import flops_per_token
-from tools.rundirs import nats, read_json, read_summary, token_unit, whole_split_scores
+from tools.rundirs import finished_run, nats, token_unit, whole_split_scores
 from tools.stats import paired_t, t_quantile
 from tools.sweep import in_root, load_sweep
 
@@ -99,9 +99,10 @@ def read_run(d):
     """A finished, whole-split-scored run: dict(loss on the whole validation split, flops_per_token,
     tokens, and its summary's PROVENANCE fields where it has them), or None (not finished, or not scored
     yet)."""
-    summary, cfg = read_summary(d), read_json(Path(d) / "config.json")
-    if summary is None or cfg is None:
+    run = finished_run(d)
+    if run is None or flops_per_token(run[1]["model"]) is None:  # not finished, or not train.py's files
         return None
+    summary, cfg = run
     val = whole_split_scores(d, summary.get("step")).get("val")
     if val is None:
         return None
@@ -254,13 +255,13 @@ def main(argv=None):
     text = table(result)
     print(text)
     out = Path(spec["out_dir"])
-    if out.is_dir():
-        stale = out / "ladder.png"
-        if not result["fit"] and stale.exists():  # a picture of an older read-off would stand beside this one
-            stale.unlink()
-        save_outputs(out, {"ladder.md": lambda p: write_file(p, (text + "\n").encode()),
-                           "ladder.json": lambda p: write_file(p, (json.dumps(strict_json(result), indent=1) + "\n").encode()),
-                           "ladder.png": lambda p: plot(result, p)}, "the read-off above is complete")
+    stale = out / "ladder.png"
+    if out.is_dir() and not result["fit"] and stale.is_file():  # a picture of an older read-off would stand beside this one
+        stale.unlink()
+    # (an out_dir that is missing or a file: one warning line, as save_outputs says; it wrote nothing, silently)
+    save_outputs(out, {"ladder.md": lambda p: write_file(p, (text + "\n").encode()),
+                       "ladder.json": lambda p: write_file(p, (json.dumps(strict_json(result), indent=1) + "\n").encode()),
+                       "ladder.png": lambda p: plot(result, p)}, "the read-off above is complete")
     return 0
 
 

@@ -570,7 +570,7 @@ def save_outputs(out, outputs, done="the tables above are complete"):
     `warning:` line on stderr, after what was printed (a missing `out` too: it holds the runs, so a
     report never makes one). Returns the names not written."""
     if not Path(out).is_dir():
-        problems = {name: "no such directory" for name in outputs}
+        problems = {name: "not a directory" if Path(out).exists() else "no such directory" for name in outputs}
     else:
         problems = {name: why for name, write in outputs.items() if (why := save_output(Path(out) / name, write))}
     if problems:

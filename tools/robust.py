@@ -70,15 +70,15 @@ from pathlib import Path
 
 import torch
 
+from depthres.config import model_config
 from depthres.files import write_file
-from model import GPTConfig
 from model_fast import make_model
 from tools import sweep
 from tools.multiplier import bootstrap, fit_ladder, inside, multiple
 from tools.report import PROVENANCE, provenance, save_outputs
 from tools.robust_design import SCORES, STAGES, bench_path, check_design_runs, load_design, lr_name, stage_spec, steps_name
 from tools.robust_report import plot, render, strict
-from tools.rundirs import token_unit, whole_split_scores
+from tools.rundirs import finished_run, finite, token_unit, whole_split_scores
 from tools.stats import holm, paired_t
 
 # --- the runs ---------------------------------------------------------------------------------------
@@ -86,13 +86,17 @@ from tools.stats import holm, paired_t
 _FLOPS = {}
 
 
-def flops_per_token(model_config):
+def flops_per_token(settings):
     """model.GPT.flops_per_token() of a run's config.json "model" dict (built on the meta device: no
-    weights are allocated). Depth attention's elementwise work is not in this count."""
-    key = json.dumps(model_config, sort_keys=True)
+    weights are allocated; None: not a model config train.py writes). Depth attention's elementwise work is
+    not in this count."""
+    key = json.dumps(settings, sort_keys=True)
     if key not in _FLOPS:
-        with torch.device("meta"):
-            _FLOPS[key] = make_model(GPTConfig(**model_config)).flops_per_token()
+        try:
+            with torch.device("meta"):
+                _FLOPS[key] = make_model(model_config(settings)).flops_per_token()
+        except (ValueError, TypeError):  # not a model config train.py writes (ConfigError, a value of another type)
+            _FLOPS[key] = None
     return _FLOPS[key]
 
 
@@ -102,15 +106,14 @@ def read_run(out_dir, name, seed, score="val"):
     "val", the logged eval_tokens prefix (summary.json) for "val_prefix". The summary's PROVENANCE fields
     come with it where it has them."""
     d = Path(out_dir) / name / f"seed{seed}"
-    try:
-        summary = json.loads((d / "summary.json").read_text())
-        cfg = json.loads((d / "config.json").read_text())
-    except (OSError, ValueError):
+    run = finished_run(d)
+    f = run and flops_per_token(run[1]["model"])
+    if not f or not all(finite(run[1]["train"].get(k)) for k in ("lr", "min_lr")):  # not finished, or not train.py's
         return None
-    steps, bt = summary.get("step"), cfg["train"]["batch_tokens"]
-    f = flops_per_token(cfg["model"])
+    (summary, cfg), steps = run, run[0]["step"]
+    bt = cfg["train"]["batch_tokens"]
     whole = whole_split_scores(d, steps) if score == "val" else {}
-    val, test = (whole.get("val"), whole.get("test")) if score == "val" else (summary["val_loss"], summary.get("test_loss"))
+    val, test = (whole.get("val"), whole.get("test")) if score == "val" else (summary.get("val_loss"), summary.get("test_loss"))
     return dict(name=name, seed=seed, dir=f"{name}/seed{seed}", val_loss=val,
                 test_loss=test, params=summary.get("params"), seconds=summary.get("seconds"),
                 steps=steps, tokens=steps * bt, lr=cfg["train"]["lr"], min_lr=cfg["train"]["min_lr"],
@@ -325,12 +328,18 @@ def bench_ratios(design):
     interleaves its repeats; its ratios are the only wall-clock numbers this report uses)."""
     if design["bench"] is None:
         return None
-    b = json.loads(bench_path(design["bench"]).read_text())
-    steps = {s["variant"]: s for s in b["steps"]}
+    path = bench_path(design["bench"])
+    try:
+        b = json.loads(path.read_text())
+        steps = {s["variant"]: s for s in b["steps"] if isinstance(s.get("speed_ratio"), float)
+                 and len(s.get("speed_ratio_quartiles", ())) == 2}
+        size = {k: b["args"].get(k) for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "vocab_size",
+                                               "compile")}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise SystemExit(f"error: bench file {path} is not a tools.bench JSON file ({type(e).__name__}: {e}): "
+                         "run python -m tools.bench at the design's size, or drop bench from the design") from None
     ref = steps.get(bench_name(design["variants"][design["reference"]]))
-    out = dict(file=str(design["bench"]), device=b.get("device"), dtype=b.get("dtype"),
-               size={k: b["args"].get(k) for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size",
-                                                   "vocab_size", "compile")}, variants={})
+    out = dict(file=str(design["bench"]), device=b.get("device"), dtype=b.get("dtype"), size=size, variants={})
     for v, ov in design["variants"].items():
         s = steps.get(bench_name(ov))
         if s and ref:  # the ratio against the bench's standard, re-based on the design's reference

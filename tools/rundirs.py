@@ -35,6 +35,21 @@ def finite(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def finished_run(d):
+    """(summary, config) of a finished train.py run directory, each a dict with what every report reads (the
+    summary's whole step, the config's train dict with a positive batch_tokens, its model dict), or None: not
+    finished, or files that are not train.py's (torn, foreign, odd), which the reports count as unfinished
+    rather than read."""
+    summary, cfg = read_summary(d), read_json(Path(d) / "config.json")
+    if summary is None or cfg is None:
+        return None
+    train, model, step = cfg.get("train"), cfg.get("model"), summary.get("step")
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0 and isinstance(train, dict)
+            and isinstance(model, dict) and finite(train.get("batch_tokens")) and train["batch_tokens"] > 0):
+        return None
+    return summary, cfg
+
+
 def token_unit(dirs):
     """What one token of the runs in `dirs` is, from their config.json's tokenizer: "byte" (the byte
     tokenizer), "token" (any other), or None (no config.json says, or the runs are of both kinds)."""
