@@ -889,5 +889,6 @@ def test_a_shard_replaced_by_a_directory_is_one_line_and_overwrite_deletes_nothi
     source = next(data_dir.parent.glob("*.jsonl"))
     assert main(["--data_files", str(source), "--tokenizer", "byte", "--out_dir", str(out), "--overwrite"]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {shard} is a directory, where prepare_data.py keeps a file of its own: move or remove it, then run again\n"
+    assert err == (f"error: {shard} is a directory, where prepare_data.py keeps a file of its own: move or remove it, "
+                   "then run again\n")
     assert sorted(p.name for p in out.iterdir()) == before and (out / "train_000000.bin").is_file()

@@ -537,8 +537,8 @@ def test_odd_run_files_are_unfinished_runs_and_a_bad_bench_file_is_one_line(tmp_
     d = tmp_path / "standard" / "seed0"
     assert robust.read_run(tmp_path, "standard", 0)["val_loss"] == 2.0
     odd = [("summary.json", "[1, 2]"), ("summary.json", '{"step": "4", "val_loss": 2.0}'),
-           ("config.json", '{"model": {}}'), ("config.json", json.dumps({"train": {"batch_tokens": 8, "lr": 0.01,
-                                                                                    "min_lr": 0.001}, "model": {"n_layer": "x"}})),
+           ("config.json", '{"model": {}}'),
+           ("config.json", json.dumps({"train": {"batch_tokens": 8, "lr": 0.01, "min_lr": 0.001}, "model": {"n_layer": "x"}})),
            ("config.json", json.dumps({"train": {"batch_tokens": BATCH}, "model": dict(TINY)}))]
     for name, text in odd:
         kept = (d / name).read_text()
