@@ -418,10 +418,11 @@ def renamed(key):
     return key
 
 
-def load_model(path_or_run_dir, device="cpu"):
-    """(the model of a checkpoint file or run directory, in eval mode on `device`; the checkpoint dict).
-    No readable checkpoint, or a model this model.py cannot build or load, is one CheckpointError line."""
-    ckpt = load_checkpoint(path_or_run_dir)
+def load_model(path_or_run_dir, device="cpu", ckpt=None):
+    """(the model of a checkpoint file or run directory, in eval mode on `device`; the checkpoint dict; ckpt:
+    that dict, already read, e.g. a sharded checkpoint gathered by fsdp.whole_checkpoint). No readable
+    checkpoint, or a model this model.py cannot build or load, is one CheckpointError line."""
+    ckpt = load_checkpoint(path_or_run_dir) if ckpt is None else ckpt
     try:
         mc = model_config(ckpt["model_config"], CheckpointError)
         weights, wte = ckpt["model"], ckpt["model"].get("wte.weight")

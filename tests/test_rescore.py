@@ -8,7 +8,7 @@ import pytest
 from depthres.token_data import load_meta
 from tools import rescore
 
-from runs import records, run
+from runs import records, run, sharded_copy
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +160,15 @@ def test_a_read_only_run_directory_is_said_first_and_the_scores_still_print(copy
     out, err = capsys.readouterr()
     assert out.startswith(f"{copy}: step 6, val ") and "(64 tokens)" in out and err == ""
     assert not (copy / "scores.json").exists()
+
+
+def test_an_fsdp_run_s_sharded_checkpoint_is_scored_without_an_export(finished, tmp_path, capsys):
+    """A sweep of FSDP runs was never scored on the whole splits: rescore (and the command the sweep suggests)
+    refused a sharded checkpoint, asking for an export. It gathers the shards in its own process instead, and
+    scores them as the single file: the same numbers."""
+    sharded = sharded_copy(finished, tmp_path / "sharded")
+    assert rescore.main([str(sharded), "--tokens", "1024"]) == 0
+    assert rescore.main([str(finished), "--tokens", "1024", "--force"]) == 0
+    capsys.readouterr()
+    a, b = (json.loads((d / "scores.json").read_text()) for d in (sharded, finished))
+    assert {s: a[s] for s in ("val", "test", "step")} == {s: b[s] for s in ("val", "test", "step")}

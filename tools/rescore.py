@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from depthres.checkpoint import CheckpointError, load_model
+from depthres.checkpoint import CheckpointError, load_model, locate
 from depthres.distributed import Dist
 from depthres.files import check_writable, os_error_message, write_file
+from depthres.fsdp import whole_checkpoint
 from depthres.run import evaluate
 from depthres.token_data import DataError, get_tokenizer, load_meta
 from tools.diagnose import find_data_dir
@@ -97,7 +98,8 @@ def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir
     that the run directory takes a file: if not, its `error:` line is printed then, the run is scored,
     and NotSaved carries the scores)."""
     path = Path(path)
-    model, ckpt = load_model(path)
+    kind, where = locate(path, prefer_sharded=False)  # an FSDP run's shards are gathered here: no export needed
+    model, ckpt = load_model(path, ckpt=whole_checkpoint(where) if kind == "sharded" else None)
     data, own = run_data(ckpt, data_dir)
     out = path / "scores.json"
     if not force and up_to_date(out, ckpt, splits, max_tokens, data):

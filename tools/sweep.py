@@ -478,10 +478,11 @@ def run_all(spec, launcher):
 
 
 def unscored(spec, variant, seed):
-    """Whether a finished run lacks its whole-split scores (and has the single-file checkpoint to score)."""
+    """Whether a finished run lacks its whole-split scores (and has a checkpoint to score: ckpt.pt, or an FSDP
+    run's sharded one, which tools/rescore.py gathers)."""
     d = run_dir(spec, variant, seed)
     summary = read_summary(d)
-    return summary is not None and (d / "ckpt.pt").is_file() and \
+    return summary is not None and holds_checkpoint(d) and \
         set(whole_split_scores(d, summary.get("step"))) != {"val", "test"}
 
 
