@@ -69,15 +69,15 @@ from pathlib import Path
 
 import numpy as np
 
+from depthres import Stopped, UserError, cli, os_error_message
 from depthres.config import TrainConfig
-from depthres.files import lock_dir, os_error_message, sync_dir
+from depthres.files import lock_dir, sync_dir
 from depthres.sources import BUILDERS, READ_CHARS, format_of, hub_texts, json_texts, local_files, parquet_texts, text_blocks
 from depthres.token_data import (
     DATA_DIR,
     FORMAT_VERSION,
     SPLITS,
     TOKENIZERS,
-    DataError,
     check_fits_uint16,
     get_tokenizer,
     load_meta,
@@ -103,10 +103,6 @@ FILL_WINDOW = 4  # a lone text's empty val / test take train pieces among its la
 CUT_RULE = {"above_chars": CUT_CHARS, "or_lone": True, "piece_chars": PIECE_CHARS, "long_line_chars": LONG_LINE_CHARS,
             "eot": "before a document, and before a piece whose predecessor went to another split",
             "fill": f"a lone text's empty val, test take its last train pieces (of its last {FILL_WINDOW})"}
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, after prepare() cleaned up: the message says what out_dir holds now."""
 
 
 # -----------------------------------------------------------------------------
@@ -327,21 +323,21 @@ def _setting(meta, key):
 
 
 def _up_to_date(out_dir, settings):
-    """True if out_dir holds exactly this preparation; DataError if it holds one that would be lost."""
+    """True if out_dir holds exactly this preparation; UserError if it holds one that would be lost."""
     shards = [p for p in _our_files(out_dir) if p.suffix == ".bin"]
     meta = load_meta(out_dir) if (out_dir / "meta.json").exists() else None
     old = meta or (read_header(shards[0]) if shards else None)
     if old is None:
         return False
     if old["tokenizer_fingerprint"] != settings["tokenizer_fingerprint"]:
-        raise DataError(f"{out_dir} holds shards from tokenizer {old['tokenizer']!r}, not {settings['tokenizer']!r}: "
+        raise UserError(f"{out_dir} holds shards from tokenizer {old['tokenizer']!r}, not {settings['tokenizer']!r}: "
                         "pass --overwrite to replace them, or choose another --out_dir")
     if meta is None:
         return False  # shards without meta.json are what an interrupted run left: nothing to lose
     if {k: _setting(meta, k) for k in SETTINGS} == settings:
         return True
     changed = ", ".join(k for k in SETTINGS if _setting(meta, k) != settings[k])
-    raise DataError(f"{out_dir} holds data prepared with other settings ({changed}): "
+    raise UserError(f"{out_dir} holds data prepared with other settings ({changed}): "
                     "pass --overwrite to replace it, or choose another --out_dir")
 
 
@@ -371,7 +367,7 @@ class ShardWriter:
         if self.fill == 0:
             return
         if len(self.files) == MAX_SHARDS:
-            raise DataError(f"--shard_tokens {len(self.buf):,} cuts the {self.split} split into more than {MAX_SHARDS:,} "
+            raise UserError(f"--shard_tokens {len(self.buf):,} cuts the {self.split} split into more than {MAX_SHARDS:,} "
                             "shards (a file each): raise --shard_tokens (default 1e8)")
         shard = self.buf[:self.fill]
         for i in range(0, len(shard), 1 << 22):  # bincount works on int64 copies: a slice at a time, not the shard
@@ -402,10 +398,10 @@ def _tokenize(documents, tok, out_dir, shard_tokens, num_proc, val_fraction, tes
 
 def _check_out_dir(out_dir):
     if out_dir.is_symlink() and not out_dir.exists():
-        raise DataError(f"--out_dir {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist: "
+        raise UserError(f"--out_dir {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist: "
                         "create that directory, or pass another --out_dir")
     if out_dir.exists() and not out_dir.is_dir():
-        raise DataError(f"--out_dir {out_dir} is a file, not a directory")
+        raise UserError(f"--out_dir {out_dir} is a file, not a directory")
 
 
 def prepare(dataset=None, name=None, data_files=None, source_split="train", text_column="text",
@@ -418,10 +414,10 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     tok = get_tokenizer(tokenizer)
     check_fits_uint16(tok)
     if val_fraction + test_fraction >= 1:
-        raise DataError(f"--val_fraction {val_fraction} + --test_fraction {test_fraction} leaves no documents for "
+        raise UserError(f"--val_fraction {val_fraction} + --test_fraction {test_fraction} leaves no documents for "
                         "the train split: keep their sum below 1")
     if not 1 <= shard_tokens <= MAX_SHARD_TOKENS:
-        raise DataError(f"--shard_tokens {shard_tokens:g} is out of range: a shard is assembled in memory (2 bytes "
+        raise UserError(f"--shard_tokens {shard_tokens:g} is out of range: a shard is assembled in memory (2 bytes "
                         f"a token), so use 1 to {MAX_SHARD_TOKENS:,} (default 1e8)")
     if val_fraction == 0:
         print("warning: --val_fraction 0 leaves the val split empty: train.py evaluates on it and refuses such data; "
@@ -435,9 +431,9 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     local = dataset is None or dataset in set(BUILDERS.values())
     if local:
         if not data_files:
-            raise DataError(f"--dataset {dataset} reads local files: pass them with --data_files")
+            raise UserError(f"--dataset {dataset} reads local files: pass them with --data_files")
         if source_split != "train":
-            raise DataError(f"--source_split {source_split} names a split of a hub dataset; local files are read "
+            raise UserError(f"--source_split {source_split} names a split of a hub dataset; local files are read "
                             "whole: drop it")
         data_files = local_files(data_files)
         dataset = dataset or format_of(data_files)
@@ -450,7 +446,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     _check_out_dir(out_dir)
     for f in data_files if local else ():
         if out_dir.resolve() in Path(f).parents:
-            raise DataError(f"source file {f} lies inside --out_dir {out_dir}, whose files prepare_data.py writes "
+            raise UserError(f"source file {f} lies inside --out_dir {out_dir}, whose files prepare_data.py writes "
                             "and replaces: move the source out of it, or choose another --out_dir")
     source = {"dataset": dataset, "name": name, "data_files": data_files,
               "split": source_split, "text_column": text_column}
@@ -461,8 +457,8 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(os_error_message(e, out_dir)) from None
-    lock = lock_dir(out_dir, "prepare_data.py run", DataError)
+        raise UserError(os_error_message(e, out_dir)) from None
+    lock = lock_dir(out_dir, "prepare_data.py run", UserError)
     staging, swapping = out_dir / STAGING, False  # swapping: out_dir's previous preparation is being replaced
     had = (out_dir / "meta.json").exists()
     try:
@@ -470,7 +466,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         odd = next((p for p in _our_files(out_dir) if p.is_symlink() or not p.is_file()), None)
         if odd is not None:  # (before any compute, and before --overwrite removes a shard)
             kind = "a symbolic link" if odd.is_symlink() else "a directory" if odd.is_dir() else "not a regular file"
-            raise DataError(f"{odd} is {kind}, where prepare_data.py keeps a file of its own: move or remove it, then "
+            raise UserError(f"{odd} is {kind}, where prepare_data.py keeps a file of its own: move or remove it, then "
                             "run again")
         if not overwrite and _up_to_date(out_dir, settings):
             print(f"{out_dir} is already prepared from this source with these settings (--overwrite rebuilds it)")
@@ -479,22 +475,22 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         try:
             staging.mkdir()
         except OSError as e:
-            raise DataError(os_error_message(e, staging) + kept) from None
+            raise UserError(os_error_message(e, staging) + kept) from None
         cut = {"documents": 0, "pieces": 0, "lone": False}
         try:
             documents = _documents(dataset, name, data_files, local, source_split, text_column, streaming)
             t0 = time.time()
             writers = _tokenize(documents, tok, staging, shard_tokens, num_proc, val_fraction, test_fraction, cut)
             if sum(w.docs for w in writers.values()) == 0:
-                raise DataError(f"source {dataset} {data_files or name or ''} has no documents with text "
+                raise UserError(f"source {dataset} {data_files or name or ''} has no documents with text "
                                 f"in column {text_column!r}: pass a non-empty source")
             if writers["train"].tokens == 0:
-                raise DataError(f"the train split is empty: all {sum(w.docs for w in writers.values())} documents went "
+                raise UserError(f"the train split is empty: all {sum(w.docs for w in writers.values())} documents went "
                                 "to val or test; lower --val_fraction / --test_fraction, or pass more documents")
-        except DataError as e:
-            raise DataError(f"{e}{kept}") from None
-        except OSError as e:  # reading raises DataError, and writing a shard does too: this is something else
-            raise DataError(f"{type(e).__name__} while preparing into {staging}: {e}{kept}") from None
+        except UserError as e:
+            raise UserError(f"{e}{kept}") from None
+        except OSError as e:  # reading raises UserError, and writing a shard does too: this is something else
+            raise UserError(f"{type(e).__name__} while preparing into {staging}: {e}{kept}") from None
         splits = {s: {"docs": w.docs, "tokens": w.tokens, "shards": len(w.files), "files": w.files}
                   for s, w in writers.items()}
         baseline = None
@@ -508,7 +504,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         try:
             _swap_in(staging, out_dir)
         except OSError as e:
-            raise DataError(f"{os_error_message(e, out_dir)}, while moving the new preparation into place: "
+            raise UserError(f"{os_error_message(e, out_dir)}, while moving the new preparation into place: "
                             "neither the old one nor the new one is left; run prepare_data.py again") from None
         swapping = False  # done: the new preparation is whole
     except BaseException as e:
@@ -519,11 +515,11 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             (out_dir / ".lock").unlink(missing_ok=True)
             with suppress(OSError):
                 out_dir.rmdir()
-        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Stopped):  # Ctrl-C: say what out_dir holds now
             if swapping:
-                raise Interrupted(f"stopped by Ctrl-C while moving the new preparation into place: {out_dir} holds "
+                raise Stopped(f"stopped by Ctrl-C while moving the new preparation into place: {out_dir} holds "
                                   "neither the old one nor the new one; run prepare_data.py again") from None
-            raise Interrupted(f"stopped by Ctrl-C; {out_dir}'s previous preparation is unchanged" if had else
+            raise Stopped(f"stopped by Ctrl-C; {out_dir}'s previous preparation is unchanged" if had else
                               f"stopped by Ctrl-C; nothing was left in {out_dir}") from None
         raise
     finally:
@@ -602,16 +598,13 @@ def main(argv=None):
     out.add_argument("--shard_tokens", type=_count, default=10**8, help="tokens per shard (1e8 style accepted)")
     out.add_argument("--num_proc", type=_count, default=1, help="tokenizer processes")
     out.add_argument("--overwrite", action="store_true", help="replace what out_dir holds")
-    try:
-        args = parser.parse_args(argv)
-        prepare(**vars(args))
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        print(str(e) if isinstance(e, Interrupted) else "stopped by Ctrl-C; nothing was written", file=sys.stderr)
-        return 130
-    return 0
+
+    def run(argv):
+        try:
+            prepare(**vars(parser.parse_args(argv)))
+        except KeyboardInterrupt as e:  # before prepare() started: nothing to clean up
+            raise e if isinstance(e, Stopped) else Stopped("stopped by Ctrl-C; nothing was written") from None
+    return cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -38,22 +38,18 @@ import argparse
 import codecs
 import hashlib
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from depthres.checkpoint import CheckpointError, load_model
+from depthres import UserError, cli
+from depthres.checkpoint import load_model
 from depthres.config import need
-from depthres.token_data import DataError, get_tokenizer
+from depthres.token_data import get_tokenizer
 
 DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)
-
-
-class UsageError(ValueError):
-    """Bad input (flags, prompt): `error: ...`, exit code 2 (as is a checkpoint that does not fit: CheckpointError)."""
 
 
 # -----------------------------------------------------------------------------
@@ -271,14 +267,14 @@ def parse_args(argv):
 
 
 def check_args(args):
-    need(args.num_samples >= 1, f"--num_samples must be at least 1, got {args.num_samples}", UsageError)
-    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}", UsageError)
-    need(args.max_new_tokens >= 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}", UsageError)
+    need(args.num_samples >= 1, f"--num_samples must be at least 1, got {args.num_samples}", UserError)
+    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}", UserError)
+    need(args.max_new_tokens >= 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}", UserError)
     need(math.isfinite(args.temperature) and args.temperature >= 0,
-         f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}", UsageError)
-    need(args.top_k is None or args.top_k >= 1, f"--top_k must be at least 1, got {args.top_k}", UsageError)
-    need(args.top_p is None or 0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}", UsageError)
-    need(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available", UsageError)
+         f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}", UserError)
+    need(args.top_k is None or args.top_k >= 1, f"--top_k must be at least 1, got {args.top_k}", UserError)
+    need(args.top_p is None or 0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}", UserError)
+    need(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available", UserError)
 
 
 def read_prompt(args):
@@ -286,22 +282,22 @@ def read_prompt(args):
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
-            raise UsageError(f"prompt file {path} not found")
+            raise UserError(f"prompt file {path} not found")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise UsageError(f"prompt file {path} is not UTF-8 text ({e})") from e
+            raise UserError(f"prompt file {path} is not UTF-8 text ({e})") from e
         if not text:
-            raise UsageError(f"prompt file {path} is empty: write a prompt in it, "
+            raise UserError(f"prompt file {path} is empty: write a prompt in it, "
                              "or drop --prompt_file to sample unconditionally")
         return text
     if args.prompt == "":
-        raise UsageError("the prompt is empty: pass some text, or drop --prompt to sample unconditionally")
+        raise UserError("the prompt is empty: pass some text, or drop --prompt to sample unconditionally")
     if args.prompt is not None:
         try:  # argv bytes that are not UTF-8 arrive as lone surrogates
             args.prompt.encode("utf-8")
         except UnicodeEncodeError:
-            raise UsageError("--prompt is not valid UTF-8 text: pass UTF-8, or put the prompt in a UTF-8 file "
+            raise UserError("--prompt is not valid UTF-8 text: pass UTF-8, or put the prompt in a UTF-8 file "
                              "and use --prompt_file") from None
     return args.prompt
 
@@ -313,7 +309,7 @@ def run(args):
     model, ckpt = load_model(args.ckpt, device)
     tokenizer = get_tokenizer(ckpt["tokenizer"])
     if model.cfg.vocab_size < tokenizer.vocab_size:  # its ids would index past the embedding
-        raise CheckpointError(f"{args.ckpt}: the model's vocab_size={model.cfg.vocab_size} is smaller than its "
+        raise UserError(f"{args.ckpt}: the model's vocab_size={model.cfg.vocab_size} is smaller than its "
                               f"tokenizer {tokenizer.name!r}'s {tokenizer.vocab_size} tokens: the checkpoint does not "
                               "match its tokenizer; use an intact copy or another checkpoint")
     prompt_ids = [tokenizer.eot] if text is None else tokenizer.encode(text)
@@ -342,18 +338,8 @@ def run(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (UsageError, CheckpointError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader (`| head`) has what it wants; silence the flush at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    """The command line; its exit status (depthres.cli: a closed stdout, `| head`, ends it quietly)."""
+    return cli(lambda argv: run(parse_args(argv)), argv)
 
 
 if __name__ == "__main__":

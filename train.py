@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
+import depthres
 from depthres.config import parse_config, usage
 from depthres.distributed import ddp, gradient_sync, whole
 from depthres.fsdp import sharded_model
@@ -37,7 +38,6 @@ from depthres.run import (
     DeviceBatches,
     GracefulStop,
     evaluate,
-    exit_status,
     failures,
     open_run,
     restore,
@@ -203,8 +203,9 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    """The command line: exit status 0 done; 1 with one `error:` line; 128 + signal number after a stop."""
-    return exit_status(main, argv)
+    """The command line: exit status 0 done; 2 with one `error:` line; 128 + signal number after a stop
+    (depthres.cli, the exit statuses of every command)."""
+    return depthres.cli(main, argv)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from depthres import UserError
 from depthres.config import model_config, total_steps
 from depthres.files import Lock, lock_dir, write_atomic, writing
 from model import GPTConfig
@@ -47,12 +48,8 @@ IDENTITY_KEYS = {"seed": "the initial weights", "data_seed": "the order of the b
                                  "and the tools count them"}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, unreadable, or does not fit the requested run."""
 
 
-class RunDirError(RuntimeError):
-    """A run directory that is in use, holds another run, or cannot be written (disk full, read-only)."""
 
 
 def rng_state(device):
@@ -141,7 +138,7 @@ def save_checkpoint(path, state):
     """
     state = moved({k: v for k, v in state.items() if k != "checksum"}, "cpu")
     state["checksum"] = checksum(state)
-    write_atomic(path, lambda f: _save(state, f), RunDirError)
+    write_atomic(path, lambda f: _save(state, f), UserError)
 
 
 def _save(state, f):
@@ -200,7 +197,7 @@ def _file_step(path):
     try:  # mapped: only the step is read
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
     except Exception:
-        raise CheckpointError(f"{path} is not a readable checkpoint: it is truncated, corrupt or not a checkpoint; "
+        raise UserError(f"{path} is not a readable checkpoint: it is truncated, corrupt or not a checkpoint; "
                               "use an intact copy or another checkpoint") from None
 
 
@@ -218,7 +215,7 @@ def read_manifest(path):
         manifest = None
     why = manifest_problem(manifest)
     if why is not None:
-        raise CheckpointError(f"{path} is not a whole sharded checkpoint: its {MANIFEST} {why}; use an intact copy "
+        raise UserError(f"{path} is not a whole sharded checkpoint: its {MANIFEST} {why}; use an intact copy "
                               "or another checkpoint")
     return manifest
 
@@ -262,7 +259,7 @@ def verify_files(path, names, files):
         except OSError:
             ok = False
         if not ok:
-            raise CheckpointError(f"{path / name} is missing or corrupt: its contents do not match the checksum in "
+            raise UserError(f"{path / name} is missing or corrupt: its contents do not match the checksum in "
                                   f"{path / MANIFEST} (damaged on disk or in a copy); use an intact copy or another "
                                   "checkpoint")
 
@@ -309,7 +306,7 @@ def read_index(path):
         if module.split(".")[0] == "torch":  # perhaps a torch whose DCP writes more than this reader admits
             wrote = _manifest_torch(path)
             if wrote != torch.__version__:
-                raise CheckpointError(
+                raise UserError(
                     f"{path / INDEX} names {module}.{name}, which this reader does not admit under torch "
                     f"{torch.__version__}; the checkpoint was written by torch {wrote or '(not recorded)'}, whose DCP "
                     "may hold it: read the checkpoint with that torch (requirements.txt states the tested range), "
@@ -317,7 +314,7 @@ def read_index(path):
     except Exception as e:  # not a pickle, or a cut one: nothing outside INDEX_CLASSES was called
         why = f"{type(e).__name__} reading it"
     if why is not None:
-        raise CheckpointError(f"{path / INDEX} is not the index of a sharded checkpoint ({why}): it was not written "
+        raise UserError(f"{path / INDEX} is not the index of a sharded checkpoint ({why}): it was not written "
                               "by train.py, or was altered after; use an intact copy or another checkpoint")
     return index
 
@@ -340,14 +337,14 @@ def read_sharded(path):
     files = manifest["files"]
     short = [n for n, f in files.items() if not (path / n).is_file() or os.path.getsize(path / n) != f["bytes"]]
     if short:
-        raise CheckpointError(f"{path} is incomplete: {', '.join(sorted(short))} missing or of the wrong size; "
+        raise UserError(f"{path} is incomplete: {', '.join(sorted(short))} missing or of the wrong size; "
                               "use an intact copy or another checkpoint")
     verify_files(path, [STATE], files)
     index = read_index(path)  # refused here, before a run starts, if it is not plain data
     named = sorted({getattr(s, "relative_path", None) for s in (index.storage_data or {}).values()} - set(files),
                    key=str)  # a file outside the checkpoint, or one no checksum covers, is never read
     if named:
-        raise CheckpointError(f"{path / INDEX} names {named[0]!r} as a file of the checkpoint, which its {MANIFEST} "
+        raise UserError(f"{path / INDEX} names {named[0]!r} as a file of the checkpoint, which its {MANIFEST} "
                               "does not list: it was not written by train.py, or was altered after; use an intact "
                               "copy or another checkpoint")
     try:
@@ -356,7 +353,7 @@ def read_sharded(path):
         state = f"{type(e).__name__} reading it"
     if not isinstance(state, dict) or state.get("format") != CKPT_FORMAT or any(k not in state for k in STATE_KEYS):
         why = state if isinstance(state, str) else f"a {type(state).__name__} without the keys of format {CKPT_FORMAT!r}"
-        raise CheckpointError(f"{path / STATE} is not a run state ({why}): it was not written by train.py, or was "
+        raise UserError(f"{path / STATE} is not a run state ({why}): it was not written by train.py, or was "
                               "altered after; use an intact copy or another checkpoint")
     check_contents(state, path / STATE)
     return {**state, "world_size": manifest["world_size"], "sharded": path}  # the ranks that wrote it
@@ -370,7 +367,7 @@ def check_contents(state, path):
     if wrong is None and state["step"] < 0:
         wrong = f"its step is {state['step']}, not a whole number >= 0"
     if wrong is not None:
-        raise CheckpointError(f"{path} is not a run's checkpoint ({wrong}): it was not written by train.py, or was "
+        raise UserError(f"{path} is not a run's checkpoint ({wrong}): it was not written by train.py, or was "
                               "altered after; use an intact copy or another checkpoint")
 
 
@@ -382,25 +379,25 @@ def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):
     kind, path = locate(path_or_run_dir, prefer_sharded=sharded)
     if kind == "sharded":
         if not sharded:
-            raise CheckpointError(export_advice(Path(path_or_run_dir)))
+            raise UserError(export_advice(Path(path_or_run_dir)))
         return read_sharded(path)
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}")
+        raise UserError(f"no checkpoint at {path}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's own message may advise weights_only=False, which is unsafe: not quoted
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__} reading it): it is truncated, "
+        raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__} reading it): it is truncated, "
                               "corrupt or not a checkpoint; use an intact copy or another checkpoint") from None
     if not isinstance(ckpt, dict) or "format" not in ckpt:
-        raise CheckpointError(f"{path} is not a train.py checkpoint (no format tag)")
+        raise UserError(f"{path} is not a train.py checkpoint (no format tag)")
     if ckpt["format"] != CKPT_FORMAT:
         older = " (an older train.py's, without a checksum)" if ckpt["format"] == "depthres-ckpt-1" else ""
-        raise CheckpointError(f"{path} has format {ckpt['format']!r}{older}; this train.py reads {CKPT_FORMAT!r}")
+        raise UserError(f"{path} has format {ckpt['format']!r}{older}; this train.py reads {CKPT_FORMAT!r}")
     missing = [k for k in CKPT_KEYS if k not in ckpt]
     if missing:
-        raise CheckpointError(f"{path} lacks {', '.join(missing)}: it is incomplete")
+        raise UserError(f"{path} lacks {', '.join(missing)}: it is incomplete")
     if checksum(ckpt) != ckpt["checksum"]:
-        raise CheckpointError(f"{path} is corrupt: its contents do not match the checksum written with it "
+        raise UserError(f"{path} is corrupt: its contents do not match the checksum written with it "
                               "(damaged on disk or in a copy); use an intact copy or another checkpoint")
     check_contents(ckpt, path)
     ckpt["model"] = {renamed(k): v for k, v in ckpt["model"].items()}  # written under older names: today's
@@ -421,10 +418,10 @@ def renamed(key):
 def load_model(path_or_run_dir, device="cpu", ckpt=None):
     """(the model of a checkpoint file or run directory, in eval mode on `device`; the checkpoint dict; ckpt:
     that dict, already read, e.g. a sharded checkpoint gathered by fsdp.whole_checkpoint). No readable
-    checkpoint, or a model this model.py cannot build or load, is one CheckpointError line."""
+    checkpoint, or a model this model.py cannot build or load, is one UserError line."""
     ckpt = load_checkpoint(path_or_run_dir) if ckpt is None else ckpt
     try:
-        mc = model_config(ckpt["model_config"], CheckpointError)
+        mc = model_config(ckpt["model_config"], UserError)
         weights, wte = ckpt["model"], ckpt["model"].get("wte.weight")
         layers = len({k.split(".")[1] for k in weights if k.startswith("blocks.")})
         if layers != mc.n_layer or wte is None or tuple(wte.shape) != (mc.vocab_size, mc.n_embd):  # before a model
@@ -436,7 +433,7 @@ def load_model(path_or_run_dir, device="cpu", ckpt=None):
     except (TypeError, ValueError, RuntimeError) as e:  # torch's load_state_dict: a line per mismatch, the first said
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         first = " ".join(lines[:2]) + (f" (and {len(lines) - 2} more)" if len(lines) > 2 else "")
-        raise CheckpointError(f"{path_or_run_dir}: the checkpoint's model does not fit this model.py: {first}") from None
+        raise UserError(f"{path_or_run_dir}: the checkpoint's model does not fit this model.py: {first}") from None
     return model.to(device).eval(), ckpt
 
 
@@ -452,7 +449,7 @@ def check_resumable(ckpt, path, mc, tokenizer, last_step=None, tc=None):
     step this run reaches (last_step: the run's last step, None: not checked), with the same identity
     (IDENTITY_KEYS of tc, the run's TrainConfig; None: not checked)."""
     if ckpt["tokenizer"] != tokenizer:  # first: another vocabulary would also be another model
-        raise CheckpointError(f"checkpoint {path} was trained on {ckpt['tokenizer']!r} tokens, "
+        raise UserError(f"checkpoint {path} was trained on {ckpt['tokenizer']!r} tokens, "
                               f"but data_dir holds {tokenizer!r} tokens")
     # a key an older checkpoint lacks had its default then (keys are only ever added with the old behaviour)
     have = {**{f.name: f.default for f in fields(GPTConfig)}, **ckpt["model_config"]}
@@ -466,18 +463,18 @@ def check_resumable(ckpt, path, mc, tokenizer, last_step=None, tc=None):
             if k == "block_size" and tc is not None and (there, here) == (old_len, tc.seq_len):
                 return f"seq_len: {there!r} there, {here!r} here (the model's block_size follows it)"
             return f"{k}: {there!r} there, {here!r} here"
-        raise CheckpointError(f"checkpoint {path} holds another model ({', '.join(map(detail, differ))}); resume "
+        raise UserError(f"checkpoint {path} holds another model ({', '.join(map(detail, differ))}); resume "
                               f"with its config, or start a fresh run under another run_name")
     if tc is not None:
         changed = [k for k in IDENTITY_KEYS if ckpt["train_config"].get(k, getattr(tc, k)) != getattr(tc, k)]
         if changed:
             there = ", ".join(f"{k}={ckpt['train_config'][k]}" for k in changed)
-            raise CheckpointError(
+            raise UserError(
                 f"checkpoint {path} was trained with {there}; a resume cannot change "
                 f"{' or '.join(f'{k} ({getattr(tc, k)} here: {IDENTITY_KEYS[k]})' for k in changed)}: resume with "
                 f"{there}, or start a fresh run under another run_name")
     if last_step is not None and ckpt["step"] > last_step:
-        raise CheckpointError(f"checkpoint {path} is at step {ckpt['step']}, past this run's last step {last_step}: "
+        raise UserError(f"checkpoint {path} is at step {ckpt['step']}, past this run's last step {last_step}: "
                               f"resume with max_steps >= {ckpt['step']} (or a larger max_tokens)")
 
 
@@ -500,7 +497,7 @@ def read_log(path, last_step, finished=False):
     if not path.exists():
         return []
     kept, torn = [], []
-    with writing(path, RunDirError):
+    with writing(path, UserError):
         lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
     for n, line in enumerate(lines, 1):
         try:
@@ -530,7 +527,7 @@ def never_started(run_dir, held):
 def logged_compute(log):
     """Whether a log.jsonl holds a record of anything computed: a line that is not a "start" record
     (provenance, written before step 1; a torn line counts as computed)."""
-    with writing(log, RunDirError):
+    with writing(log, UserError):
         lines = log.read_bytes().splitlines() if log.exists() else []
     for line in filter(bytes.strip, lines):
         try:
@@ -561,9 +558,9 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
     if source is not None and not continuing:  # a new run here, from another run's checkpoint
         ckpt = load_checkpoint(source, sharded=True)
         check_resumable(ckpt, source, mc, tokenizer, last_step, tc)
-    with writing(run_dir, RunDirError):
+    with writing(run_dir, UserError):
         run_dir.mkdir(parents=True, exist_ok=True)
-    lock = lock_dir(run_dir, "run", RunDirError)
+    lock = lock_dir(run_dir, "run", UserError)
     try:
         if source == run_dir and not holds_checkpoint(run_dir) and not (run_dir / "summary.json").exists():
             # resume=true, stopped (or never started) before its first checkpoint: nothing to continue, so
@@ -586,7 +583,7 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
             ways = ("continue it with --resume=true, or start over with --overwrite=true"
                     if {"ckpt.pt", "ckpt"} & set(held) and source is None else
                     "replace it with --overwrite=true, or choose another run_name")
-            raise RunDirError(f"{run_dir} already holds a run ({', '.join(held)}): {ways}")
+            raise UserError(f"{run_dir} already holds a run ({', '.join(held)}): {ways}")
         return Claim(lock, ckpt, False, [])
     except BaseException:
         lock.release()

@@ -20,14 +20,13 @@ from contextlib import suppress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from depthres import UserError
 from model import DAR_STREAMS, RD_MODES, RESIDUALS, DeltaAttnRes, DenseFormer, DualAttnRes, GPTConfig, RDAttnRes
 
 FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 TRAINING_BYTES_PER_PARAM = 16  # float32 weight and gradient, AdamW's two moments (docs/training.md)
 
 
-class ConfigError(ValueError):
-    """A bad config file, override or combination of keys."""
 
 
 def control_character(text):
@@ -39,15 +38,15 @@ def control_character(text):
 
 
 def check_printable(name, text, error=None):
-    """Raise `error` (ConfigError) when `text`, the value of `name`, holds a control character."""
+    """Raise `error` (UserError) when `text`, the value of `name`, holds a control character."""
     found = control_character(text)
     if found is not None:
-        raise (error or ConfigError)(
+        raise (error or UserError)(
             f"{name} holds a control character ({found[1]!r} at position {found[0]}), got {text!r}: names that "
             "are printed or become paths may not hold newlines, escapes or other control characters")
 
 
-def need(ok, message, error=ConfigError):
+def need(ok, message, error=UserError):
     """Raise error(message) unless ok: bad input is one line, said before any compute."""
     if not ok:
         raise error(message)
@@ -174,7 +173,7 @@ def convert(name, value, typ):
                 return int(value)
             if float(value).is_integer():  # 1e5, 2.0
                 return int(float(value))
-    raise ConfigError(f"{name} expects {'true/false/1/0' if typ is bool else type_name(typ)}, got {value!r}")
+    raise UserError(f"{name} expects {'true/false/1/0' if typ is bool else type_name(typ)}, got {value!r}")
 
 
 def check_key(name, where):
@@ -182,21 +181,21 @@ def check_key(name, where):
         return name
     close = difflib.get_close_matches(name, [*TRAIN_TYPES, *MODEL_TYPES], n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    raise ConfigError(f"unknown key {name!r} in {where}{hint} (python train.py --help lists every key)")
+    raise UserError(f"unknown key {name!r} in {where}{hint} (python train.py --help lists every key)")
 
 
 def read_config_file(path):
     """The keys a config file assigns (its names that are not private, modules, functions or classes)."""
     if not Path(path).is_file():
-        raise ConfigError(f"config file {path} not found")
+        raise UserError(f"config file {path} not found")
     try:
         names = runpy.run_path(str(path))
     except SyntaxError as e:
-        raise ConfigError(f"config file {path}, line {e.lineno}: syntax error: {e.msg}") from None
+        raise UserError(f"config file {path}, line {e.lineno}: syntax error: {e.msg}") from None
     except (Exception, SystemExit) as e:  # the file ran and raised (or called sys.exit): name its line
         line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
                      if Path(f.filename).resolve() == Path(path).resolve()), "?")
-        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}") from None
+        raise UserError(f"config file {path}, line {line}: {type(e).__name__}: {e}") from None
     return {k: v for k, v in names.items()  # (what it imports or defines to compute with is no key)
             if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
 
@@ -204,14 +203,14 @@ def read_config_file(path):
 def parse_config(argv):
     """argv = [CONFIG, --key=value, ...] -> (TrainConfig, the model keys that were set)."""
     if not argv or argv[0].startswith("-"):
-        raise ConfigError("usage: python train.py CONFIG [--key=value ...]  (--help lists the keys)")
+        raise UserError("usage: python train.py CONFIG [--key=value ...]  (--help lists the keys)")
     path, overrides = argv[0], argv[1:]
     settings = {}
     for name, value in read_config_file(path).items():
         settings[check_key(name, path)] = value
     for arg in overrides:
         if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"expected --key=value, got {arg!r}")
+            raise UserError(f"expected --key=value, got {arg!r}")
         name, value = arg[2:].split("=", 1)
         settings[check_key(name, "the command line")] = value
     settings = {k: convert(k, v, TRAIN_TYPES.get(k) or MODEL_TYPES[k]) for k, v in settings.items()}
@@ -225,14 +224,14 @@ def build_model_config(model_settings, tc, meta):
     a multiple of 64, block_size to seq_len."""
     kv = {"vocab_size": 64 * math.ceil(meta["vocab_size"] / 64), "block_size": tc.seq_len, **model_settings}
     if kv["vocab_size"] < meta["vocab_size"]:
-        raise ConfigError(f"vocab_size={kv['vocab_size']} is smaller than the {meta['tokenizer']} "
+        raise UserError(f"vocab_size={kv['vocab_size']} is smaller than the {meta['tokenizer']} "
                           f"tokenizer's {meta['vocab_size']}")
     if kv["block_size"] < tc.seq_len:
-        raise ConfigError(f"block_size={kv['block_size']} is shorter than seq_len={tc.seq_len}")
+        raise UserError(f"block_size={kv['block_size']} is shorter than seq_len={tc.seq_len}")
     try:
         return model_config(kv)
-    except ConfigError as e:
-        raise ConfigError(f"model config: {e}") from None
+    except UserError as e:
+        raise UserError(f"model config: {e}") from None
 
 
 
@@ -242,7 +241,7 @@ FLAG_OWNERS = {"rd_mode": RDAttnRes, "dar_routing": DualAttnRes, "denseformer_di
                "denseformer_period": DenseFormer, "delta_block_size": DeltaAttnRes}
 
 
-def model_config(settings, error=ConfigError):
+def model_config(settings, error=UserError):
     """model.GPTConfig(**settings), each value checked: a bad one is error(one line that says what to do)."""
     unknown = sorted(set(settings) - set(MODEL_TYPES))
     need(not unknown, f"unknown model key {unknown[0]!r}" if unknown else "", error)
@@ -282,7 +281,7 @@ def model_config(settings, error=ConfigError):
 
 def check_memory(mc, tc, world_size):
     """A model whose training state (TRAINING_BYTES_PER_PARAM a parameter, split over the ranks under FSDP)
-    cannot fit in one rank's memory (a GPU's, or the whole host's) is a ConfigError, before any tensor is
+    cannot fit in one rank's memory (a GPU's, or the whole host's) is a UserError, before any tensor is
     allocated: the parameters are counted on the meta device."""
     import torch
 
@@ -297,7 +296,7 @@ def check_memory(mc, tc, world_size):
     else:
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
     if need > have:
-        raise ConfigError(f"the model would have {n:,} parameters ({mc.vocab_size:,} x {mc.n_embd} in the embedding "
+        raise UserError(f"the model would have {n:,} parameters ({mc.vocab_size:,} x {mc.n_embd} in the embedding "
                           f"alone): training them needs about {need / 2**30:,.0f} GiB per rank ({TRAINING_BYTES_PER_PARAM} "
                           f"bytes a parameter{', split over the ranks' if tc.fsdp else ''}), more than the "
                           f"{have / 2**30:,.0f} GiB of {where}; set a smaller vocab_size, n_embd or n_layer")
@@ -307,7 +306,7 @@ def grad_accum_steps(tc, world_size):
     per_micro = tc.batch_size * tc.seq_len * world_size
     if tc.batch_tokens % per_micro:
         fit = max(1, round(tc.batch_tokens / per_micro)) * per_micro
-        raise ConfigError(f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * seq_len * world_size "
+        raise UserError(f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * seq_len * world_size "
                           f"= {tc.batch_size} * {tc.seq_len} * {world_size} = {per_micro} (e.g. batch_tokens={fit})")
     return tc.batch_tokens // per_micro
 

@@ -29,11 +29,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
-from depthres.checkpoint import CheckpointError, RunDirError
-from depthres.config import ConfigError
-from depthres.token_data import DataError
-
-SHARED_ERRORS = (ConfigError, CheckpointError, DataError, RunDirError)  # raised by one rank, said by all
+from depthres import UserError
 
 
 @dataclass
@@ -51,7 +47,7 @@ class Dist:
 def launch_env():
     """(rank, world_size, local_rank) from torchrun's environment, checked: (0, 1, 0) without it. A
     WORLD_SIZE above 1 without the rest of what torchrun sets (a stray export in a shell, say) is one
-    ConfigError line, before anything starts."""
+    UserError line, before anything starts."""
     env = os.environ
 
     def number(name, default, low):
@@ -63,7 +59,7 @@ def launch_env():
         except ValueError:
             n = None
         if n is None or n < low:
-            raise ConfigError(f"{name}={value!r} in the environment is not a whole number >= {low}: torchrun sets it "
+            raise UserError(f"{name}={value!r} in the environment is not a whole number >= {low}: torchrun sets it "
                               f"for each rank; unset it to train in one process")
         return n
 
@@ -71,12 +67,12 @@ def launch_env():
     if world_size > 1:
         missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
         if missing:
-            raise ConfigError(f"WORLD_SIZE={world_size} is set in the environment, but {', '.join(missing)} "
+            raise UserError(f"WORLD_SIZE={world_size} is set in the environment, but {', '.join(missing)} "
                               f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun "
                               f"(torchrun --nproc_per_node={world_size} train.py ...), or unset WORLD_SIZE to train "
                               "in one process")
     if rank >= world_size:
-        raise ConfigError(f"RANK={rank} in the environment is not below WORLD_SIZE={world_size}: start the ranks "
+        raise UserError(f"RANK={rank} in the environment is not below WORLD_SIZE={world_size}: start the ranks "
                           "with torchrun, or unset RANK to train in one process")
     return rank, world_size, local_rank
 
@@ -86,7 +82,7 @@ def setup_distributed(device):
     rank, world_size, local_rank = launch_env()
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
-        raise ConfigError("device=cuda, but CUDA is not available")
+        raise UserError("device=cuda, but CUDA is not available")
     dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:  # float32 matmuls stay float32 (no TF32): the depth routing and the loss are computed in float32
         torch.cuda.set_device(dev)
@@ -99,11 +95,11 @@ def setup_distributed(device):
 
 
 def agreed(dist, fn):
-    """fn() on this rank, its error shared: when fn raises one of SHARED_ERRORS on any rank, every rank
+    """fn() on this rank, its error shared: when fn raises a UserError on any rank, every rank
     raises the first such error, so all of them exit with the same line instead of waiting on the others."""
     try:
         result, error = fn(), None
-    except SHARED_ERRORS as e:
+    except UserError as e:
         result, error = None, e
     if dist.world_size > 1:
         errors = [None] * dist.world_size
@@ -118,7 +114,7 @@ NODE_LOCAL_KEYS = ("out_dir", "data_dir", "resume")  # may differ between ranks:
 
 
 def check_same_keys(dist, keys):
-    """Every rank was started with rank 0's keys (but NODE_LOCAL_KEYS): else, on every rank, one ConfigError
+    """Every rank was started with rank 0's keys (but NODE_LOCAL_KEYS): else, on every rank, one UserError
     line that names the first rank that differs and how (before any compute: ranks that train different
     models or lrs would otherwise train silently, or fail in a collective with a torch traceback)."""
     if dist.world_size == 1:
@@ -128,7 +124,7 @@ def check_same_keys(dist, keys):
     for r, theirs in enumerate(everyone[1:], 1):
         differ = [k for k, v in everyone[0].items() if k not in NODE_LOCAL_KEYS and theirs.get(k) != v]
         if differ:
-            raise ConfigError(f"rank {r} was started with other keys than rank 0 ("
+            raise UserError(f"rank {r} was started with other keys than rank 0 ("
                               + "; ".join(f"{k} {theirs.get(k)!r} here, {everyone[0][k]!r} on rank 0" for k in differ)
                               + "): start every rank with the same config and keys")
 

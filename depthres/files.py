@@ -29,17 +29,7 @@ import socket
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-
-def os_error_message(e, path):
-    """One line for an OSError met while writing `path`."""
-    reason = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-              errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-              errno.EPERM: "permission denied",
-              errno.ELOOP: "it is a symbolic link (remove it: nothing here is written through a link)",
-              }.get(e.errno, e.strerror or str(e))
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{reason} writing {path}"
-    return f"cannot write {path}: {reason}"
+from depthres import os_error_message
 
 
 @contextmanager

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from depthres import UserError, os_error_message
 from depthres.checkpoint import (
     CKPT_FORMAT,
     GONE,
@@ -50,8 +51,6 @@ from depthres.checkpoint import (
     STATE,
     STATE_KEYS,
     TMP,
-    CheckpointError,
-    RunDirError,
     file_digest,
     locate,
     read_index,
@@ -63,7 +62,7 @@ from depthres.checkpoint import (
 )
 from depthres.config import model_config
 from depthres.distributed import agreed, shard
-from depthres.files import lock_dir, os_error_message, sync_dir, write_file, writing
+from depthres.files import lock_dir, sync_dir, write_file, writing
 from model import InitialWeights
 from model_fast import make_model
 
@@ -120,7 +119,7 @@ def _safe_dcp(path):
             try:
                 value = torch.load(value, weights_only=True)
             except Exception as e:  # torch's message advises weights_only=False, which is unsafe: not quoted
-                raise CheckpointError(f"{path} holds a value that is not plain data ({read_item.dest_index.fqn}: "
+                raise UserError(f"{path} holds a value that is not plain data ({read_item.dest_index.fqn}: "
                                       f"{type(e).__name__} reading it): it was not written by train.py, or was "
                                       "altered after; use an intact copy or another checkpoint") from None
             if self.flatten_state_dict:
@@ -161,7 +160,7 @@ def load_sharded(path, model, optimizer, dist=None):
             errors = [exc for exc, _ in getattr(e, "failures", {}).values()]
             first = errors[0] if errors else e  # (e's text holds each rank's remote traceback)
             why = next((line.strip() for line in str(first).splitlines() if line.strip()), "")
-            raise next((x for x in errors if isinstance(x, CheckpointError)), CheckpointError(
+            raise next((x for x in errors if isinstance(x, UserError)), UserError(
                 f"{path} cannot be loaded into this model ({type(first).__name__}: {why}); use an intact copy or "
                 "another checkpoint")) from None
         state = _names(state, renamed)
@@ -190,49 +189,49 @@ def _names(state, rename):
 
 
 def _failed_save(e, tmp):
-    """A DCP CheckpointException (raised on every rank) as one RunDirError line. torch reports a failed write
+    """A DCP CheckpointException (raised on every rank) as one UserError line. torch reports a failed write
     of a shard as a RuntimeError ("[enforce fail at inline_container.cc...] file write failed"), without its
     errno: the cause is found from the file system and the file-size limit instead."""
     errors = [exc for exc, _ in getattr(e, "failures", {}).values()]
     os_errors = [exc for exc in errors if isinstance(exc, OSError)]
     if os_errors:
-        return RunDirError(os_error_message(os_errors[0], tmp))
+        return UserError(os_error_message(os_errors[0], tmp))
     import resource
 
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     with suppress(OSError):
         disk = os.statvfs(tmp.parent)
         if disk.f_bavail * disk.f_frsize < 1 << 20:
-            return RunDirError(f"no space left on device writing {tmp}")
+            return UserError(f"no space left on device writing {tmp}")
     if limit != resource.RLIM_INFINITY:
-        return RunDirError(f"cannot write {tmp}: a shard would pass this process' file-size limit of {limit:,} "
+        return UserError(f"cannot write {tmp}: a shard would pass this process' file-size limit of {limit:,} "
                            "bytes (ulimit -f); raise it, or give the run more ranks")
-    return RunDirError(f"cannot write {tmp}: writing a shard failed ({type(errors[0]).__name__ if errors else e}): "
+    return UserError(f"cannot write {tmp}: writing a shard failed ({type(errors[0]).__name__ if errors else e}): "
                        "a full disk, a quota or a failing device")
 
 
 def save_sharded(run_dir, model, optimizer, state, dist):
     """Write the sharded checkpoint of `model`, `optimizer` and the run `state` (STATE_KEYS) into
     run_dir/ckpt, every rank its own shards, atomically (see the module's doc); a collective. Removes a
-    ckpt.pt it supersedes. Returns the checkpoint's path. A failed write on any rank is a RunDirError on
+    ckpt.pt it supersedes. Returns the checkpoint's path. A failed write on any rank is a UserError on
     every rank, the previous checkpoint kept and the partial new one removed."""
     run_dir = Path(run_dir)
     tmp, final = run_dir / TMP, run_dir / NAME
 
     def fresh():  # rank 0: an empty .ckpt.tmp (a killed save leaves one)
-        with writing(tmp, RunDirError):
+        with writing(tmp, UserError):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
     agreed(dist, lambda: fresh() if dist.master else None)
 
     def visible():
         if not tmp.is_dir():
-            raise RunDirError(f"rank {dist.rank} cannot see {tmp}: under FSDP every rank writes its shards into the "
+            raise UserError(f"rank {dist.rank} cannot see {tmp}: under FSDP every rank writes its shards into the "
                               "run directory, so out_dir must be on storage that every node shares")
     agreed(dist, visible)
     try:
         _write_sharded(tmp, model, optimizer, state, dist)
-    except RunDirError:  # on every rank: rank 0 removes the partial shards (a full disk is left as it was)
+    except UserError:  # on every rank: rank 0 removes the partial shards (a full disk is left as it was)
         if dist.master:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -253,7 +252,7 @@ def _write_sharded(tmp, model, optimizer, state, dist):
         raise _failed_save(e, tmp) from None
 
     def hash_mine():  # the files this rank wrote (DCP names them __<rank>_<n>.distcp)
-        with writing(tmp, RunDirError):
+        with writing(tmp, UserError):
             return {n: file_digest(tmp / n) for n in os.listdir(tmp) if n.startswith(f"__{dist.rank}_")}
     digests = agreed(dist, hash_mine)
     if dist.world_size > 1:
@@ -262,19 +261,19 @@ def _write_sharded(tmp, model, optimizer, state, dist):
         digests = {k: v for d in gathered for k, v in d.items()}
 
     def run_state():  # rank 0: the run state, the manifest last
-        write_file(tmp / STATE, _saved(state), RunDirError)
-        with writing(tmp, RunDirError):
+        write_file(tmp / STATE, _saved(state), UserError)
+        with writing(tmp, UserError):
             files = {n: digests.get(n) or file_digest(tmp / n) for n in sorted(os.listdir(tmp))}  # .metadata, state.pt
         manifest = {"format": SHARDED_FORMAT, "step": state["step"], "world_size": dist.world_size,
                     "torch": torch.__version__, "files": files}  # torch: whose DCP wrote the index
-        write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode(), RunDirError)
+        write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode(), UserError)
     agreed(dist, lambda: run_state() if dist.master else None)
 
 
 def _commit(run_dir):
     """Rank 0: the whole new checkpoint (.ckpt.tmp) renamed into place, the previous one removed."""
     tmp, final, old = run_dir / TMP, run_dir / NAME, run_dir / OLD
-    with writing(final, RunDirError):
+    with writing(final, UserError):
         sync_dir(tmp)
         if final.is_dir():  # else .ckpt.old, if any, is the last checkpoint: kept until the new one is in place
             _discard(old)
@@ -302,11 +301,11 @@ def remove_sharded(run_dir, checkpoint=True):
     gone = run_dir / GONE
     # .ckpt.old before ckpt: beside ckpt/ it is a leftover, and without ckpt/ it is the checkpoint
     for name in (TMP, OLD, NAME) if checkpoint else (TMP,):
-        with writing(run_dir / name, RunDirError):
+        with writing(run_dir / name, UserError):
             _discard(gone)
             if (run_dir / name).exists() or (run_dir / name).is_symlink():
                 os.replace(run_dir / name, gone)
-    with writing(gone, RunDirError):
+    with writing(gone, UserError):
         _discard(gone)
 
 
@@ -327,7 +326,7 @@ def whole_checkpoint(path):
     optimizer state an AdamW's state_dict over model.param_groups, as one process saves them."""
     state = read_sharded(path)
     with torch.device("meta"):
-        model = make_model(model_config(state["model_config"], CheckpointError))
+        model = make_model(model_config(state["model_config"], UserError))
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # each parameter given storage in place, so
     try:                                                         # tied ones (tie_embeddings) stay one
@@ -348,13 +347,13 @@ def export(path, out=None, overwrite=False):
     ckpt.pt) or into another run's directory only with `overwrite`. Returns (out, step)."""
     kind, found = locate(path, prefer_sharded=True)
     if kind != "sharded":
-        raise CheckpointError(f"{path} holds no sharded checkpoint" + (f" ({found} is one file already)"
+        raise UserError(f"{path} holds no sharded checkpoint" + (f" ({found} is one file already)"
                                                                      if found.exists() else ""))
     run_dir = found.parent
     out = Path(out) if out is not None else run_dir / "ckpt.pt"
     check_export_target(out, run_dir, overwrite)
     into = out.resolve().parent
-    lock = lock_dir(into, "run", RunDirError) if (into / ".lock").exists() or any(
+    lock = lock_dir(into, "run", UserError) if (into / ".lock").exists() or any(
         (into / name).exists() for name in RUN_FILES) else None  # a run directory: not while a run holds it
     try:
         ckpt = whole_checkpoint(found)
@@ -372,17 +371,17 @@ def check_export_target(out, run_dir, overwrite):
     target, own = out.resolve(), (run_dir / "ckpt.pt").resolve()
     for name in (NAME, OLD, TMP):
         if (run_dir / name).resolve() in (target, *target.parents):
-            raise CheckpointError(f"--out {out} is inside the checkpoint being exported ({run_dir / name}): writing "
+            raise UserError(f"--out {out} is inside the checkpoint being exported ({run_dir / name}): writing "
                                   f"it would destroy what it reads; write to {run_dir / 'ckpt.pt'} (the default) or "
                                   "outside the run directory")
     if out.is_dir():
-        raise CheckpointError(f"--out {out} is a directory: give the path of the file to write")
+        raise UserError(f"--out {out} is a directory: give the path of the file to write")
     if target == own or overwrite:
         return
     if out.exists() or out.is_symlink():
-        raise CheckpointError(f"--out {out} exists: pass --overwrite to replace it, or choose another path")
+        raise UserError(f"--out {out} exists: pass --overwrite to replace it, or choose another path")
     held = [name for name in RUN_FILES if (target.parent / name).exists()]
     if held and target.parent != run_dir.resolve():
-        raise CheckpointError(f"--out {out} is in another run's directory ({', '.join(held)}): that run's "
+        raise UserError(f"--out {out} is in another run's directory ({', '.join(held)}): that run's "
                               "--resume=true would continue from this export; pass --overwrite if it should, or "
                               "choose another path")

@@ -8,7 +8,6 @@ which failures are one `error:` line.
     start_log(run)        config.json, the log the run keeps, what the run is; returns its Progress
     failures(run)         a context: a failed write, a divergence or a failed compile said in one line
     evaluate(...)         the mean loss over a split's first tokens (train.py and tools/rescore.py)
-    exit_status(main, argv)   the command line's exit status: 0, 1 with one `error:` line, 128 + signal
 """
 
 import gc
@@ -27,11 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
+from depthres import Stopped, UserError
 from depthres.checkpoint import (
     CKPT_FORMAT,
     EXECUTION_KEYS,
     IDENTITY_KEYS,
-    RunDirError,
     claim_run_dir,
     last_good,
     logged_compute,
@@ -42,7 +41,6 @@ from depthres.checkpoint import (
 )
 from depthres.config import TrainConfig, build_model_config, check_memory, grad_accum_steps, total_steps
 from depthres.distributed import (
-    SHARED_ERRORS,
     Dist,
     agreed,
     any_rank,
@@ -60,27 +58,8 @@ from depthres.distributed import (
 from depthres.files import write_file, writing
 from depthres.fsdp import load_sharded, remove_sharded, save_sharded
 from depthres.runlog import Progress, RunLog, peak_flops, provenance, require_wandb, run_provenance, start_wandb
-from depthres.token_data import DataError, TokenLoader, check_split, eval_batches, load_meta
+from depthres.token_data import TokenLoader, check_split, eval_batches, load_meta
 from model import GPT, GPTConfig
-
-
-class DivergedError(RuntimeError):
-    """Training produced a non-finite loss, gradient or weight."""
-
-
-class CompileError(RuntimeError):
-    """compile=true, and torch.compile failed (no working C++ compiler, say)."""
-
-
-USER_ERRORS = (*SHARED_ERRORS, DivergedError, CompileError)  # one `error:` line each
-
-
-class Stopped(Exception):
-    """The run stopped early on SIGINT or SIGTERM, after writing a checkpoint; exit status 128 + signum."""
-
-    def __init__(self, signum, message):
-        super().__init__(message)
-        self.signum = signum
 
 
 @dataclass
@@ -105,6 +84,7 @@ class Run:
     log: object = None  # runlog.RunLog
     step: int = 0  # optimizer steps done
     saved: tuple | None = None  # (step, path) of the last checkpoint written or resumed from
+    diverged: bool = False  # the run's loss, gradient or weights went non-finite (or past max_loss)
 
     @property
     def accum(self):
@@ -136,16 +116,17 @@ class Run:
         return math.isfinite(loss) and loss <= self.max_loss and math.isfinite(norm)
 
     def check(self, what, loss, norm=0.0):
-        """A DivergedError when `what` ("loss", "val loss") is non-finite or above max_loss, or the norm is non-finite."""
+        """A UserError when `what` ("loss", "val loss") is non-finite or above max_loss, or the norm is non-finite."""
         if not self.healthy(loss, norm):
-            raise DivergedError(diverged(what, loss, norm, self.step, self.saved, self.max_loss))
+            self.diverged = True
+            raise UserError(diverged(what, loss, norm, self.step, self.saved, self.max_loss))
 
     def stop(self, signum):
         """Stop after a checkpoint at this step."""
         name = signal.Signals(signum).name
         self.log(None, {"kind": "stop", "step": self.step, "signal": name})
-        raise Stopped(signum, f"stopped by {name} after step {self.step}; checkpoint written to {self.ckpt_path}; "
-                              "resume with --resume=true")
+        raise Stopped(f"stopped by {name} after step {self.step}; checkpoint written to {self.ckpt_path}; "
+                              "resume with --resume=true", signum)
 
     def stop_if_signalled(self, signals):
         """After the last step: the ranks agree on whether any of them got a signal, and stop if one did."""
@@ -208,7 +189,7 @@ def check_data(tc, meta):
     for split in ["train", "val"] + (["test"] if meta["splits"].get("test", {}).get("tokens") else []):
         tokens = check_split(tc.data_dir, split)
         if split != "train" and tokens - 1 < tc.seq_len:
-            raise DataError(f"split {split!r} of {tc.data_dir} has {tokens} tokens, too few for one evaluation "
+            raise UserError(f"split {split!r} of {tc.data_dir} has {tokens} tokens, too few for one evaluation "
                             f"sequence of seq_len + 1 = {tc.seq_len + 1}: use seq_len <= {tokens - 1}, or prepare "
                             f"the data with a larger --{split}_fraction")
     TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, seed=tc.data_seed)  # a window of seq_len + 1
@@ -242,11 +223,11 @@ def start_log(run):
     if dist.master:
         dropped = ("summary.json", "scores.json") + (() if claim.continuing else ("ckpt.pt", "wandb_id.txt"))
         for name in dropped:
-            with writing(run_dir / name, RunDirError):
+            with writing(run_dir / name, UserError):
                 (run_dir / name).unlink(missing_ok=True)
         remove_sharded(run_dir, checkpoint=not claim.continuing)  # continuing: what a kill left of a save
-        write_file(run_dir / "config.json", (json.dumps(resolved, indent=2) + "\n").encode(), RunDirError)
-        write_file(run_dir / "log.jsonl", "".join(line + "\n" for line in claim.kept_log).encode(), RunDirError)
+        write_file(run_dir / "config.json", (json.dumps(resolved, indent=2) + "\n").encode(), UserError)
+        write_file(run_dir / "log.jsonl", "".join(line + "\n" for line in claim.kept_log).encode(), UserError)
     if tc.wandb_log:  # a failure to start W&B stops every rank, before step 1
         log.tracker = agreed(dist, lambda: start_wandb(tc, run_dir, resolved, claim) if dist.master else None)
     log(textwrap.fill(" ".join(f"{k}={v}" for k, v in {**asdict(tc), **asdict(mc)}.items()), 110,
@@ -347,7 +328,7 @@ class GracefulStop:
                 os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
                             "(Ctrl-C again to stop at once)\n".encode())
         elif signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise Stopped("interrupted; the last checkpoint, if any, is kept (--resume=true continues from it)", signum)
 
 
 def loss_limit(vocab_size):
@@ -382,7 +363,8 @@ def write_checkpoint(run, state):
     """Write the run's checkpoint at its step: `state` with the checkpoint format, the random generators,
     the weights and AdamW state (every rank takes part: FSDP gathers the shards, or writes its own)."""
     if not weights_finite(run.raw_model, run.dist):
-        raise DivergedError(f"non-finite weights after step {run.step}; {last_good(run.saved)}")
+        run.diverged = True
+        raise UserError(f"non-finite weights after step {run.step}; {last_good(run.saved)}")
     state = {"format": CKPT_FORMAT, **state, "rng": rng_state(run.dist.device)}
     if run.sharded:  # every rank writes its own shards
         save_sharded(run.run_dir, run.raw_model, run.optimizer, state, run.dist)
@@ -441,7 +423,7 @@ def summarize(run, val_loss, test_loss, progress):
     if run.dist.master:
         summary |= run_provenance([r for r in map(json.loads, run.log.path.read_text().splitlines())
                                    if r.get("kind") == "start"])
-        write_file(run.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), RunDirError)
+        write_file(run.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), UserError)
     run.log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return summary
 
@@ -462,15 +444,15 @@ def failures(run):
     except Stopped:
         clean = True  # with a checkpoint
         raise
-    except RunDirError as e:
-        raise RunDirError(f"{e}; {last_good(run.saved, good=False)}") from None
-    except DivergedError as e:
-        with suppress(RunDirError):
-            run.log(None, {"kind": "diverged", "step": run.step, "error": str(e)})
-        raise
+    except UserError as e:
+        if run.diverged:  # its line says which checkpoint is good; the run directory records it
+            with suppress(UserError):
+                run.log(None, {"kind": "diverged", "step": run.step, "error": str(e)})
+            raise
+        raise UserError(f"{e}; {last_good(run.saved, good=False)}") from None  # a failed write, say
     except Exception as e:
         if run.tc.compile and compile_failure(e):
-            raise CompileError(compile_message(e, run)) from None
+            raise UserError(compile_message(e, run)) from None
         raise
     finally:
         run.log.finish(clean)
@@ -495,26 +477,3 @@ def compile_message(e, run):
     return (f"compile=true, but torch.compile failed {when} ({type(e).__name__}: {first}); "
             f"{last_good(run.saved, good=False)}: run without compile=true, or fix the compiler (on CPU "
             f"torch.compile needs a working C++ compiler: g++ or clang, or the one $CXX names), then {again}")
-
-
-def exit_status(main, argv=None):
-    """Run main(argv) as a command line. Exit status: 0 done; 1 with one `error:` line (bad input, a
-    failed write, divergence); 128 + signal number after a stop on SIGINT (130) or SIGTERM (143)."""
-    try:
-        main(argv)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Stopped as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(e, file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        print("interrupted; the last checkpoint, if any, is kept (--resume=true continues from it)", file=sys.stderr)
-        return 130
-    finally:
-        # An exception's traceback kept the run alive past open_run's own collection: free the model now
-        # (FSDP's and DDP's sit in reference cycles holding the process group), not in interpreter
-        # teardown, where gloo's threads are destroyed unjoined and abort the process (exit -6)
-        gc.collect()
-    return 0

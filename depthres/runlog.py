@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from depthres.checkpoint import RunDirError
-from depthres.config import ConfigError
+from depthres import UserError
 from depthres.files import write_file, writing
 
 
@@ -44,7 +43,7 @@ class RunLog:
                     print(f"note: stdout failed ({e.strerror or e}); the run goes on without printing, and "
                           f"{self.path} keeps every record", file=sys.stderr, flush=True)
         if record is not None:
-            with writing(self.path, RunDirError), open(self.path, "a") as f:
+            with writing(self.path, UserError), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             track(self.tracker, record)
 
@@ -99,7 +98,7 @@ def require_wandb():
     try:
         import wandb  # noqa: F401
     except ImportError:
-        raise ConfigError("wandb_log=true needs the wandb package, which is not installed: pip install wandb "
+        raise UserError("wandb_log=true needs the wandb package, which is not installed: pip install wandb "
                           "(or drop wandb_log)") from None
 
 
@@ -115,10 +114,10 @@ def start_wandb(tc, run_dir, resolved, claim):
         run.config.update(resolved, allow_val_change=True)  # a resume may change keys
     except Exception as e:  # not logged in, no network, a bad setting: wandb's first line
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"wandb_log=true, but W&B did not start: {reason} (wandb login, or WANDB_MODE=offline "
+        raise UserError(f"wandb_log=true, but W&B did not start: {reason} (wandb login, or WANDB_MODE=offline "
                           "to log locally)") from None
     if run_id is None:
-        write_file(id_file, (run.id + "\n").encode(), RunDirError)
+        write_file(id_file, (run.id + "\n").encode(), UserError)
         for line in claim.kept_log:  # a run that starts logging to W&B on resume: what it logged before, too
             track(run, json.loads(line))
     return run

@@ -2,7 +2,7 @@
 Where prepare_data.py's documents come from: local files (JSON lines or a JSON array, parquet, text;
 .gz too) and hub datasets through `datasets`, each read as a stream of texts. Whatever a source does
 wrong (a missing or empty file, the same file twice, mixed formats, bytes that are not UTF-8, a record
-without the text field, a damaged file, a hub dataset that cannot be read) is one DataError that names
+without the text field, a damaged file, a hub dataset that cannot be read) is one UserError that names
 the source, the line or record, and what to do.
 """
 
@@ -15,7 +15,7 @@ import re
 import zlib
 from pathlib import Path
 
-from depthres.token_data import DataError
+from depthres import UserError
 
 READ_CHARS = 1 << 16  # a .txt file is read in blocks of this many characters
 
@@ -28,16 +28,16 @@ def local_files(patterns):
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matches:
-            raise DataError(f"source file {pattern} not found: check the path (a hub dataset goes in --dataset)")
+            raise UserError(f"source file {pattern} not found: check the path (a hub dataset goes in --dataset)")
         for f in matches:
             if not os.path.isfile(f):
-                raise DataError(f"source {f} is not a file: pass files or a pattern such as '{f}/*.parquet'")
+                raise UserError(f"source {f} is not a file: pass files or a pattern such as '{f}/*.parquet'")
             if os.path.getsize(f) == 0:
-                raise DataError(f"source file {f} is empty: pass a file with documents")
+                raise UserError(f"source file {f} is empty: pass a file with documents")
             st = os.stat(f)
             if (st.st_dev, st.st_ino) in seen:  # the same file twice, by path, glob or link
                 first, by = seen[(st.st_dev, st.st_ino)]
-                raise DataError(f"source file {f} (from {pattern!r}) is also {first} (from {by!r}): pass each "
+                raise UserError(f"source file {f} (from {pattern!r}) is also {first} (from {by!r}): pass each "
                                 "file once (its documents would be counted twice, some in val and in train)")
             seen[(st.st_dev, st.st_ino)] = (f, pattern)
             files.append(f)
@@ -51,11 +51,11 @@ def format_of(files):
         stem = f[:-3] if f.endswith(".gz") else f
         builder = BUILDERS.get(os.path.splitext(stem)[1])
         if builder is None:
-            raise DataError(f"cannot tell the format of {f} from its extension "
+            raise UserError(f"cannot tell the format of {f} from its extension "
                             f"({', '.join(BUILDERS)}, optionally .gz): pass --dataset json, parquet or text")
         builders.add(builder)
     if len(builders) > 1:
-        raise DataError(f"source files mix formats ({', '.join(sorted(builders))}): prepare one format at a time")
+        raise UserError(f"source files mix formats ({', '.join(sorted(builders))}): prepare one format at a time")
     return builders.pop()
 
 
@@ -70,7 +70,7 @@ def _open_text(path):
 
 
 def _not_utf8(path):
-    """DataError naming the first line of a local file that is not UTF-8 (the file read again, in blocks)."""
+    """UserError naming the first line of a local file that is not UTF-8 (the file read again, in blocks)."""
     import codecs
     decoder = codecs.getincrementaldecoder("utf-8")()
     pos, line, line_start = 0, 1, 0  # the file offset of the block, its line, where that line starts
@@ -86,11 +86,11 @@ def _not_utf8(path):
                 line += before.count(b"\n")
                 if b"\n" in before:
                     line_start = pos - len(held) + before.rfind(b"\n") + 1
-                return DataError(f"{path} line {line} is not UTF-8 ({e.reason} at byte "
+                return UserError(f"{path} line {line} is not UTF-8 ({e.reason} at byte "
                                  f"{pos - len(held) + e.start - line_start} of the line): convert the file to UTF-8 "
                                  "(e.g. iconv -f latin1 -t utf-8)")
             if not block:
-                return DataError(f"{path} is not UTF-8: convert the file to UTF-8")
+                return UserError(f"{path} is not UTF-8: convert the file to UTF-8")
             line += block.count(b"\n")
             if b"\n" in block:
                 line_start = pos + block.rfind(b"\n") + 1
@@ -98,7 +98,7 @@ def _not_utf8(path):
 
 
 def _read_errors(path, where=lambda: ""):
-    """A context for reading a local file: what it raises becomes one DataError naming the file."""
+    """A context for reading a local file: what it raises becomes one UserError naming the file."""
     class Context:
         def __enter__(self):
             return self
@@ -108,7 +108,7 @@ def _read_errors(path, where=lambda: ""):
                 raise _not_utf8(path) from None
             if isinstance(e, READ_ERRORS):
                 reason = getattr(e, "strerror", None) or str(e)
-                raise DataError(f"{path} could not be read{where()} ({type(e).__name__}: {reason}): it is damaged "
+                raise UserError(f"{path} could not be read{where()} ({type(e).__name__}: {reason}): it is damaged "
                                 "or cut short; replace it") from None
             return False
     return Context()
@@ -125,18 +125,18 @@ SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _record_text(record, where, text_column, first):
-    """The text of a JSON record; DataError if it is not one."""
+    """The text of a JSON record; UserError if it is not one."""
     if not isinstance(record, dict):
-        raise DataError(f"{where} is a JSON {type(record).__name__}, not an object: one JSON object per document")
+        raise UserError(f"{where} is a JSON {type(record).__name__}, not an object: one JSON object per document")
     if text_column not in record and first:
-        raise DataError(f"{where} has no field {text_column!r} (its fields: {', '.join(map(str, record))}): "
+        raise UserError(f"{where} has no field {text_column!r} (its fields: {', '.join(map(str, record))}): "
                         "pass --text_column naming the text field")
     text = record.get(text_column)
     if text is not None and not isinstance(text, str):
-        raise DataError(f"{where}: {text_column!r} holds {text!r:.40} ({type(text).__name__}), not text: fix it, "
+        raise UserError(f"{where}: {text_column!r} holds {text!r:.40} ({type(text).__name__}), not text: fix it, "
                         "or pass --text_column naming the text field")
     if text and (bad := SURROGATE.search(text)):  # a "\ud800" escape that pairs with nothing: not Unicode text
-        raise DataError(f"{where}: {text_column!r} holds a lone surrogate ({bad.group()!r}) at character "
+        raise UserError(f"{where}: {text_column!r} holds a lone surrogate ({bad.group()!r}) at character "
                         f"{bad.start()}: not Unicode text; fix or remove it")
     return text
 
@@ -155,20 +155,20 @@ def json_texts(path, text_column):
                 try:
                     records = json.loads(text)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): "
+                    raise UserError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): "
                                     "fix it") from None
                 except (ValueError, RecursionError) as e:
-                    raise DataError(f"{path} is not valid JSON ({beyond_json(e)}): fix it") from None
+                    raise UserError(f"{path} is not valid JSON ({beyond_json(e)}): fix it") from None
                 for i, record in enumerate(records):
                     yield _record_text(record, f"{path} item {i}", text_column, i == 0)
                 return
             try:
                 record = json.loads(stripped)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {n} is not valid JSON ({e.msg}, column {e.colno}): "
+                raise UserError(f"{path} line {n} is not valid JSON ({e.msg}, column {e.colno}): "
                                 "fix or remove that line") from None
             except (ValueError, RecursionError) as e:
-                raise DataError(f"{path} line {n} is not valid JSON ({beyond_json(e)}): fix or remove that line") from None
+                raise UserError(f"{path} line {n} is not valid JSON ({beyond_json(e)}): fix or remove that line") from None
             yield _record_text(record, f"{path} line {n}", text_column, first)
             first = False
 
@@ -187,20 +187,20 @@ def parquet_texts(path, text_column):
         f = pq.ParquetFile(path)
         schema = f.schema_arrow
         if text_column not in schema.names:
-            raise DataError(f"{path} has no column {text_column!r} (its columns: {', '.join(schema.names)}): "
+            raise UserError(f"{path} has no column {text_column!r} (its columns: {', '.join(schema.names)}): "
                             "pass --text_column")
         typ = schema.field(text_column).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
-            raise DataError(f"{path}: column {text_column!r} has type {typ}, not text: pass --text_column")
+            raise UserError(f"{path}: column {text_column!r} has type {typ}, not text: pass --text_column")
         for batch in f.iter_batches(batch_size=256, columns=[text_column]):
             yield from batch.column(0).to_pylist()
     except (OSError, pa.ArrowException) as e:
-        raise DataError(f"{path} could not be read ({type(e).__name__}: {e}): replace it") from None
+        raise UserError(f"{path} could not be read ({type(e).__name__}: {e}): replace it") from None
 
 
 def hub_texts(dataset, name, data_files, source_split, text_column, streaming):
     """The texts of a hub dataset's column, through `datasets`. Whatever fails while reading is a
-    DataError naming the source."""
+    UserError naming the source."""
     where = dataset + (f" ({name})" if name else "") + (f" {data_files}" if data_files else "")
     try:
         from datasets import load_dataset
@@ -208,15 +208,15 @@ def hub_texts(dataset, name, data_files, source_split, text_column, streaming):
         try:
             ds = ds.select_columns([text_column])
         except ValueError as e:
-            raise DataError(f"source {where} has no column {text_column!r} ({e}): pass --text_column") from None
+            raise UserError(f"source {where} has no column {text_column!r} ({e}): pass --text_column") from None
         for index, row in enumerate(ds):
             yield _record_text(row, f"source {where} document {index}", text_column, False)
-    except (DataError, GeneratorExit):
+    except (UserError, GeneratorExit):
         raise
     except Exception as e:
         cause = e
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
         reason = (str(cause).strip().splitlines() or [""])[0]
-        raise DataError(f"could not read source {where}: {type(cause).__name__}: {reason}: check the dataset's "
+        raise UserError(f"could not read source {where}: {type(cause).__name__}: {reason}: check the dataset's "
                         "name, --name and --source_split, and the network") from None

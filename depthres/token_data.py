@@ -9,7 +9,7 @@ The token-shard format: what prepare_data.py writes and training reads.
     reading       load_meta and check_split validate; TokenLoader gives seeded, resumable training
                   batches for any number of ranks; eval_batches a fixed prefix of a split, in order
 
-Every reader checks what it opens and raises DataError, one line naming the file and what to do.
+Every reader checks what it opens and raises UserError, one line naming the file and what to do.
 """
 
 import base64
@@ -24,6 +24,7 @@ import numpy as np
 import tiktoken
 import torch
 
+from depthres import UserError
 from depthres.files import write_atomic
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -43,8 +44,6 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sIIQ16s8s16x")
 
 
-class DataError(ValueError):
-    """Bad input: the message says which file and what to do."""
 
 
 # -----------------------------------------------------------------------------
@@ -84,11 +83,11 @@ class GPT2Tokenizer:
     def __init__(self, ranks_path=GPT2_RANKS):
         ranks_path = Path(ranks_path)
         if not ranks_path.is_file():
-            raise DataError(f"{ranks_path} not found: it is committed with the repository; restore it with git")
+            raise UserError(f"{ranks_path} not found: it is committed with the repository; restore it with git")
         raw = ranks_path.read_bytes()
         sha = hashlib.sha256(raw).hexdigest()
         if sha != GPT2_RANKS_SHA256:
-            raise DataError(f"{ranks_path} has sha256 {sha}, expected {GPT2_RANKS_SHA256}: "
+            raise UserError(f"{ranks_path} has sha256 {sha}, expected {GPT2_RANKS_SHA256}: "
                             "the GPT-2 vocabulary is corrupt; restore it with git")
         ranks = {}
         for line in raw.splitlines():
@@ -115,7 +114,7 @@ TOKENIZERS = {"gpt2": GPT2Tokenizer, "byte": ByteTokenizer}
 def get_tokenizer(name):
     """The tokenizer called `name` ("gpt2" or "byte")."""
     if name not in TOKENIZERS:
-        raise DataError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)}")
+        raise UserError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)}")
     return TOKENIZERS[name]()
 
 
@@ -123,13 +122,13 @@ def get_tokenizer(name):
 # shards
 
 def _write_atomic(path, chunks):
-    """Write byte chunks atomically (files.write_atomic); a failed write is one DataError line."""
-    write_atomic(path, lambda f: f.writelines(chunks), DataError)
+    """Write byte chunks atomically (files.write_atomic); a failed write is one UserError line."""
+    write_atomic(path, lambda f: f.writelines(chunks), UserError)
 
 
 def check_fits_uint16(tokenizer):
     if tokenizer.vocab_size > 2**16:
-        raise DataError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but shards store "
+        raise UserError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but shards store "
                         f"uint16 ids (at most {2**16}): use a tokenizer with a smaller vocabulary")
 
 
@@ -148,24 +147,24 @@ def read_header(path):
     redo = f"re-create it with `python prepare_data.py --overwrite --out_dir {path.parent}` and the same source"
     if not path.is_file():
         if path.exists() or path.is_symlink():
-            raise DataError(f"shard {path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a shard: "
+            raise UserError(f"shard {path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a shard: "
                             f"move or remove it, then {redo}")
-        raise DataError(f"shard {path} is missing: {redo}")
+        raise UserError(f"shard {path} is missing: {redo}")
     size = path.stat().st_size
     if size == 0:
-        raise DataError(f"shard {path} is empty (0 bytes; a write cut short?): {redo}")
+        raise UserError(f"shard {path} is empty (0 bytes; a write cut short?): {redo}")
     with open(path, "rb") as f:
         raw = f.read(HEADER.size)
     if raw[:len(SHARD_MAGIC)] != SHARD_MAGIC[:len(raw)]:
-        raise DataError(f"{path} is not a token shard (wrong magic number): {redo}")
+        raise UserError(f"{path} is not a token shard (wrong magic number): {redo}")
     if len(raw) < HEADER.size:
-        raise DataError(f"{path} is truncated ({size} bytes, less than its {HEADER.size}-byte header): {redo}")
+        raise UserError(f"{path} is truncated ({size} bytes, less than its {HEADER.size}-byte header): {redo}")
     _, version, vocab_size, count, name, fingerprint = HEADER.unpack(raw)
     if version != FORMAT_VERSION:
-        raise DataError(f"{path} has shard format version {version}, this code reads {FORMAT_VERSION}: {redo}")
+        raise UserError(f"{path} has shard format version {version}, this code reads {FORMAT_VERSION}: {redo}")
     expected = HEADER.size + 2 * count
     if size != expected or count == 0:
-        raise DataError(f"{path} is truncated or corrupt: its header promises {count} tokens "
+        raise UserError(f"{path} is truncated or corrupt: its header promises {count} tokens "
                         f"({expected} bytes) but the file has {size} bytes: {redo}")
     return {"tokenizer": name.rstrip(b"\0").decode(), "vocab_size": vocab_size,
             "tokens": count, "tokenizer_fingerprint": fingerprint.hex()}
@@ -175,7 +174,7 @@ def open_shard(path, fingerprint=None):
     """Memory-map the tokens of a shard (uint16); `fingerprint` checks the shard's tokenizer."""
     header = read_header(path)
     if fingerprint is not None and header["tokenizer_fingerprint"] != fingerprint:
-        raise DataError(f"{path} was written with tokenizer {header['tokenizer']!r} (fingerprint "
+        raise UserError(f"{path} was written with tokenizer {header['tokenizer']!r} (fingerprint "
                         f"{header['tokenizer_fingerprint']}), not the one in meta.json ({fingerprint}): "
                         f"re-run `python prepare_data.py --overwrite --out_dir {Path(path).parent}`")
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER.size, shape=(header["tokens"],))
@@ -193,25 +192,25 @@ def load_meta(data_dir):
     """The meta.json of a prepared data directory."""
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
-        raise DataError(f"{path} not found: prepare the data first, with `python prepare_data.py` "
+        raise UserError(f"{path} not found: prepare the data first, with `python prepare_data.py` "
                         f"(and --out_dir {data_dir} for another source; see --help)")
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON ({e}): re-run `python prepare_data.py --overwrite "
+        raise UserError(f"{path} is not valid JSON ({e}): re-run `python prepare_data.py --overwrite "
                         f"--out_dir {data_dir}` with the same source") from e
     redo = f"re-run `python prepare_data.py --overwrite --out_dir {data_dir}` with the same source"
     if not isinstance(meta, dict):
-        raise DataError(f"{path} holds a JSON {type(meta).__name__}, not an object: {redo}")
+        raise UserError(f"{path} holds a JSON {type(meta).__name__}, not an object: {redo}")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{path} has format version {meta.get('format_version')}, this code reads "
+        raise UserError(f"{path} has format version {meta.get('format_version')}, this code reads "
                         f"{FORMAT_VERSION}: {redo}")
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
-        raise DataError(f"{path} lacks {', '.join(missing)}: it is incomplete; {redo}")
+        raise UserError(f"{path} lacks {', '.join(missing)}: it is incomplete; {redo}")
     problem = _meta_problem(meta)
     if problem:
-        raise DataError(f"{path}: {problem}: {redo}")
+        raise UserError(f"{path}: {problem}: {redo}")
     return meta
 
 
@@ -255,9 +254,9 @@ def _open_split(data_dir, split):
     meta = load_meta(data_dir)
     info = meta["splits"].get(split)
     if info is None:
-        raise DataError(f"{data_dir} has no split {split!r}: use one of {', '.join(meta['splits'])}")
+        raise UserError(f"{data_dir} has no split {split!r}: use one of {', '.join(meta['splits'])}")
     if info["tokens"] == 0:
-        raise DataError(f"split {split!r} of {data_dir} is empty: re-run prepare_data.py with --overwrite "
+        raise UserError(f"split {split!r} of {data_dir} is empty: re-run prepare_data.py with --overwrite "
                         "and fractions that give it documents")
     return [open_shard(Path(data_dir) / f, meta["tokenizer_fingerprint"]) for f in info["files"]]
 
@@ -265,19 +264,19 @@ def _open_split(data_dir, split):
 def check_split(data_dir, split):
     """Open every shard of a split as the loaders will, and read each token id once (one pass over
     the split's bytes): a shard that is missing, truncated, from another tokenizer or holding an id
-    outside the tokenizer's vocabulary is a DataError naming it. Returns the split's token count."""
+    outside the tokenizer's vocabulary is a UserError naming it. Returns the split's token count."""
     meta = load_meta(data_dir)
     vocab = meta["vocab_size"]
     total = 0
     for name, shard in zip(meta["splits"][split]["files"], _open_split(data_dir, split)):
         top = max(int(shard[i:i + (1 << 24)].max()) for i in range(0, len(shard), 1 << 24))
         if top >= vocab:
-            raise DataError(f"shard {Path(data_dir) / name} holds token id {top}, outside the {meta['tokenizer']} "
+            raise UserError(f"shard {Path(data_dir) / name} holds token id {top}, outside the {meta['tokenizer']} "
                             f"tokenizer's ids 0..{vocab - 1}: it is corrupt or was written for another tokenizer; "
                             f"re-create it with `python prepare_data.py --overwrite --out_dir {data_dir}`")
         total += len(shard)
     if total != meta["splits"][split]["tokens"]:
-        raise DataError(f"split {split!r} of {data_dir} holds {total:,} tokens in its shards, but its meta.json "
+        raise UserError(f"split {split!r} of {data_dir} holds {total:,} tokens in its shards, but its meta.json "
                         f"says {meta['splits'][split]['tokens']:,}: the shards and meta.json are from different "
                         f"preparations; re-create them with `python prepare_data.py --overwrite --out_dir {data_dir}`")
     return total
@@ -294,7 +293,7 @@ class TokenLoader:
 
     def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1, seed=0):
         if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is not in 0..{world_size - 1}")
+            raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
         self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shards = _open_split(data_dir, split)
@@ -302,7 +301,7 @@ class TokenLoader:
         self.starts = np.cumsum([0] + per_shard)  # first window id of each shard
         self.n_windows = int(self.starts[-1])
         if self.n_windows == 0:
-            raise DataError(f"split {split!r} of {data_dir} has no shard of seq_len + 1 = {seq_len + 1} tokens: "
+            raise UserError(f"split {split!r} of {data_dir} has no shard of seq_len + 1 = {seq_len + 1} tokens: "
                             "use a shorter seq_len or a larger corpus")
         self.epoch = self.pos = 0
         self._perms = {}
@@ -343,7 +342,7 @@ class TokenLoader:
         mine = self.state_dict()
         for key in ("split", "seed", "batch_size", "seq_len", "n_windows"):
             if state.get(key) != mine[key]:
-                raise DataError(f"loader state does not fit: {key} is {state.get(key)!r} in the saved state but "
+                raise UserError(f"loader state does not fit: {key} is {state.get(key)!r} in the saved state but "
                                 f"{mine[key]!r} here; resume with the same data, seed, batch_size and seq_len")
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
 
@@ -356,15 +355,15 @@ def eval_batches(data_dir, split, batch_size, seq_len, max_tokens, rank=0, world
     the first ranks get one window more: sum losses and token counts over ranks, then divide).
     """
     if not 0 <= rank < world_size:
-        raise DataError(f"rank {rank} is not in 0..{world_size - 1}")
+        raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
     shards = _open_split(data_dir, split)
     total = sum(len(s) for s in shards)
     n = (total - 1 if max_tokens is None else min(max_tokens, total - 1)) // seq_len
     if n == 0 and max_tokens is not None and max_tokens < seq_len:
-        raise DataError(f"max_tokens={max_tokens} is less than one window of seq_len={seq_len} targets: "
+        raise UserError(f"max_tokens={max_tokens} is less than one window of seq_len={seq_len} targets: "
                         f"raise max_tokens to at least {seq_len}")
     if n == 0:
-        raise DataError(f"split {split!r} of {data_dir} has {total} tokens, too few for one window of "
+        raise UserError(f"split {split!r} of {data_dir} has {total} tokens, too few for one window of "
                         f"seq_len + 1 = {seq_len + 1}: use seq_len <= {total - 1}, or prepare a larger {split} split")
     parts, left = [], n * seq_len + 1
     for s in shards:

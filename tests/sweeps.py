@@ -21,8 +21,8 @@ def finished_run(d, loss, params=1000, whole=True):
 
 def fake_train(diverging=(), ran=None):
     """A run_child that does what train.py does to its run directory: it holds the directory's lock (a
-    second one is 'in use by another run', status 1), and finishes it or, for `diverging` variants,
-    leaves its log.jsonl ending on a diverged record (status 1)."""
+    second one is 'in use by another run', status 2), and finishes it or, for `diverging` variants,
+    leaves its log.jsonl ending on a diverged record (status 2)."""
     from depthres.files import lock_dir
 
     def run(cmd):

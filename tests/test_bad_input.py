@@ -8,11 +8,9 @@ import re
 import pytest
 
 import train
-from depthres import config
-from depthres.checkpoint import CheckpointError, load_checkpoint
-from depthres.config import ConfigError
-from depthres.run import DivergedError
-from depthres.token_data import DataError, load_meta
+from depthres import UserError, config
+from depthres.checkpoint import load_checkpoint
+from depthres.token_data import load_meta
 
 from runs import CONFIG, run
 
@@ -62,10 +60,10 @@ def test_bad_data_is_found_before_step_1(data_dir, tmp_path, monkeypatch):
               "larger --val_fraction")]
     monkeypatch.setattr(train, "train_step", None)  # never reached
     for data, args, message in cases:
-        with pytest.raises(DataError, match=message):
+        with pytest.raises(UserError, match=message):
             run(data, tmp_path / "runs", *args)
         assert not (tmp_path / "runs").exists()
-    with pytest.raises(ConfigError, match="eval_tokens=16 is less than one sequence of seq_len=32 tokens: "
+    with pytest.raises(UserError, match="eval_tokens=16 is less than one sequence of seq_len=32 tokens: "
                                           "set eval_tokens >= 32"):
         run(data_dir, tmp_path / "runs", "--eval_tokens=16")
 
@@ -84,14 +82,14 @@ def test_config_values_out_of_range_are_config_errors(data_dir, tmp_path, capsys
                          ("--eps=1e-40", "at least float32's smallest normal 1.18e-38, got 1e-40"),
                          ("--wandb_project=me/runs", "wandb_project must be a non-empty name without /"),
                          ("--wandb_tags=seed0," + "x" * 65, "wandb_tags: a W&B tag is at most 64 characters")]:
-        with pytest.raises(ConfigError, match=message):
+        with pytest.raises(UserError, match=message):
             config.parse_config([CONFIG, arg])
     run(data_dir, tmp_path, "--warmup_steps=10", "--max_steps=2")
     assert ("warning: warmup_steps=10 is more than the run's 2 steps: the learning rate ends its warmup at 0.002, "
             "never reaching lr=0.01") in capsys.readouterr().err
 
     monkeypatch.setattr(train, "train_step", lambda *args, **kwargs: (4178201.5, math.inf, 0))
-    with pytest.raises(DivergedError, match=re.escape("non-finite gradient norm at step 1 (loss 4178201.5, gradient "
+    with pytest.raises(UserError, match=re.escape("non-finite gradient norm at step 1 (loss 4178201.5, gradient "
                                                       "norm inf)")):
         run(data_dir, tmp_path, "--run_name=diverged")
 
@@ -99,7 +97,7 @@ def test_config_values_out_of_range_are_config_errors(data_dir, tmp_path, capsys
 def test_a_random_bytes_checkpoint_never_quotes_unsafe_advice(tmp_path):
     bad = tmp_path / "ckpt.pt"
     bad.write_bytes(random.Random(1).randbytes(100_000))
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(UserError) as e:
         load_checkpoint(bad)
     assert str(e.value).startswith(f"{bad} is not a readable checkpoint") and "weights_only" not in str(e.value)
 
@@ -116,7 +114,7 @@ BAD_CONFIG_FILES = [
 def test_a_config_file_that_fails_names_its_line(tmp_path, text, message):
     path = tmp_path / "bad.py"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=re.escape(f"config file {path}, {message}")):
+    with pytest.raises(UserError, match=re.escape(f"config file {path}, {message}")):
         config.parse_config([str(path)])
 
 
@@ -159,7 +157,7 @@ def test_a_config_file_may_import_what_it_computes_with(tmp_path):
 def test_bad_keys_are_refused_before_step_1(data_dir, tmp_path, monkeypatch, arg, message):
     monkeypatch.chdir(tmp_path)  # a relative out_dir, if it were taken, would show there
     monkeypatch.setattr(train, "train_step", None)  # never reached
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         run(data_dir, tmp_path, arg)
     assert not any(tmp_path.iterdir())
 
@@ -190,7 +188,7 @@ def edit_meta(change):
 def test_a_bad_meta_json_is_refused_before_step_1(data_dir, tmp_path, monkeypatch, change, message):
     data = broken_copy(data_dir, tmp_path, "data", edit_meta(change))
     monkeypatch.setattr(train, "train_step", None)  # never reached
-    with pytest.raises(DataError, match=message):
+    with pytest.raises(UserError, match=message):
         run(data, tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
 
@@ -204,7 +202,7 @@ def test_a_model_too_large_for_memory_is_refused_before_it_is_built(data_dir, tm
     message = (r"the model would have 640,000,0[0-9,]+ parameters \(10,000,000,000 x 32 in the embedding alone\): "
                r"training them needs about 9,537 GiB per rank \(16 bytes a parameter\), more than the [0-9,]+ GiB "
                "of (this host's|a GPU's) memory; set a smaller vocab_size, n_embd or n_layer")
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         run(data_dir, tmp_path, "--vocab_size=10000000000")
     assert not (tmp_path / "test").exists()
 
@@ -234,5 +232,30 @@ def test_a_model_too_large_for_memory_is_refused_before_it_is_built(data_dir, tm
 def test_a_bad_model_key_is_one_clear_line(kw, match):
     """depthres.config.model_config checks every model key, wherever a GPTConfig is built from user input
     (train.py, a checkpoint, the bench)."""
-    with pytest.raises(config.ConfigError, match=match):
+    with pytest.raises(config.UserError, match=match):
         config.model_config(kw)
+
+
+LONG = "x" * 300  # a path component longer than the OS allows (255 bytes on Linux)
+
+
+@pytest.mark.parametrize("command", ["train", "train_data", "prepare_data", "sample", "sample_prompt", "diagnose",
+                                     "rescore", "export", "sweep", "robust", "ladder"])
+def test_a_path_longer_than_the_os_allows_is_one_line_in_every_command(command, tmp_path, capsys):
+    """Round five: a traceback in each (diagnose blamed curves.png). Every command runs through depthres.cli: an
+    OSError is one line naming the path, exit 2, like every other error (depthres/__init__.py lists the statuses)."""
+    import prepare_data
+    import sample
+    from depthres import cli
+    from tools import diagnose, export_ckpt, ladder, rescore, robust, sweep
+    path = str(tmp_path / LONG)
+    main, argv = {"train": (train.cli, [path]), "train_data": (train.cli, [CONFIG, f"--data_dir={path}"]),
+                  "prepare_data": (prepare_data.main, ["--tokenizer", "byte", "--out_dir", path]),
+                  "sample": (sample.main, ["--ckpt", path]),
+                  "sample_prompt": (sample.main, ["--ckpt", ".", "--prompt_file", path]),
+                  "diagnose": (diagnose.main, ["--ckpt", path]), "rescore": (rescore.main, [path]),
+                  "export": (export_ckpt.main, [path]), "sweep": (lambda a: cli(sweep.main, a), [path]),
+                  "robust": (lambda a: cli(robust.main, a), [path]), "ladder": (lambda a: cli(ladder.main, a), [path])}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "the name is longer than the OS allows" in err, err

@@ -15,11 +15,10 @@ import pytest
 import torch
 
 import prepare_data
-from depthres import token_data
+from depthres import UserError, token_data
 from depthres.files import write_atomic
 from depthres.token_data import (
     SPLITS,
-    DataError,
     GPT2Tokenizer,
     TokenLoader,
     eval_batches,
@@ -96,9 +95,9 @@ def test_byte_tokenizer():
 def test_gpt2_vocabulary_checksum(tmp_path):
     bad = tmp_path / "gpt2.tiktoken"
     bad.write_bytes(token_data.GPT2_RANKS.read_bytes()[:-10])
-    with pytest.raises(DataError, match="sha256"):
+    with pytest.raises(UserError, match="sha256"):
         GPT2Tokenizer(bad)
-    with pytest.raises(DataError, match="not found"):
+    with pytest.raises(UserError, match="not found"):
         GPT2Tokenizer(tmp_path / "missing.tiktoken")
 
 
@@ -191,7 +190,7 @@ def test_interrupted_run_leaves_no_valid_output(tmp_path, monkeypatch):
     assert prep(src, tmp_path / "clean", "--shard_tokens", 500) == 0
     for name in ("train_000000.bin", "train_000001.bin"):
         (out / name).write_bytes((tmp_path / "clean" / name).read_bytes())
-    with pytest.raises(DataError, match="prepare_data.py"):
+    with pytest.raises(UserError, match="prepare_data.py"):
         load_meta(out)
     assert prep(src, out, "--shard_tokens", 500) == 0  # the leftovers are replaced without --overwrite
     assert files_of(out).keys() == files_of(tmp_path / "clean").keys()
@@ -257,7 +256,7 @@ def test_loader_resumes_exactly(data_dir):
         assert torch.equal(x, rx) and torch.equal(y, ry)
     for key, value in (("seed", 8), ("seq_len", 32)):
         other = TokenLoader(data_dir, "train", **{**kwargs, key: value})
-        with pytest.raises(DataError, match=key):
+        with pytest.raises(UserError, match=key):
             other.load_state_dict(state)
 
 
@@ -272,7 +271,7 @@ def test_eval_batches(data_dir):
     assert torch.equal(per_rank[0], x[0::2]) and torch.equal(per_rank[1], x[1::2])
     everything = torch.cat([b[1] for b in eval_batches(data_dir, "val", 64, T, max_tokens=None)])
     assert everything.numel() == (len(stream) - 1) // T * T
-    with pytest.raises(DataError, match="too few"):
+    with pytest.raises(UserError, match="too few"):
         eval_batches(data_dir, "val", 4, len(stream), max_tokens=None)
 
 
@@ -314,7 +313,7 @@ def test_bad_shards(data_dir, tmp_path):
     for content, message in ((good[:-1], "truncated"), (good[:20], "truncated"),
                              (b"NOTASHRD" + good[8:], "wrong magic"), (good[:8] + b"\x09" + good[9:], "version")):
         shard.write_bytes(content)
-        with pytest.raises(DataError, match=message) as e:
+        with pytest.raises(UserError, match=message) as e:
             open_shard(shard)
         assert str(shard) in str(e.value) and "--overwrite" in str(e.value)
     broken = tmp_path / "broken"
@@ -322,13 +321,13 @@ def test_bad_shards(data_dir, tmp_path):
     for f in data_dir.iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
     (broken / "train_000001.bin").write_bytes(good[:-2])
-    with pytest.raises(DataError, match="train_000001.bin is truncated"):
+    with pytest.raises(UserError, match="train_000001.bin is truncated"):
         TokenLoader(broken, "train", 2, 8)
 
 
 def test_vocabulary_too_large_for_uint16(tmp_path, monkeypatch, capsys):
     big = SimpleNamespace(name="big", vocab_size=100277, eot=100276, fingerprint="00" * 8)
-    with pytest.raises(DataError, match="uint16"):
+    with pytest.raises(UserError, match="uint16"):
         write_shard(tmp_path / "x.bin", [1, 2, 3], big)
     assert not (tmp_path / "x.bin").exists()
     monkeypatch.setitem(prepare_data.TOKENIZERS, "big", lambda: big)
@@ -339,15 +338,15 @@ def test_vocabulary_too_large_for_uint16(tmp_path, monkeypatch, capsys):
 
 
 def test_missing_data_or_split(data_dir, tmp_path):
-    with pytest.raises(DataError, match="python prepare_data.py"):
+    with pytest.raises(UserError, match="python prepare_data.py"):
         TokenLoader(tmp_path / "nothing", "train", 2, 8)
-    with pytest.raises(DataError, match="no split 'validation'"):
+    with pytest.raises(UserError, match="no split 'validation'"):
         TokenLoader(data_dir, "validation", 2, 8)
-    with pytest.raises(DataError, match="no split 'validation'"):
+    with pytest.raises(UserError, match="no split 'validation'"):
         eval_batches(data_dir, "validation", 2, 8, 100)
     out = tmp_path / "no_test"
     assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), out, "--test_fraction", 0, "--streaming") == 0
-    with pytest.raises(DataError, match="'test' .* is empty"):
+    with pytest.raises(UserError, match="'test' .* is empty"):
         TokenLoader(out, "test", 2, 8)
 
 
@@ -390,7 +389,7 @@ def test_token_ids_outside_the_vocabulary_name_their_shard(data_dir, tmp_path):
         tokens = open_shard(broken / "train_000001.bin").copy()
         tokens[17] = bad_id
         write_shard(broken / "train_000001.bin", tokens, tok)  # a valid header: only the ids are wrong
-        with pytest.raises(DataError, match=f"train_000001.bin holds token id {bad_id}, outside the byte "
+        with pytest.raises(UserError, match=f"train_000001.bin holds token id {bad_id}, outside the byte "
                                             "tokenizer's ids 0..256"):
             token_data.check_split(broken, "train")
 
@@ -400,26 +399,26 @@ def test_meta_without_a_key_and_empty_shards_say_what_is_wrong(data_dir, tmp_pat
     meta = load_meta(data_dir)
     for drop, message in (("vocab_size", "lacks vocab_size: it is incomplete"), ("splits", "lacks splits")):
         (broken / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != drop}))
-        with pytest.raises(DataError, match=message) as e:
+        with pytest.raises(UserError, match=message) as e:
             TokenLoader(broken, "train", 2, 8)
         assert "--overwrite" in str(e.value)
     (broken / "meta.json").write_text("[1, 2]")
-    with pytest.raises(DataError, match="holds a JSON list, not an object"):
+    with pytest.raises(UserError, match="holds a JSON list, not an object"):
         load_meta(broken)
     (broken / "meta.json").write_text(json.dumps(meta))
     (broken / "val_000000.bin").write_bytes(b"")
-    with pytest.raises(DataError, match=r"val_000000.bin is empty \(0 bytes"):
+    with pytest.raises(UserError, match=r"val_000000.bin is empty \(0 bytes"):
         token_data.check_split(broken, "val")
     (broken / "val_000000.bin").write_bytes(token_data.SHARD_MAGIC[:5])
-    with pytest.raises(DataError, match="val_000000.bin is truncated"):
+    with pytest.raises(UserError, match="val_000000.bin is truncated"):
         token_data.check_split(broken, "val")
 
 
 def test_eval_advice_names_the_key_to_change(data_dir):
-    with pytest.raises(DataError, match="max_tokens=7 is less than one window of seq_len=8 targets"):
+    with pytest.raises(UserError, match="max_tokens=7 is less than one window of seq_len=8 targets"):
         eval_batches(data_dir, "val", 4, 8, max_tokens=7)
     tokens = load_meta(data_dir)["splits"]["val"]["tokens"]
-    with pytest.raises(DataError, match=f"use seq_len <= {tokens - 1}, or prepare a larger val split"):
+    with pytest.raises(UserError, match=f"use seq_len <= {tokens - 1}, or prepare a larger val split"):
         eval_batches(data_dir, "val", 4, tokens, max_tokens=None)
 
 
@@ -542,7 +541,7 @@ def test_overwrite_without_room_keeps_the_previous_preparation(tmp_path, monkeyp
     def disk_full_at_the_third_shard(path, tokens, tokenizer):
         calls.append(path)
         if len(calls) == 3:  # the write fails as on a full disk
-            write_atomic(path, no_space, DataError)
+            write_atomic(path, no_space, UserError)
         return real(path, tokens, tokenizer)
     monkeypatch.setattr(prepare_data, "write_shard", disk_full_at_the_third_shard)
     assert prep(src, out, "--shard_tokens", 400, "--overwrite") == 2
@@ -883,7 +882,7 @@ def test_a_shard_replaced_by_a_directory_is_one_line_and_overwrite_deletes_nothi
     shard = out / "val_000000.bin"
     shard.unlink()
     shard.mkdir()
-    with pytest.raises(DataError, match=f"shard {shard} is a directory, not a shard: move or remove it, then re-create"):
+    with pytest.raises(UserError, match=f"shard {shard} is a directory, not a shard: move or remove it, then re-create"):
         token_data.read_header(shard)
     before = sorted(p.name for p in out.iterdir())
     source = next(data_dir.parent.glob("*.jsonl"))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import train
-from depthres import config
+from depthres import Stopped, UserError, config
 from model import GPTConfig
 from model_fast import make_model
 from tools import diagnose, sweep
@@ -96,7 +96,7 @@ def test_ctrl_c_waits_for_the_run_to_checkpoint_and_the_sweep_says_so(tmp_path, 
             return 130
     monkeypatch.setattr(sweep.subprocess, "Popen", Child)
     spec = dict(base="configs/test.py", variants={"a": ""}, seeds=[0], overrides="", out_dir=str(tmp_path))
-    with pytest.raises(SystemExit, match="run a seed 0 stopped with a checkpoint; run the sweep again to resume it"):
+    with pytest.raises(Stopped, match="run a seed 0 stopped with a checkpoint; run the sweep again to resume it"):
         sweep.run_all(spec, launcher="")
     assert Child.waits == 2  # waited for, not killed
 
@@ -203,9 +203,9 @@ def test_a_bad_sweep_file_is_one_line_before_any_run(case, tmp_path, monkeypatch
     if text is not None:
         path.write_text(text)
     monkeypatch.setattr(sweep, "run_child", None)  # never reached
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UserError) as e:
         sweep.main([str(path), "--out_dir", str(tmp_path / "runs")])
-    assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value)
+    assert message.removeprefix("error: ") in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "runs").exists()
 
 
@@ -249,7 +249,7 @@ def test_a_wandb_sweep_without_wandb_stops_before_any_run(tmp_path, monkeypatch)
                 wandb=True)
     monkeypatch.setattr(sweep.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(sweep, "run_child", None)  # never reached
-    with pytest.raises(SystemExit, match="error: the sweep logs to W&B .* wandb package is not installed"):
+    with pytest.raises(UserError, match="the sweep logs to W&B .* wandb package is not installed"):
         sweep.run_all(spec, launcher="")
 
 
@@ -529,10 +529,10 @@ def test_a_sweep_whose_design_changed_under_its_runs_refuses_before_any_run(tmp_
     (tmp_path / "runs" / "b" / "seed0" / "summary.json").unlink()  # b's last run is unfinished: it would resume
     monkeypatch.setattr(sweep, "run_child", None)  # never reached
     for args in ([], ["--table_only"]):
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(UserError) as e:
             sweep.main([str(path), *args])
         assert str(e.value) == (
-            "error: the sweep's design changed since some of its runs ran: a seed 0 ran with max_steps 2 (now 4), "
+            "the sweep's design changed since some of its runs ran: a seed 0 ran with max_steps 2 (now 4), "
             "b seed 0 ran with max_steps 2 (now 4); a sweep never pools runs of different designs: restore the "
             f"sweep file's settings, or give the new design its own out_dir (not {tmp_path / 'runs'}), or delete "
             "those runs to run them again")
@@ -629,13 +629,13 @@ def test_a_read_only_out_dir_is_one_line_and_the_table_still_prints(tmp_path, mo
         finished_run(tmp_path / "runs" / v / f"seed{s}", 3.0 + 0.1 * s + (v == "b") * 0.01)
     monkeypatch.setattr(sweep, "run_child", None)  # never reached
     read_only(tmp_path / "runs")
-    with pytest.raises(SystemExit) as e:  # the unfinished seed 1 cannot be run there
+    with pytest.raises(UserError) as e:  # the unfinished seed 1 cannot be run there
         sweep.run_all(spec, launcher="")
-    assert str(e.value) == (f"error: cannot write {tmp_path / 'runs'}: read-only file system: "
+    assert str(e.value) == (f"cannot write {tmp_path / 'runs'}: read-only file system: "
                             f"the sweep writes its runs under {tmp_path / 'runs'}; make it writable, or choose another "
                             "out_dir (--table_only only reads the runs)")
     spec["out_dir"] = str(tmp_path / "runs" / "new" / "sweep")  # a new out_dir under the read-only mount
-    with pytest.raises(SystemExit, match=r"^error: cannot write .*/runs/new: read-only file system: the sweep writes"):
+    with pytest.raises(UserError, match=r"^cannot write .*/runs/new: read-only file system: the sweep writes"):
         sweep.run_all(spec, launcher="")
 
     path = sweep_file(tmp_path, seeds=(0,))  # the finished part of the sweep: its table
@@ -690,9 +690,9 @@ def test_sweep_paths_and_where_table_only_looked(tmp_path, monkeypatch, capsys):
     path = sweep_file(tmp_path, out_dir="runs/sweep_nowhere_28")  # relative: to the project root
     spec = sweep.load_sweep(str(path))
     assert spec["out_dir"] == str(ROOT / "runs" / "sweep_nowhere_28") and spec["base"] == str(ROOT / "configs" / "test.py")
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UserError) as e:
         sweep.main([str(path), "--table_only"])
-    assert str(e.value) == (f"error: no finished run of the reference 'a' in {ROOT / 'runs' / 'sweep_nowhere_28'} "
+    assert str(e.value) == (f"no finished run of the reference 'a' in {ROOT / 'runs' / 'sweep_nowhere_28'} "
                             "(looked for a/seed<s>/summary.json there): run the sweep first, or pass the --out_dir "
                             f"that holds its runs (a relative out_dir in a sweep file is relative to {ROOT})")
     ran = []
@@ -710,6 +710,6 @@ def test_a_link_planted_as_a_claim_is_refused_not_followed(tmp_path, monkeypatch
     (tmp_path / "runs" / "a" / ".seed0.sweep-lock").symlink_to(outside)
     ran = []
     monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
-    with pytest.raises(SystemExit, match="error: .*seed0.sweep-lock: it is a symbolic link"):
+    with pytest.raises(UserError, match=".*seed0.sweep-lock: it is a symbolic link"):
         sweep.run_all(spec, launcher="")
     assert ran == [] and outside.read_text() == "a user's file\n"

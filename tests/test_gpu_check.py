@@ -20,7 +20,7 @@ def test_the_gpu_check_passes_at_toy_size(tmp_path, capsys, monkeypatch):
 
 def test_a_failed_check_fails_the_command(tmp_path, monkeypatch, capsys):
     def broken(*args):
-        raise gpu_check.CheckFailed("resumed losses differ")
+        raise gpu_check.UserError("resumed losses differ")
     monkeypatch.setattr(gpu_check, "prepare", lambda args, work: work)
     monkeypatch.setattr(gpu_check, "check_bench", lambda args, out: ["fine"])
     monkeypatch.setattr(gpu_check, "check_train", broken)

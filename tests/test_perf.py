@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from depthres import cli
 from model import GPTConfig
 from model_fast import compile_model, make_model
 from tools import bench
@@ -222,9 +223,8 @@ def test_bench_bad_input_is_one_line_before_any_compute(args, message, tmp_path,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(bench, "Runner", None)  # never reached: no model built, no step run
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--out", str(tmp_path / "bench.json"), *args])
+    status = cli(bench.main, ["--out", str(tmp_path / "bench.json"), *args])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert status == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message.replace("{tmp}", str(tmp_path)) in err, err
     assert list(tmp_path.iterdir()) == []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import train
-from depthres import config
+from depthres import UserError, config
 from tools import multiplier, rescore, robust, robust_report, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,14 +129,14 @@ def test_a_bad_design_is_one_line_before_any_run(case, tmp_path, monkeypatch):
     path = tmp_path / "design.py"
     path.write_text("".join(f"{k} = {v}\n" for k, v in keys.items() if v is not None))
     monkeypatch.setattr(sweep, "run_child", None)  # never reached
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UserError) as e:
         robust.main([str(path), "--out_dir", str(tmp_path / "runs")])
-    assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert message.removeprefix("error: ") in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not (tmp_path / "runs").exists()
 
 
 def test_a_missing_design_file(tmp_path):
-    with pytest.raises(SystemExit, match="^error: design file .* not found$"):
+    with pytest.raises(UserError, match="^design file .* not found$"):
         robust.main([str(tmp_path / "nope.py")])
 
 
@@ -548,6 +548,6 @@ def test_odd_run_files_are_unfinished_runs_and_a_bad_bench_file_is_one_line(tmp_
     for text in ("not json", "[]", '{"steps": 3}', '{"steps": [{"variant": "standard"}], "args": []}'):
         (tmp_path / "bench.json").write_text(text)
         design = design_file(tmp_path, bench=repr(str(tmp_path / "bench.json")))
-        with pytest.raises(SystemExit, match=rf"^error: bench file {tmp_path / 'bench.json'} is not a tools.bench JSON "
+        with pytest.raises(UserError, match=rf"^bench file {tmp_path / 'bench.json'} is not a tools.bench JSON "
                                              r"file \(.*\): run python -m tools.bench at the design's size, or drop bench"):
             robust.bench_ratios(design)

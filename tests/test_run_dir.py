@@ -21,10 +21,9 @@ import pytest
 import torch
 
 import train
-from depthres import checkpoint, files, runlog
-from depthres.checkpoint import CheckpointError, load_checkpoint
-from depthres.config import ConfigError
-from depthres.run import DivergedError, Stopped
+from depthres import UserError, checkpoint, files, runlog
+from depthres.checkpoint import load_checkpoint
+from depthres.run import Stopped
 from model import GPTConfig
 from model_fast import make_model
 
@@ -52,23 +51,23 @@ def contents(run_dir):
 def test_a_fresh_run_never_replaces_a_run(data_dir, tmp_path, straight):
     run(data_dir, tmp_path, "--run_name=a")
     before = contents(tmp_path / "a")
-    with pytest.raises(checkpoint.RunDirError, match=re.escape(
+    with pytest.raises(checkpoint.UserError, match=re.escape(
             f"{tmp_path / 'a'} already holds a run (config.json, log.jsonl, ckpt.pt, summary.json): "
             "continue it with --resume=true, or start over with --overwrite=true")):
         run(data_dir, tmp_path, "--run_name=a", "--max_steps=2")
-    with pytest.raises(checkpoint.RunDirError, match="replace it with --overwrite=true, or choose another run_name"):
+    with pytest.raises(checkpoint.UserError, match="replace it with --overwrite=true, or choose another run_name"):
         run(data_dir, tmp_path, "--run_name=a", f"--resume={straight}")  # another run's checkpoint, into a
     assert contents(tmp_path / "a") == before  # nothing touched
 
     run(data_dir, tmp_path, "--run_name=a", "--max_steps=2", "--overwrite=true")  # told to: a new run
     assert steps(tmp_path / "a") == [1, 2] and load_checkpoint(tmp_path / "a")["step"] == 2
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["step"] == 2
-    with pytest.raises(ConfigError, match="resume=true continues the run that overwrite=true would delete"):
+    with pytest.raises(UserError, match="resume=true continues the run that overwrite=true would delete"):
         run(data_dir, tmp_path, "--run_name=a", "--resume=true", "--overwrite=true")
 
     (tmp_path / "b").mkdir()  # a run that died before its first checkpoint
     (tmp_path / "b" / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
-    with pytest.raises(checkpoint.RunDirError, match=r"already holds a run \(log.jsonl\): replace it with --overwrite"):
+    with pytest.raises(checkpoint.UserError, match=r"already holds a run \(log.jsonl\): replace it with --overwrite"):
         run(data_dir, tmp_path, "--run_name=b")
 
 
@@ -80,7 +79,7 @@ def test_cli_sigterm_stops_with_a_checkpoint_and_a_second_run_is_refused(data_di
                              stderr=subprocess.PIPE)
     try:
         poll(lambda: (run_dir / "log.jsonl").exists() and records(run_dir))
-        assert train.cli(args + ["--resume=true"]) == 1
+        assert train.cli(args + ["--resume=true"]) == 2
         assert capsys.readouterr().err == f"error: {run_dir} is in use by another run (pid {first.pid})\n"
         first.send_signal(signal.SIGTERM)
         err = first.communicate(timeout=60)[1]
@@ -100,7 +99,7 @@ def test_the_lock_goes_with_the_process_that_held_it(data_dir, tmp_path):
                                "lock_dir(sys.argv[1], 'run'); print('locked', flush=True); time.sleep(60)",
                                str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
-    with pytest.raises(checkpoint.RunDirError, match=f"is in use by another run \\(pid {holder.pid}\\)"):
+    with pytest.raises(checkpoint.UserError, match=f"is in use by another run \\(pid {holder.pid}\\)"):
         run(data_dir, tmp_path, "--max_steps=1")
     assert [p.name for p in run_dir.iterdir()] == [".lock"]
     holder.kill()  # kill -9: no chance to clean up
@@ -114,7 +113,7 @@ def test_a_link_planted_as_the_lock_is_refused_not_followed(data_dir, tmp_path):
     run_dir = tmp_path / "test"
     run_dir.mkdir()
     (run_dir / ".lock").symlink_to(outside)
-    with pytest.raises(checkpoint.RunDirError, match="it is a symbolic link"):
+    with pytest.raises(checkpoint.UserError, match="it is a symbolic link"):
         run(data_dir, tmp_path, "--max_steps=1")
     assert outside.read_text() == "a user's file\n"  # neither truncated nor written "PID HOST"
 
@@ -224,7 +223,7 @@ def test_a_full_disk_or_a_read_only_directory_is_one_line(data_dir, tmp_path, mo
         for victim, failed in ((".ckpt.pt.tmp", "ckpt.pt"), ("log.jsonl", "log.jsonl")):
             calls.clear()
             monkeypatch.setattr(train, "train_step", disk_full_from_step_5)
-            assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--overwrite=true"]) == 1
+            assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--overwrite=true"]) == 2
             monkeypatch.undo()
             err = capsys.readouterr().err
             assert err == (f"error: no space left on device writing {run_dir / failed}; the last checkpoint (step 3) "
@@ -245,7 +244,7 @@ def test_a_full_disk_or_a_read_only_directory_is_one_line(data_dir, tmp_path, mo
     monkeypatch.setattr(os, "open", refuse(real_open))
     monkeypatch.setattr(os, "mkdir", refuse(real_mkdir))
     monkeypatch.setattr(train, "train_step", None)  # never reached
-    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={read_only}"]) == 1
+    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={read_only}"]) == 2
     assert capsys.readouterr().err == f"error: cannot write {read_only / 'test'}: read-only file system\n"
 
 
@@ -264,13 +263,13 @@ def test_a_damaged_checkpoint_is_refused_by_its_checksum(data_dir, tmp_path, cap
     keys = {*checkpoint.CKPT_KEYS, *checkpoint.CKPT_OPTIONAL}
     assert set(torch.load(ckpt, weights_only=True)) == keys  # torch alone does not notice
     message = "ckpt.pt is corrupt: its contents do not match the checksum written with it"
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(UserError, match=message):
         run(data_dir, tmp_path, "--resume=true", "--max_steps=2")
     import sample
     assert sample.main(["--ckpt", str(ckpt), "--max_new_tokens", "2"]) == 2
     assert message in capsys.readouterr().err
     torch.save({"format": "depthres-ckpt-1", "model": {}}, ckpt)
-    with pytest.raises(CheckpointError, match="an older train.py's, without a checksum"):
+    with pytest.raises(UserError, match="an older train.py's, without a checksum"):
         load_checkpoint(ckpt)
 
 
@@ -299,7 +298,7 @@ def test_other_contents_under_a_recomputed_checksum_are_one_line_for_every_reade
                            "--resume=true"]), sample.main(["--ckpt", str(run_dir), "--max_new_tokens", "2"])]
     statuses += [export_ckpt.main([str(run_dir)])] if form == "sharded" else []
     err = capsys.readouterr().err.splitlines()
-    assert statuses == [1, 2, 2][:len(statuses)] and len(err) == len(statuses), err
+    assert statuses == [2, 2, 2][:len(statuses)] and len(err) == len(statuses), err
     assert all(line.startswith("error: ") for line in err), err
     assert all(message in line for line in err[::2]), err  # train and export (sample names the export, as always)
 
@@ -337,7 +336,7 @@ def test_a_tampered_sharded_checkpoint_runs_no_code_on_any_reader(data_dir, tmp_
     capsys.readouterr()
     for name, status in readers(data_dir, run_dir):
         err = capsys.readouterr().err
-        assert status in (1, 2) and not marker.exists(), (name, err)
+        assert status == 2 and not marker.exists(), (name, err)
         assert err.startswith("error: ") and err.count("\n") == 1 and "weights_only" not in err, (name, err)
         if name in ("train", "export"):  # the two that read the shards
             assert {"index": "names io.open", "shard": "holds a value that is not plain data",
@@ -447,7 +446,7 @@ def test_a_failed_sharded_save_leaves_no_partial_shards_and_says_why(tmp_path, s
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the shard is about 600 kB
     try:
-        with pytest.raises(checkpoint.RunDirError) as e:
+        with pytest.raises(checkpoint.UserError) as e:
             save_sharded(run_dir, model, optimizer, {k: ckpt[k] for k in checkpoint.STATE_KEYS},
                          Dist(0, 1, torch.device("cpu")))
     finally:
@@ -545,7 +544,7 @@ def test_a_bad_manifest_or_run_state_is_one_line_for_every_reader(data_dir, tmp_
     capsys.readouterr()
     for name, status in readers(data_dir, run_dir):
         err = capsys.readouterr().err
-        assert status in (1, 2) and err.startswith("error: ") and err.count("\n") == 1, (name, err)
+        assert status == 2 and err.startswith("error: ") and err.count("\n") == 1, (name, err)
         assert "weights_only" not in err and (name in ("sample", "diagnose") or message in err), (name, err)
     if "manifest.json" in message:  # beside a ckpt.pt, whose step the manifest's is compared with
         (run_dir / "ckpt.pt").write_bytes((straight / "ckpt.pt").read_bytes())
@@ -576,7 +575,7 @@ def test_an_index_that_points_outside_its_checkpoint_is_refused(data_dir, tmp_pa
     capsys.readouterr()
     for name, status in readers(data_dir, run_dir):
         err = capsys.readouterr().err
-        assert status in (1, 2) and err.startswith("error: ") and err.count("\n") == 1, (name, err)
+        assert status == 2 and err.startswith("error: ") and err.count("\n") == 1, (name, err)
         if name in ("train", "export"):
             assert (f"{run_dir / 'ckpt' / '.metadata'} names '../outside.distcp' as a file of the checkpoint, which its "
                     "manifest.json does not list") in err, err
@@ -621,7 +620,7 @@ def test_a_finite_but_huge_loss_is_a_divergence_and_its_resume_says_so_again(dat
     args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--lr=3e3", "--min_lr=0", "--grad_clip=0",
             "--warmup_steps=0", "--max_steps=8"]
     for extra in ([], ["--resume=true"]):
-        assert train.cli(args + extra) == 1
+        assert train.cli(args + extra) == 2
         err = capsys.readouterr().err
         assert re.search(r"error: loss \S+ at step \d is above 23.1 nats \(4 ln\(vocab\), far worse than a uniform "
                          r"guess\): training diverged and stopped before this update; (no checkpoint was written|the "
@@ -636,7 +635,7 @@ def test_a_finite_but_huge_loss_is_a_divergence_and_its_resume_says_so_again(dat
 
 def test_a_huge_val_loss_stops_before_the_checkpoint(data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: (800.0, 1024))
-    with pytest.raises(DivergedError, match=r"val loss 800 at step 3 is above 23.1 nats .* stopped before this "
+    with pytest.raises(UserError, match=r"val loss 800 at step 3 is above 23.1 nats .* stopped before this "
                                             r"checkpoint; no checkpoint was written"):
         run(data_dir, tmp_path)
     assert not (tmp_path / "test" / "ckpt.pt").exists()
@@ -676,15 +675,15 @@ def test_resume_true_without_a_checkpoint_starts_the_run(data_dir, tmp_path, mon
         run(data_dir, tmp_path, f"--run_name={name}", "--resume=true")
         assert f"note: {tmp_path / name} holds no checkpoint yet: starting the run from step 0" in capsys.readouterr().err
         assert untimed(tmp_path / name) == untimed(straight) and steps(tmp_path / name) == [1, 2, 3, 4, 5, 6]
-    with pytest.raises(CheckpointError, match="no checkpoint at"):  # a checkpoint named that is not there
+    with pytest.raises(UserError, match="no checkpoint at"):  # a checkpoint named that is not there
         run(data_dir, tmp_path, "--run_name=named", f"--resume={tmp_path / 'named' / 'ckpt.pt'}")
 
 
 def test_a_resume_past_max_steps_is_refused(data_dir, tmp_path, straight):
     message = "checkpoint .*straight is at step 6, past this run's last step 2: resume with max_steps >= 6"
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(UserError, match=message):
         run(data_dir, straight.parent, "--run_name=straight", "--resume=true", "--max_steps=2")
-    with pytest.raises(CheckpointError, match=message):  # from another run's checkpoint too
+    with pytest.raises(UserError, match=message):  # from another run's checkpoint too
         run(data_dir, tmp_path, f"--resume={straight}", "--max_steps=2")
 
 
@@ -711,7 +710,7 @@ def test_a_checkpoint_from_before_newer_keys_still_resumes_and_samples(data_dir,
 
 def test_a_resume_keeps_the_runs_identity_and_names_the_key_that_was_set(data_dir, tmp_path, straight):
     before = contents(straight)
-    with pytest.raises(CheckpointError, match=re.escape(
+    with pytest.raises(UserError, match=re.escape(
             "holds another model (seq_len: 32 there, 64 here (the model's block_size follows it)); resume with its "
             "config")):
         run(data_dir, straight.parent, "--run_name=straight", "--resume=true", "--seq_len=64")
@@ -727,9 +726,9 @@ def test_a_resume_keeps_the_runs_identity_and_names_the_key_that_was_set(data_di
              "was trained with batch_tokens=256; a resume cannot change batch_tokens (512 here: the tokens of a step: a "
              "run's tokens are its steps x batch_tokens, as its summary and the tools count them): resume with "
              "batch_tokens=256")):
-        with pytest.raises(CheckpointError, match=re.escape(message)):
+        with pytest.raises(UserError, match=re.escape(message)):
             run(data_dir, straight.parent, "--run_name=straight", "--resume=true", *args)
-    with pytest.raises(CheckpointError, match="a resume cannot change seed"):  # from another run's checkpoint too
+    with pytest.raises(UserError, match="a resume cannot change seed"):  # from another run's checkpoint too
         run(data_dir, tmp_path, "--run_name=copy", f"--resume={straight}", "--seed=5")
     assert contents(straight) == before
 
@@ -804,7 +803,7 @@ def test_a_failed_compilation_is_one_line_and_a_plain_rerun_starts_the_run(data_
             raise InductorError(InvalidCxxCompiler(), None)  # at the first call; torch's message runs to 108 lines
     monkeypatch.setattr(train, "compile_model", Uncompilable)
     args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]
-    assert train.cli(args + ["--compile=true"]) == 1
+    assert train.cli(args + ["--compile=true"]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: compile=true, but torch\.compile failed at step 1 \(InductorError: InvalidCxxCompiler: "
                         r"No working C\+\+ compiler found in torch\._inductor\.config\.cpp\.cxx: [^\n]*\); no checkpoint was "
@@ -831,7 +830,7 @@ def test_a_stray_launcher_variable_is_one_line(data_dir, tmp_path, monkeypatch, 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(train, "build", None)  # never reached
-    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 1
+    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
     assert not any(tmp_path.iterdir())
@@ -847,7 +846,7 @@ def test_an_index_a_newer_torch_wrote_names_the_versions_not_tampering(tmp_path,
     manifest = json.loads((run_dir / "ckpt" / "manifest.json").read_text())
     manifest["torch"] = torch.__version__ if wrote == "this torch" else wrote
     (run_dir / "ckpt" / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(UserError) as e:
         checkpoint.read_index(run_dir / "ckpt")
     index = run_dir / "ckpt" / ".metadata"
     if wrote == "this torch":

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import train
-from depthres import checkpoint, runlog
-from depthres.checkpoint import CheckpointError, load_checkpoint
+from depthres import UserError, checkpoint, runlog
+from depthres.checkpoint import load_checkpoint
 from model import GPTConfig
 
 from runs import CONFIG, assert_same_run, kill_in_step, poll, run
@@ -65,7 +65,7 @@ def test_a_resume_may_change_execution_only_keys(data_dir, tmp_path, monkeypatch
     checkpoint.check_resumable(ckpt, "ckpt.pt", config(depth_impl="reference", depth_chunk=2), "byte")
     del ckpt["model_config"]["activation_checkpointing"]  # a checkpoint from before the key existed
     checkpoint.check_resumable(ckpt, "ckpt.pt", config(), "byte")
-    with pytest.raises(CheckpointError, match=r"another model \(attnres_block_size: 4 there, 2 here\)"):
+    with pytest.raises(UserError, match=r"another model \(attnres_block_size: 4 there, 2 here\)"):
         checkpoint.check_resumable(ckpt, "ckpt.pt", config(attnres_block_size=2, depth_chunk=2), "byte")
 
 
@@ -73,7 +73,7 @@ def test_wandb_log_without_wandb_is_one_line_before_compute(data_dir, tmp_path, 
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     with monkeypatch.context() as patched:
         patched.setattr(train, "build", None)  # never reached
-        assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--wandb_log=true"]) == 1
+        assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--wandb_log=true"]) == 2
     assert capsys.readouterr().err == ("error: wandb_log=true needs the wandb package, which is not installed: "
                                        "pip install wandb (or drop wandb_log)\n")
     assert not (tmp_path / "test").exists()
@@ -179,7 +179,7 @@ def test_wandb_that_cannot_start_is_one_line_before_step_1(data_dir, tmp_path, m
 
     monkeypatch.setattr(wandb, "init", not_logged_in)
     monkeypatch.setattr(train, "train_step", None)  # never reached
-    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--wandb_log=true"]) == 1
+    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--wandb_log=true"]) == 2
     assert capsys.readouterr().err == ("error: wandb_log=true, but W&B did not start: api_key not configured "
                                        "(no-tty). call wandb.login(key=[your_api_key]) (wandb login, or "
                                        "WANDB_MODE=offline to log locally)\n")

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import train
-from depthres import checkpoint, config, distributed
-from depthres.checkpoint import CheckpointError, load_checkpoint
-from depthres.config import ConfigError
-from depthres.run import DeviceBatches, DivergedError, Run
+from depthres import UserError, checkpoint, config, distributed
+from depthres.checkpoint import load_checkpoint
+from depthres.run import DeviceBatches, Run
 from depthres.token_data import load_meta
 from prepare_data import prepare
 
@@ -81,23 +80,23 @@ def test_bad_checkpoints_are_refused(data_dir, tmp_path):
     bad = tmp_path / "bad.pt"
     for content in (raw[:len(raw) // 2], random.Random(0).randbytes(4096), b"step 6, loss 2.3\n"):
         bad.write_bytes(content)
-        with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        with pytest.raises(UserError, match="not a readable checkpoint"):
             load_checkpoint(bad)
     torch.save({"weights": torch.zeros(3)}, bad)
-    with pytest.raises(CheckpointError, match="not a train.py checkpoint"):
+    with pytest.raises(UserError, match="not a train.py checkpoint"):
         load_checkpoint(bad)
     torch.save({"format": "depthres-ckpt-0"}, bad)
-    with pytest.raises(CheckpointError, match="has format 'depthres-ckpt-0'"):
+    with pytest.raises(UserError, match="has format 'depthres-ckpt-0'"):
         load_checkpoint(bad)
-    with pytest.raises(CheckpointError, match="no checkpoint at"):
+    with pytest.raises(UserError, match="no checkpoint at"):
         load_checkpoint(tmp_path / "nowhere")
 
     bad.write_bytes(raw[:1000])
-    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+    with pytest.raises(UserError, match="not a readable checkpoint"):
         run(data_dir, tmp_path, "--run_name=good", f"--resume={bad}")
-    with pytest.raises(CheckpointError, match="residual: 'block_attnres' there, 'standard' here"):
+    with pytest.raises(UserError, match="residual: 'block_attnres' there, 'standard' here"):
         run(data_dir, tmp_path, "--run_name=good", "--resume=true", "--residual=standard")
-    with pytest.raises(CheckpointError, match=r"another model \(n_embd: 32 there, 64 here\); resume with its config"):
+    with pytest.raises(UserError, match=r"another model \(n_embd: 32 there, 64 here\); resume with its config"):
         run(data_dir, tmp_path, "--run_name=good", "--resume=true", "--n_embd=64")
 
 
@@ -116,24 +115,24 @@ def test_overrides_are_typed_and_checked(data_dir, tmp_path):
                          ("--n_layers=3", "did you mean n_layer"),
                          ("--lr", "expected --key=value"),
                          ("--lr_schedule=linear", "lr_schedule must be cosine or wsd")]:
-        with pytest.raises(ConfigError, match=message):
+        with pytest.raises(UserError, match=message):
             config.parse_config([CONFIG, arg])
     typo = tmp_path / "typo.py"
     typo.write_text("import math\nlr = math.pi / 1000\nn_embed = 64\n")
-    with pytest.raises(ConfigError, match=f"unknown key 'n_embed' in {typo}; did you mean n_embd"):
+    with pytest.raises(UserError, match=f"unknown key 'n_embed' in {typo}; did you mean n_embd"):
         config.parse_config([str(typo)])
-    with pytest.raises(ConfigError, match=re.escape("world_size = 4 * 32 * 1 = 128 (e.g. batch_tokens=256)")):
+    with pytest.raises(UserError, match=re.escape("world_size = 4 * 32 * 1 = 128 (e.g. batch_tokens=256)")):
         run(data_dir, tmp_path, "--batch_tokens=300")
     tc, _ = config.parse_config([CONFIG])
-    with pytest.raises(ConfigError, match="= 4 \\* 32 \\* 3 = 384"):
+    with pytest.raises(UserError, match="= 4 \\* 32 \\* 3 = 384"):
         config.grad_accum_steps(tc, world_size=3)
-    with pytest.raises(ConfigError, match="model config: n_embd=33 is not divisible by n_head=2"):
+    with pytest.raises(UserError, match="model config: n_embd=33 is not divisible by n_head=2"):
         run(data_dir, tmp_path, "--n_embd=33")
 
 
 def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(data_dir, tmp_path, capsys):
     args = ["--lr=1e12", "--min_lr=1e12", "--warmup_steps=0", "--grad_clip=0", "--max_steps=30", "--ckpt_interval=1"]
-    with pytest.raises(DivergedError, match="non-finite") as failure:
+    with pytest.raises(UserError, match="non-finite") as failure:
         run(data_dir, tmp_path, *args)
     ckpt = load_checkpoint(tmp_path / "test")
     assert f"last good checkpoint (step {ckpt['step']})" in str(failure.value)
@@ -143,7 +142,7 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(data_dir, tmp_
     # from the command line (train.cli, which `python train.py` exits with): a one-line message and a
     # non-zero exit status, no traceback
     capsys.readouterr()
-    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=cli", *args]) == 1
+    assert train.cli([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=cli", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: non-finite loss") and "Traceback" not in err
 
@@ -242,14 +241,14 @@ def test_ranks_started_with_other_keys_are_one_line_on_every_rank(data_dir, tmp_
     says the same line before any compute."""
     base = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + (["--lr=0.02", "--n_layer=3"] if rank else []))
-    assert (rc0, rc1) == (1, 1) and err0 == err1, err0 + err1
+    assert (rc0, rc1) == (2, 2) and err0 == err1, err0 + err1
     assert err0 == ("error: rank 1 was started with other keys than rank 0 (lr 0.02 here, 0.01 on rank 0; n_layer 3 "
                     "here, 2 on rank 0): start every rank with the same config and keys\n")
     assert not (tmp_path / "test").exists()
     other = tmp_path / "other"  # rank 1's data_dir: the same tokenizer, other data (a larger validation split)
     prepare(data_files=[str(next(data_dir.parent.glob("*.jsonl")))], tokenizer="byte", out_dir=other, val_fraction=0.2)
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + ([f"--data_dir={other}"] if rank else []))
-    assert (rc0, rc1) == (1, 1) and err0 == err1, err0 + err1
+    assert (rc0, rc1) == (2, 2) and err0 == err1, err0 + err1
     assert re.fullmatch(r"error: rank 1 was started with other keys than rank 0 \(data 'byte tokens, train [0-9,]+, "
                         r"val [0-9,]+, test [0-9,]+' here, 'byte tokens, train [0-9,]+, val [0-9,]+, test [0-9,]+' on "
                         r"rank 0\): start every rank with the same config and keys\n", err0), err0
@@ -286,7 +285,7 @@ def test_ddp_ranks_stop_together_and_resume_from_rank_0s_checkpoint(data_dir, tm
     ckpt = tmp_path / "two" / "ckpt.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     (rc0, err0), (rc1, err1) = two_ranks(lambda rank: base + (mine if rank == 0 else elsewhere) + ["--resume=true"])
-    assert (rc0, rc1) == (1, 1)
+    assert (rc0, rc1) == (2, 2)
     assert err0 == err1 and err0.startswith(f"error: {ckpt} is not a readable checkpoint") and err0.count("\n") == 1
 
 

@@ -47,8 +47,9 @@ from pathlib import Path
 import torch
 import torch._dynamo
 
+from depthres import UserError, cli, os_error_message
 from depthres.config import model_config, need
-from depthres.files import check_writable, os_error_message, write_file
+from depthres.files import check_writable, write_file
 from model import GPTConfig, depth_attention
 from model_fast import TwoPhaseRouter, compile_model, make_model, rms_inv
 
@@ -57,8 +58,6 @@ SHAPE_KEYS = {"vocab_size": "--vocab_size", "block_size": "--seq_len", "n_layer"
               "n_embd": "--n_embd", "residual": "the variant's name"}  # set for every variant by bench's flags
 
 
-class BenchError(ValueError):
-    """Bad input: `error: ...`, exit code 2, before any compute."""
 
 
 
@@ -100,19 +99,19 @@ def _boolean(value):
 
 
 def parse_variant(spec):
-    """The GPTConfig keys of a variant `residual[:key=value...]`; BenchError naming what does not parse."""
+    """The GPTConfig keys of a variant `residual[:key=value...]`; UserError naming what does not parse."""
     name, *pairs = spec.split(":")
     kw = dict(residual=name)
     fields = GPTConfig.__dataclass_fields__
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise BenchError(f"{pair!r} is not key=value")
+            raise UserError(f"{pair!r} is not key=value")
         if key in SHAPE_KEYS:
-            raise BenchError(f"{key} is set for every variant by {SHAPE_KEYS[key]}")
+            raise UserError(f"{key} is set for every variant by {SHAPE_KEYS[key]}")
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
-            raise BenchError(f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+            raise UserError(f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
         typ = fields[key].type
         typ = next((t for t in typing.get_args(typ) if t is not type(None)), typ)  # int | None -> int
         convert, kind = {int: (int, "an integer"), float: (float, "a number"),
@@ -120,51 +119,51 @@ def parse_variant(spec):
         try:
             kw[key] = convert(value)
         except ValueError:
-            raise BenchError(f"{key} takes {kind}, not {value!r}") from None
+            raise UserError(f"{key} takes {kind}, not {value!r}") from None
     return kw
 
 
 def variant_config(spec, args):
-    """The GPTConfig of a variant at the benchmark's size; BenchError naming the variant if it does not build."""
+    """The GPTConfig of a variant at the benchmark's size; UserError naming the variant if it does not build."""
     try:
         return model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                                 n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec)), BenchError)
-    except BenchError as e:
-        raise BenchError(f"--variants {spec}: {e}") from None
+                                 n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec)), UserError)
+    except UserError as e:
+        raise UserError(f"--variants {spec}: {e}") from None
 
 
 def check_args(args):
     """Every flag, variant and the output path, before any model is built; returns (device, specs)."""
     for flag in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "batch_size", "repeats"):
-        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}", BenchError)
-    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}", BenchError)
+        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}", UserError)
+    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}", UserError)
     need(all(len(b) == 2 and min(b) >= 1 for b in args.routing_blocks),
          "--routing_blocks: each block is sources:sites, both at least 1 (e.g. 4:4,8:4), got "
-         + ",".join(":".join(map(str, b)) for b in args.routing_blocks), BenchError)
+         + ",".join(":".join(map(str, b)) for b in args.routing_blocks), UserError)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         try:
             device = torch.device(args.device)
         except RuntimeError:
-            raise BenchError(f"--device {args.device} is not a device: use auto, cpu, cuda or cuda:N") from None
-        need(device.type in ("cpu", "cuda"), f"--device {args.device}: use auto, cpu, cuda or cuda:N", BenchError)
+            raise UserError(f"--device {args.device} is not a device: use auto, cpu, cuda or cuda:N") from None
+        need(device.type in ("cpu", "cuda"), f"--device {args.device}: use auto, cpu, cuda or cuda:N", UserError)
         need(device.type != "cuda" or torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available",
-             BenchError)
+             UserError)
         need(device.type != "cuda" or device.index is None or device.index < torch.cuda.device_count(),
-             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", BenchError)
+             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", UserError)
     model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                      n_embd=args.n_embd), BenchError)
+                      n_embd=args.n_embd), UserError)
     specs = args.variants.split(",")
     if "standard" not in specs:
         specs.insert(0, "standard")
     for spec in specs:
         variant_config(spec, args)
-    need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write", BenchError)
+    need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write", UserError)
     try:
         check_writable(os.path.dirname(args.out) or ".")
     except OSError as e:
-        raise BenchError(f"cannot write {args.out}: {e.strerror}") from None
+        raise UserError(f"cannot write {args.out}: {e.strerror}") from None
     return device, specs
 
 
@@ -304,7 +303,7 @@ def peak_rss_bytes(cmd):
     out = subprocess.run([sys.executable, "-c", LAUNCHER, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.strip()
     if not out.isdigit():
-        raise BenchError(f"{' '.join(map(str, cmd[1:3]))} {out or 'failed'}")
+        raise UserError(f"{' '.join(map(str, cmd[1:3]))} {out or 'failed'}")
     return int(out) * 1024
 
 
@@ -364,19 +363,11 @@ def main(argv=None):
             check_writable(os.path.dirname(args.out) or ".")
             report = memory_figures()
             write_file(args.out, json.dumps(report, indent=1) + "\n")
-        except BenchError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
         except OSError as e:
-            print(f"error: {os_error_message(e, args.out)}", file=sys.stderr)
-            raise SystemExit(2) from None
+            raise UserError(os_error_message(e, args.out)) from None
         print(f"\nwrote {args.out}")
         return report
-    try:
-        device, specs = check_args(args)
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    device, specs = check_args(args)
     dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
     if args.compile:  # one graph per variant (and per grad mode): never fall back to eager without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(specs) + 2)
@@ -444,11 +435,10 @@ def main(argv=None):
     try:
         write_file(args.out, json.dumps(report, indent=1) + "\n")
     except OSError as e:  # checked before the benchmark ran: the disk filled, or the directory went away
-        print(f"error: cannot write {args.out}: {e.strerror or e}; the tables above hold the numbers", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise UserError(f"cannot write {args.out}: {e.strerror or e}; the tables above hold the numbers") from None
     print(f"\nwrote {args.out}")
     return results, routing
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli(main))

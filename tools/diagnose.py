@@ -30,28 +30,20 @@ from pathlib import Path
 
 import torch
 
-from depthres import files
-from depthres.checkpoint import CheckpointError, load_model
+from depthres import UserError, cli, files, os_error_message
+from depthres.checkpoint import load_model
 from depthres.config import need
-from depthres.files import os_error_message, write_figure, write_file
+from depthres.files import write_figure, write_file
 from depthres.runlog import perplexity
-from depthres.token_data import DataError, eval_batches, load_meta
+from depthres.token_data import eval_batches, load_meta
 from model import DARStream, site_name
 from tools.rundirs import val_curve
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs
 
 
-class UsageError(ValueError):
-    """Bad input (flags, an output that cannot be written): `error: ...`, exit code 2."""
 
 
-class NotWritten(Exception):
-    """The diagnostics were computed but could not be written; `out` holds them."""
-
-    def __init__(self, message, out):
-        super().__init__(message)
-        self.out = out
 
 # --- the measures ---------------------------------------------------------------------------------
 
@@ -323,13 +315,13 @@ def default_out(ckpt_path):
 
 def check_writable(directory, what):
     """Create `directory` if needed and write a probe file into it, so that results computed later
-    have somewhere to go; UsageError if not."""
+    have somewhere to go; UserError if not."""
     try:
         os.makedirs(directory, exist_ok=True)
         files.check_writable(directory)
     except OSError as e:
         reason = os_error_message(e, directory).removeprefix(f"cannot write {directory}: ")
-        raise UsageError(f"cannot write {what} into {directory}: {reason}: pass --out with a writable "
+        raise UserError(f"cannot write {what} into {directory}: {reason}: pass --out with a writable "
                          f"{'directory' if what == 'the diagnostics' else 'path'}") from None
 
 
@@ -339,14 +331,14 @@ def find_data_dir(recorded, given=None):
     from the repository's root."""
     if given is not None:
         if not (Path(given) / "meta.json").is_file():
-            raise DataError(f"--data_dir {given} holds no meta.json: pass the directory prepare_data.py wrote")
+            raise UserError(f"--data_dir {given} holds no meta.json: pass the directory prepare_data.py wrote")
         return str(given), None
     path = Path(recorded)
     places = [path] if path.is_absolute() else list(dict.fromkeys([Path.cwd() / path, ROOT / path]))
     for place in places:
         if (place / "meta.json").is_file():
             return str(place), None if place == path else f"data_dir {recorded} (from the checkpoint) is {place}"
-    raise DataError(f"the checkpoint's data_dir {recorded} holds no prepared data: looked in "
+    raise UserError(f"the checkpoint's data_dir {recorded} holds no prepared data: looked in "
                     f"{' and '.join(map(str, places))}; pass --data_dir with the directory prepare_data.py wrote "
                     "for this run")
 
@@ -359,7 +351,7 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
     data_dir, note = find_data_dir(ckpt["train_config"].get("data_dir", "data/shakespeare"), data_dir)
     meta = load_meta(data_dir)
     if meta["tokenizer"] != ckpt["tokenizer"] or meta["vocab_size"] > cfg.vocab_size:
-        raise DataError(f"{data_dir} holds {meta['tokenizer']} tokens ({meta['vocab_size']} ids), but the checkpoint's "
+        raise UserError(f"{data_dir} holds {meta['tokenizer']} tokens ({meta['vocab_size']} ids), but the checkpoint's "
                         f"model reads {ckpt['tokenizer']} tokens ({cfg.vocab_size} ids): pass --data_dir with the "
                         "data of this run")
     if note:
@@ -400,7 +392,7 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
         path = os.path.join(out_dir, "diagnostics.json")
         write_file(path, json.dumps(out, indent=1) + "\n")
     except OSError as e:
-        raise NotWritten(os_error_message(e, out_dir), out) from None
+        raise UserError(os_error_message(e, out_dir), result=out) from None
     return out
 
 
@@ -432,27 +424,27 @@ def summary(d):
 
 def check_args(args):
     """Every flag, and where the results go, before any compute."""
-    need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}", UsageError)
-    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}", UsageError)
+    need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}", UserError)
+    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}", UserError)
     try:
         device = torch.device(args.device)
     except RuntimeError:
-        raise UsageError(f"--device {args.device} is not a device: use cpu, cuda or cuda:N") from None
+        raise UserError(f"--device {args.device} is not a device: use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
-        need(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available", UsageError)
+        need(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available", UserError)
         need(device.index is None or device.index < torch.cuda.device_count(),
-             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", UsageError)
+             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", UserError)
     else:
-        need(device.type == "cpu", f"--device {args.device}: use cpu, cuda or cuda:N", UsageError)
+        need(device.type == "cpu", f"--device {args.device}: use cpu, cuda or cuda:N", UserError)
     for run in args.curves or []:
         need(os.path.isfile(os.path.join(run, "log.jsonl")),
-             f"--curves {run}: no log.jsonl there (not a train.py run directory)", UsageError)
+             f"--curves {run}: no log.jsonl there (not a train.py run directory)", UserError)
     if args.ckpt:
         need(args.out is None or not os.path.exists(args.out) or os.path.isdir(args.out),
-             f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory", UsageError)
+             f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory", UserError)
     elif args.out:
         need(not os.path.isdir(args.out),
-             f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write", UsageError)
+             f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write", UserError)
     if args.curves:
         png = curves_path(args)
         check_writable(os.path.dirname(png) or ".", "the curves")
@@ -477,6 +469,11 @@ def curves_path(args):
 
 
 def main(argv=None):
+    """The command line; its exit status (depthres.cli)."""
+    return cli(run, argv)
+
+
+def run(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", help="run directory or checkpoint file")
     p.add_argument("--curves", nargs="+", metavar="RUN_DIR", help="plot validation curves of these runs")
@@ -489,25 +486,20 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.ckpt and not args.curves:
         p.error("give --ckpt or --curves")
-    try:
-        check_args(args)
-        if args.curves:
+    check_args(args)
+    if args.curves:
+        try:
             print("wrote", plot_curves(curve_labels(args.curves), curves_path(args)))
-        if args.ckpt:
+        except OSError as e:
+            raise UserError(os_error_message(e, curves_path(args))) from None
+    if args.ckpt:
+        try:
             print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)))
-    except (UsageError, CheckpointError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NotWritten as e:  # computed, then the disk failed: the numbers are printed, not lost
-        print(summary(e.out))
-        print(f"error: {e}; the summary above is all that was kept", file=sys.stderr)
-        return 2
-    except OSError as e:  # writing the curves
-        print(f"error: {os_error_message(e, curves_path(args))}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("stopped by Ctrl-C", file=sys.stderr)
-        return 130
+        except UserError as e:
+            if e.result is None:
+                raise
+            print(summary(e.result))  # computed, then the disk failed: the numbers are printed, not lost
+            raise UserError(f"{e}; the summary above is all that was kept") from None
     return 0
 
 

@@ -18,22 +18,23 @@ use or that cannot be written).
 import argparse
 import sys
 
-from depthres.checkpoint import CheckpointError, RunDirError
+from depthres import cli
 from depthres.fsdp import export
 
 
 def main(argv=None):
+    """The command line; its exit status (depthres.cli)."""
+    return cli(run, argv)
+
+
+def run(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding a sharded checkpoint, or its ckpt/")
     p.add_argument("--out", default=None, help="the file to write (default: RUN_DIR/ckpt.pt)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out, or write into another run's directory")
     args = p.parse_args(argv)
-    try:
-        out, step = export(args.run_dir, args.out, args.overwrite)
-    except (CheckpointError, RunDirError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out, step = export(args.run_dir, args.out, args.overwrite)
     print(f"wrote {out} (step {step})")
     return 0
 

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from depthres import UserError, cli
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ["--n_layer", "12", "--n_embd", "768", "--n_head", "6", "--seq_len", "1024", "--batch_size", "8",
          "--dtype", "bf16", "--compile", "--repeats", "5", "--warmup", "2", "--routing_blocks", "4:4,8:4,16:4"]
@@ -41,15 +43,13 @@ TOY_TRAIN = ["residual=block_attnres", "n_layer=2", "n_embd=32", "n_head=2", "se
              "log_interval=1", "ckpt_interval=0", "device=cpu"]
 
 
-class CheckFailed(Exception):
-    pass
 
 
 def run(cmd, timeout, env=None):
-    """Run a command to completion; its stdout, or CheckFailed with the end of its output."""
+    """Run a command to completion; its stdout, or UserError with the end of its output."""
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise CheckFailed(f"`{' '.join(map(str, cmd))}` exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
+        raise UserError(f"`{' '.join(map(str, cmd))}` exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
     return done.stdout, done.stderr
 
 
@@ -99,17 +99,17 @@ def check_train(args, data_dir, out):
     output = proc.communicate(timeout=args.timeout)[0]
     stop = records(out / "stopped", "stop")
     if proc.returncode == 0 or not stop:
-        raise CheckFailed(f"SIGTERM did not stop the run with a checkpoint (exit {proc.returncode}):\n{output[-3000:]}")
+        raise UserError(f"SIGTERM did not stop the run with a checkpoint (exit {proc.returncode}):\n{output[-3000:]}")
     at = stop[-1]["step"]
     cmd, env = torchrun(args, data_dir, out, "stopped", "--resume=true")
     run(cmd, timeout=args.timeout, env=env)
     resumed = {r["step"]: r["loss"] for r in records(out / "stopped", "train") if r["step"] > at}
     if not resumed or set(resumed) - set(straight):
-        raise CheckFailed(f"the resumed run logged steps {sorted(resumed)[:5]}.., the straight one {sorted(straight)[:5]}..")
+        raise UserError(f"the resumed run logged steps {sorted(resumed)[:5]}.., the straight one {sorted(straight)[:5]}..")
     first = min(resumed)
     diffs = {s: abs(resumed[s] - straight[s]) for s in resumed}
     if diffs[first] > 1e-4 or max(diffs.values()) > 1e-2:
-        raise CheckFailed(f"resumed losses differ from the uninterrupted run's: step {first}: {diffs[first]:.2e}, "
+        raise UserError(f"resumed losses differ from the uninterrupted run's: step {first}: {diffs[first]:.2e}, "
                           f"worst {max(diffs.values()):.2e}")
     summary = json.loads((out / "straight" / "summary.json").read_text())
     return [f"{args.gpus} ranks, {len(straight)} steps in {seconds:.0f}s (with compile), "
@@ -126,7 +126,7 @@ def check_sample(args, out):
         _, stderr = run(cmd, timeout=args.timeout)
         match = re.search(r"\(([\d.]+) tokens/s", stderr)
         if not match:
-            raise CheckFailed(f"sample.py printed no tokens/s line:\n{stderr[-1000:]}")
+            raise UserError(f"sample.py printed no tokens/s line:\n{stderr[-1000:]}")
         speeds[label] = float(match.group(1))
     return [f"{args.new_tokens} new tokens: {speeds['cached']:.1f} tokens/s cached, {speeds['uncached']:.1f} uncached "
             f"({speeds['cached'] / speeds['uncached']:.1f}x)"]
@@ -143,6 +143,11 @@ def prepare(args, work):
 
 
 def main(argv=None):
+    """The command line; its exit status (depthres.cli; 1: a check failed, the summary says which)."""
+    return cli(check, argv)
+
+
+def check(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--toy", action="store_true", help="toy sizes on CPU with gloo: the script's own test")
     p.add_argument("--variants", default=None, help="bench.py's --variants (default: its own list)")
@@ -154,8 +159,7 @@ def main(argv=None):
     if not args.toy:
         import torch
         if not torch.cuda.is_available():
-            print("error: no CUDA GPU here; `python -m tools.gpu_check --toy` runs the check at toy size on CPU", file=sys.stderr)
-            return 2
+            raise UserError("no CUDA GPU here; `python -m tools.gpu_check --toy` runs the check at toy size on CPU")
         args.gpus = args.gpus or torch.cuda.device_count()
     args.gpus = args.gpus or 2
     args.new_tokens = args.new_tokens or (32 if args.toy else 256)
@@ -173,10 +177,10 @@ def main(argv=None):
             print(f"== {name}", flush=True)
             try:
                 results[name] = check()
-            except (CheckFailed, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as e:
+            except (UserError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as e:
                 results[name] = [f"FAILED: {e}"]
                 failed.append(name)
-    except CheckFailed as e:
+    except UserError as e:
         results["data"], failed = [f"FAILED: {e}"], ["data"]
     finally:
         if not args.out:

@@ -35,6 +35,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from depthres import UserError, cli
 from depthres.files import write_file
 from tools.diagnose import pyplot, save_figure
 from tools.report import PROVENANCE, provenance, provenance_text, save_outputs, strict_json
@@ -237,20 +238,21 @@ def plot(result, path):
 
 
 def main(argv=None):
+    """The command line (run as a command through depthres.cli: a UserError is one `error:` line, exit 2)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("design", help="the ladder's sweep file, e.g. configs/ladder_cpu.py")
     args = p.parse_args(argv)
     spec = load_sweep(args.design)
     for key in ("rung", "pairs"):
         if key not in spec:
-            raise SystemExit(f"error: {args.design} must set {key} (see tools/ladder.py)")
+            raise UserError(f"{args.design} must set {key} (see tools/ladder.py)")
     if spec["rung"] not in spec["variants"]:
-        raise SystemExit(f"error: {args.design}: rung {spec['rung']!r} is not one of the variants {list(spec['variants'])}")
+        raise UserError(f"{args.design}: rung {spec['rung']!r} is not one of the variants {list(spec['variants'])}")
     if not isinstance(spec["pairs"], dict) or not all(isinstance(v, list) for v in spec["pairs"].values()):
-        raise SystemExit(f'error: {args.design}: pairs must be a dict {{"a sweep\'s out_dir": [variants]}}')
+        raise UserError(f'{args.design}: pairs must be a dict {{"a sweep\'s out_dir": [variants]}}')
     spec.setdefault("level", 0.95)
     if not isinstance(spec["level"], float) or not 0 < spec["level"] < 1:
-        raise SystemExit(f"error: {args.design}: level must be a number between 0 and 1, got {spec['level']!r}")
+        raise UserError(f"{args.design}: level must be a number between 0 and 1, got {spec['level']!r}")
     result = read_off(spec)
     text = table(result)
     print(text)
@@ -266,4 +268,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(main))

@@ -49,6 +49,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from depthres import UserError
 from depthres.files import write_file
 from tools.diagnose import plot_curves
 from tools.plots import SHORT, plot_forest, plot_gaps, undefined
@@ -591,8 +592,7 @@ def report(spec, rescore_hint=None):
     reference, second, score = spec["reference"], spec.get("second_reference"), spec.get("score", "val")
     if not any(r["variant"] == reference for r in runs):
         bad = ", ".join(str(d["seed"]) for d in diverged if d["variant"] == reference)
-        raise SystemExit(
-            f"error: no finished run of the reference {reference!r} in {out} (looked for {reference}/seed<s>/summary.json"
+        raise UserError(f"no finished run of the reference {reference!r} in {out} (looked for {reference}/seed<s>/summary.json"
             f" there{f'; seed {bad} diverged' if bad else ''}): run the sweep first, or pass the --out_dir that holds "
             f"its runs (a relative out_dir in a sweep file is relative to {Path(__file__).resolve().parent.parent})")
     unscored = [r for r in runs if score_of(r, score) is None]

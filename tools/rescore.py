@@ -33,50 +33,38 @@ from pathlib import Path
 
 import torch
 
-from depthres.checkpoint import CheckpointError, load_model, locate
+from depthres import EXIT_ERROR, UserError, cli, os_error_message
+from depthres.checkpoint import load_model, locate
 from depthres.distributed import Dist
-from depthres.files import check_writable, os_error_message, write_file
+from depthres.files import check_writable, write_file
 from depthres.fsdp import whole_checkpoint
 from depthres.run import evaluate
-from depthres.token_data import DataError, get_tokenizer, load_meta
+from depthres.token_data import get_tokenizer, load_meta
 from tools.diagnose import find_data_dir
 from tools.rundirs import run_dir
 from tools.sweep import load_sweep
 
 
-class RescoreError(RuntimeError):
-    """A run directory that cannot be scored or written."""
-
-
-class NotSaved(RescoreError):
-    """A run scored whose scores.json could not be written: its scores are printed, not lost. said: the
-    error line was printed already (before the compute)."""
-
-    def __init__(self, message, scores, said=False):
-        super().__init__(message)
-        self.scores, self.said = scores, said
-
-
 def run_data(ckpt, data_dir=None):
     """(the prepared data to score, whether it is the run's own data_dir), checked against the run's
     model before any compute: the tokenizer it was trained on (name and fingerprint) and ids within
-    its vocabulary; DataError otherwise. data_dir: --data_dir (it must hold prepared data), else the
+    its vocabulary; UserError otherwise. data_dir: --data_dir (it must hold prepared data), else the
     run's own (tools.diagnose.find_data_dir: from here, then from the project root)."""
     recorded = ckpt["train_config"]["data_dir"]
     try:
         own = Path(find_data_dir(recorded)[0]).resolve()
-    except DataError:
+    except UserError:
         if data_dir is None:
             raise
         own = None
     data = own if data_dir is None else Path(find_data_dir(recorded, data_dir)[0]).resolve()
     meta, name, vocab = load_meta(data), ckpt["tokenizer"], ckpt["model_config"]["vocab_size"]
     if meta["tokenizer"] != name or meta["vocab_size"] > vocab:
-        raise DataError(f"{data} holds {meta['tokenizer']} tokens ({meta['vocab_size']} ids), but the run's model reads "
+        raise UserError(f"{data} holds {meta['tokenizer']} tokens ({meta['vocab_size']} ids), but the run's model reads "
                         f"{name} tokens ({vocab} ids): pass --data_dir with data prepared with --tokenizer {name}, or "
                         "leave it out (the run's own data_dir)")
     if meta["tokenizer_fingerprint"] != get_tokenizer(name).fingerprint:
-        raise DataError(f"{data} was prepared with another version of the {name} tokenizer than this one: re-run "
+        raise UserError(f"{data} was prepared with another version of the {name} tokenizer than this one: re-run "
                         "prepare_data.py with --overwrite")
     return data, data == own
 
@@ -96,7 +84,7 @@ def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir
     """Score one run directory's checkpoint; returns its scores (and writes scores.json), or None when
     an up-to-date scores.json is there already. Everything is checked before any compute (run_data, and
     that the run directory takes a file: if not, its `error:` line is printed then, the run is scored,
-    and NotSaved carries the scores)."""
+    and a UserError with an empty message, said already, carries the scores as its result)."""
     path = Path(path)
     kind, where = locate(path, prefer_sharded=False)  # an FSDP run's shards are gathered here: no export needed
     model, ckpt = load_model(path, ckpt=whole_checkpoint(where) if kind == "sharded" else None)
@@ -121,11 +109,11 @@ def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir
                                 Dist(rank=0, world_size=1, device=device), autocast)
         scores[split] = {"loss": loss, "tokens": tokens}
     if unwritable:
-        raise NotSaved(unwritable, scores, said=True)
+        raise UserError("", result=scores)
     try:
-        write_file(out, json.dumps(scores, indent=2) + "\n", RescoreError)
-    except RescoreError as e:
-        raise NotSaved(f"{e}: the scores above are printed, not saved", scores) from None
+        write_file(out, json.dumps(scores, indent=2) + "\n", UserError)
+    except UserError as e:
+        raise UserError(f"{e}: the scores above are printed, not saved", result=scores) from None
     return scores
 
 
@@ -135,6 +123,11 @@ def line(r, scores, splits, seconds):
 
 
 def main(argv=None):
+    """The command line; its exit status (depthres.cli)."""
+    return cli(run, argv)
+
+
+def run(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (each with ckpt.pt)")
     p.add_argument("--sweep", help="a sweep file: every finished run (summary.json) of it")
@@ -145,42 +138,35 @@ def main(argv=None):
     p.add_argument("--force", action="store_true", help="score again runs whose scores.json is up to date")
     args = p.parse_args(argv)
     splits = tuple(s for s in args.splits.split(",") if s)
-    try:
-        if not args.runs and not args.sweep:
-            raise RescoreError("give run directories or --sweep SWEEP_FILE")
-        if args.tokens is not None and args.tokens < 1:
-            raise RescoreError(f"--tokens must be at least 1, got {args.tokens}")
-        if not splits or not set(splits) <= {"train", "val", "test"}:
-            raise RescoreError(f"--splits takes train, val and test, got {args.splits!r}")
-        runs = [Path(r) for r in args.runs]
-        if args.sweep:
-            spec = load_sweep(args.sweep)
-            if args.out_dir:
-                spec["out_dir"] = str(Path(args.out_dir).absolute())
-            runs += [d for v in spec["variants"] for s in spec["seeds"]
-                     if (d := run_dir(spec, v, s)).joinpath("summary.json").exists()]
-        status = 0
-        for r in runs:
-            t0 = time.perf_counter()
-            try:
-                scores = rescore(r, splits, args.tokens, args.force, args.data_dir)
-            except NotSaved as e:  # scored, not written: the numbers still go out
-                print(line(r, e.scores, splits, time.perf_counter() - t0), flush=True)
-                if not e.said:
-                    print(f"error: {e}", file=sys.stderr, flush=True)
-                status = 2
-                continue
-            except (CheckpointError, DataError, RescoreError) as e:  # this run's line; the others are scored
-                print(f"error: {e}", file=sys.stderr, flush=True)
-                status = 2
-                continue
-            if scores is None:
-                print(f"{r}: up to date")
-            else:
-                print(line(r, scores, splits, time.perf_counter() - t0), flush=True)
-    except (CheckpointError, DataError, RescoreError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if not args.runs and not args.sweep:
+        raise UserError("give run directories or --sweep SWEEP_FILE")
+    if args.tokens is not None and args.tokens < 1:
+        raise UserError(f"--tokens must be at least 1, got {args.tokens}")
+    if not splits or not set(splits) <= {"train", "val", "test"}:
+        raise UserError(f"--splits takes train, val and test, got {args.splits!r}")
+    runs = [Path(r) for r in args.runs]
+    if args.sweep:
+        spec = load_sweep(args.sweep)
+        if args.out_dir:
+            spec["out_dir"] = str(Path(args.out_dir).absolute())
+        runs += [d for v in spec["variants"] for s in spec["seeds"]
+                 if (d := run_dir(spec, v, s)).joinpath("summary.json").exists()]
+    status = 0
+    for r in runs:
+        t0 = time.perf_counter()
+        try:
+            scores = rescore(r, splits, args.tokens, args.force, args.data_dir)
+        except (UserError, OSError) as e:  # this run's line (and its scores, if computed); the others are scored
+            if getattr(e, "result", None) is not None:
+                print(line(r, e.result, splits, time.perf_counter() - t0), flush=True)
+            if str(e):  # (empty: said before the scoring)
+                print(f"error: {e if isinstance(e, UserError) else os_error_message(e)}", file=sys.stderr, flush=True)
+            status = EXIT_ERROR
+            continue
+        if scores is None:
+            print(f"{r}: up to date")
+        else:
+            print(line(r, scores, splits, time.perf_counter() - t0), flush=True)
     return status
 
 if __name__ == "__main__":

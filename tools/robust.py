@@ -41,7 +41,7 @@ and several processes may share a design as they share a sweep):
     best     each variant whose best lr (chosen on the tuning seeds alone) is not the recipe's, at that
              lr on the comparison seeds (runs only for variants whose tuning runs have all finished)
 Before any run, the design is checked and every run's overrides are read as train.py reads them: a bad
-design is one `error:` line, exit status 1.
+design is one `error:` line, exit status 2 (depthres.cli).
 
 The report, printed, then written into out_dir (robust.md, robust.json, loss_vs_flops.png; run paths relative
 to out_dir), each file whole or not at all; a file that cannot be written (a full or read-only disk) is one
@@ -66,10 +66,12 @@ import argparse
 import json
 import shlex
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
+from depthres import UserError, cli
 from depthres.config import model_config
 from depthres.files import write_file
 from model_fast import make_model
@@ -95,7 +97,7 @@ def flops_per_token(settings):
         try:
             with torch.device("meta"):
                 _FLOPS[key] = make_model(model_config(settings)).flops_per_token()
-        except (ValueError, TypeError):  # not a model config train.py writes (ConfigError, a value of another type)
+        except (ValueError, TypeError):  # not a model config train.py writes (UserError, a value of another type)
             _FLOPS[key] = None
     return _FLOPS[key]
 
@@ -336,7 +338,7 @@ def bench_ratios(design):
         size = {k: b["args"].get(k) for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "vocab_size",
                                                "compile")}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise SystemExit(f"error: bench file {path} is not a tools.bench JSON file ({type(e).__name__}: {e}): "
+        raise UserError(f"bench file {path} is not a tools.bench JSON file ({type(e).__name__}: {e}): "
                          "run python -m tools.bench at the design's size, or drop bench from the design") from None
     ref = steps.get(bench_name(design["variants"][design["reference"]]))
     out = dict(file=str(design["bench"]), device=b.get("device"), dtype=b.get("dtype"), size=size, variants={})
@@ -435,6 +437,7 @@ def list_runs(design):
 
 
 def main(argv=None):
+    """The command line (run as a command through depthres.cli: a UserError is one `error:` line, exit 2)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("design", help="design file (see above)")
     p.add_argument("--stage", choices=("all",) + STAGES, default="all", help="run one stage only (default: all, in order)")
@@ -470,4 +473,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli(main))

@@ -7,6 +7,7 @@ import math
 import shlex
 from pathlib import Path
 
+from depthres import UserError
 from depthres.config import parse_config, total_steps
 from tools import sweep
 
@@ -22,9 +23,9 @@ def _whole(x):
 
 def load_design(path, out_dir=None):
     """The design file's settings, each checked, with the recipe it implies (lr, min_lr, length): a bad
-    design is one `error:` line (SystemExit) before any run."""
+    design is one `error:` line (a UserError) before any run."""
     def fail(message):
-        raise SystemExit(f"error: design file {path}: {message}")
+        raise UserError(f"design file {path}: {message}")
 
     d = sweep.read_settings(path, "design file")
     d["path"] = str(path)  # its declaration: the report names the commit that added it
@@ -98,7 +99,7 @@ def load_design(path, out_dir=None):
     d["out_dir"] = str(out_dir or d.get("out_dir") or Path("runs") / Path(path).stem)
     try:
         tc, _ = parse_config([d["base"], *(f"--{kv}" for kv in shlex.split(d["overrides"]))])
-    except ValueError as e:  # ConfigError, or shlex's unterminated quote
+    except ValueError as e:  # UserError, or shlex's unterminated quote
         fail(f"base {d['base']!r} with overrides {d['overrides']!r}: {e}")
     d["recipe"] = dict(lr=tc.lr, min_lr=tc.min_lr, steps=total_steps(tc), batch_tokens=tc.batch_tokens)
     if not any(f"{x:g}" == f"{tc.lr:g}" for x in lrs):

@@ -60,7 +60,7 @@ in the run directory), and so is any finished run the sweep finds unscored. At t
 plots when matplotlib is installed; each file is written whole or not at all, and a file that cannot
 be written (a read-only out_dir) is one `warning:` line after the printed tables.
 
-Exit status: 0 done; 1 with one `error:` line, before any run where the input is bad: a bad sweep file,
+Exit status (depthres.cli): 0 done; 2 with one `error:` line, before any run where the input is bad: a bad sweep file,
 seed or variant (the overrides, every seed and every variant's overrides are checked as train.py reads
 them), an out_dir it cannot write, no finished run of the reference to tabulate, or a run that failed
 (not by diverging); 3 done, but some runs diverged (the tables mark them); 4 done, but a twin does not
@@ -82,10 +82,9 @@ from collections import Counter
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from depthres import files
+from depthres import Stopped, UserError, cli, files, os_error_message
 from depthres.checkpoint import EXECUTION_KEYS, holds_checkpoint
 from depthres.config import TrainConfig, build_model_config, control_character, parse_config
-from depthres.files import os_error_message
 from model import GPTConfig
 from tools.report import SCORES, report, unequal_twins
 from tools.rundirs import collect, divergence, read_json, read_summary, run_dir, whole_split_scores
@@ -100,8 +99,8 @@ NOT_DESIGN = {"out_dir", "run_name", "resume", "overwrite", "device", "compile",
 
 
 def fail(message):
-    """The sweep's one `error:` line (exit status 1)."""
-    raise SystemExit(f"error: {message}")
+    """The sweep's one `error:` line (a UserError: exit status 2)."""
+    raise UserError(f"{message}")
 
 
 def in_root(path):
@@ -111,26 +110,26 @@ def in_root(path):
 
 def read_settings(path, what):
     """The names a Python settings file (a sweep or design file) assigns; a missing file, a syntax error
-    or an exception in it is one `error: <what> <path>: ...` line (SystemExit), naming the line."""
+    or an exception in it is one `error: <what> <path>: ...` line (a UserError), naming the line."""
     if not Path(path).is_file():
-        raise SystemExit(f"error: {what} {path} not found")
+        raise UserError(f"{what} {path} not found")
     settings = {}  # one namespace, as a module has: a comprehension sees the file's names
     try:
         exec(compile(Path(path).read_text(), str(path), "exec"), settings)
     except SyntaxError as e:
-        raise SystemExit(f"error: {what} {path}: line {e.lineno}: syntax error: {e.msg}") from None
+        raise UserError(f"{what} {path}: line {e.lineno}: syntax error: {e.msg}") from None
     except (Exception, SystemExit) as e:  # (sys.exit in the file too)
         line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == str(path)), "?")
-        raise SystemExit(f"error: {what} {path}: line {line}: {type(e).__name__}: {e}") from None
+        raise UserError(f"{what} {path}: line {line}: {type(e).__name__}: {e}") from None
     settings.pop("__builtins__", None)
     return settings
 
 
 def load_sweep(path, reference=None):
-    """The sweep file's settings, each checked: a bad file is one `error:` line (SystemExit) before any run.
+    """The sweep file's settings, each checked: a bad file is one `error:` line (a UserError) before any run.
     Its relative paths (base, out_dir) are made absolute, against the project root."""
     def fail(message):
-        raise SystemExit(f"error: sweep file {path}: {message}")
+        raise UserError(f"sweep file {path}: {message}")
 
     spec = read_settings(path, "sweep file")
     spec["path"] = str(path)  # its declaration: the report names the commit that added it
@@ -256,21 +255,21 @@ def check_runs(spec):
     overrides, the seed or the variant); and refuse keys the sweep owns (check_owned)."""
     try:
         parse_config([spec["base"], *(f"--{kv}" for kv in shlex.split(spec["overrides"]))])
-    except ValueError as e:  # shlex: an unterminated quote; ConfigError
-        raise SystemExit(f"error: the overrides ({spec['overrides']!r}) of every run: {e}") from None
+    except ValueError as e:  # shlex: an unterminated quote; UserError
+        raise UserError(f"the overrides ({spec['overrides']!r}) of every run: {e}") from None
     for seed in spec["seeds"]:
         try:
             parse_config([spec["base"], f"--seed={seed}", f"--data_seed={seed}"])
         except ValueError as e:
-            raise SystemExit(f"error: seed {seed} (each run's seed and data_seed): {e}") from None
+            raise UserError(f"seed {seed} (each run's seed and data_seed): {e}") from None
     for variant in spec["variants"]:
         try:
             check_owned({"overrides": spec["overrides"], "variants": {variant: spec["variants"][variant]}})
             args = [f"--{kv}" for kv in overrides(spec, variant)]
             tc, model_settings = parse_config([spec["base"], *args])
             build_model_config(model_settings, tc, {"vocab_size": 1, "tokenizer": "any"})
-        except ValueError as e:  # shlex: an unterminated quote; ConfigError
-            raise SystemExit(f"error: sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
+        except ValueError as e:  # shlex: an unterminated quote; UserError
+            raise UserError(f"sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
 
 
 def design_changes(spec, variant, seed):
@@ -285,8 +284,8 @@ def design_changes(spec, variant, seed):
         tc, model_settings = parse_config([spec["base"], f"--seed={seed}", f"--data_seed={seed}",
                                            *(f"--{kv}" for kv in overrides(spec, variant))])
         mc = build_model_config(model_settings, tc, {"vocab_size": model.get("vocab_size", 1), "tokenizer": None})
-    except ValueError as e:  # shlex: an unterminated quote; ConfigError
-        raise SystemExit(f"error: sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
+    except ValueError as e:  # shlex: an unterminated quote; UserError
+        raise UserError(f"sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
     now = {**asdict(tc), **asdict(mc)}
     ran = {**{f.name: f.default for cls in (TrainConfig, GPTConfig) for f in fields(cls)}, **train, **model}
     return [(k, ran.get(k), v) for k, v in now.items() if k not in NOT_DESIGN and ran.get(k) != v]
@@ -424,7 +423,7 @@ def run_all(spec, launcher):
     # seed-major: a partial sweep already holds complete paired sets
     runs = [(variant, seed) for seed in spec["seeds"] for variant in spec["variants"]]
     if any(wants_wandb(spec, v) for v, _ in runs) and importlib.util.find_spec("wandb") is None:
-        raise SystemExit("error: the sweep logs to W&B (wandb_log=true), but the wandb package is not installed: "
+        raise UserError("the sweep logs to W&B (wandb_log=true), but the wandb package is not installed: "
                          "pip install wandb")
     if any(status(spec, v, s) is None for v, s in runs):
         check_writable(spec)
@@ -450,7 +449,8 @@ def run_all(spec, launcher):
             start = time.monotonic()
             returncode = run_child(cmd)
             if returncode in (130, 143):
-                raise SystemExit(f"run {variant} seed {seed} stopped with a checkpoint; run the sweep again to resume it")
+                raise Stopped(f"run {variant} seed {seed} stopped with a checkpoint; run the sweep again to resume it",
+                              returncode - 128)
             if returncode != 0 and (record := divergence(d)) is not None:
                 print(f"sweep: {variant} seed {seed} diverged at step {record.get('step')}: tabulated as diverged; "
                       "the sweep goes on (delete its directory to run it again)", flush=True)
@@ -460,7 +460,7 @@ def run_all(spec, launcher):
                 busy.append((variant, seed))
                 continue
             elif returncode != 0:
-                raise SystemExit(f"error: run {variant} seed {seed} failed; fix it and run the sweep again to resume")
+                raise UserError(f"run {variant} seed {seed} failed; fix it and run the sweep again to resume")
             durations.append(time.monotonic() - start)
         finally:
             lock.release()
@@ -510,8 +510,8 @@ def score_all(spec):
 
 
 def main(argv=None):
-    """The command line; returns the exit status: 0, EXIT_TWINS when a twin does not match, or
-    EXIT_DIVERGED when some runs diverged (an error is a SystemExit with its `error:` line, status 1)."""
+    """The command line: its exit status, 0, EXIT_TWINS when a twin does not match, EXIT_DIVERGED when some
+    runs diverged; bad input is a UserError (run as a command, depthres.cli: one `error:` line, exit 2)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep file (see above)")
     p.add_argument("--launcher", default="", help='command prefix for each run, e.g. "torchrun --nproc_per_node=8"')
@@ -549,4 +549,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(main))
