@@ -858,3 +858,18 @@ def test_an_index_a_newer_torch_wrote_names_the_versions_not_tampering(tmp_path,
             f"under torch {torch.__version__}; the checkpoint was written by torch {wrote or '(not recorded)'}, whose DCP "
             "may hold it: read the checkpoint with that torch (requirements.txt states the tested range), or admit the "
             "name in depthres.checkpoint.INDEX_CLASSES once it is known to be plain data")
+
+
+def test_a_config_that_declares_more_than_its_weights_hold_is_refused_before_a_model_is_built(tmp_path, straight,
+                                                                                                monkeypatch):
+    """sample.py, diagnose and rescore built the model a checkpoint's config declares, then found its weights did
+    not fit (n_layer=10^6: 59 s and 3.6 GB before the refusal). The config's layers and embedding are checked
+    against the weights first."""
+    ckpt = load_checkpoint(straight)
+    ckpt["model_config"]["n_layer"] = 10**6
+    del ckpt["checksum"]
+    checkpoint.save_checkpoint(tmp_path / "ckpt.pt", ckpt)  # its checksum recomputed, as anyone can
+    monkeypatch.setattr(checkpoint, "make_model", None)  # never reached
+    with pytest.raises(UserError, match=r"the checkpoint's model does not fit this model.py: its config declares "
+                                        r"n_layer=1000000, vocab_size=\d+, n_embd=32; its weights hold 2 layers"):
+        checkpoint.load_model(tmp_path / "ckpt.pt")
