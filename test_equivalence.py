@@ -12,7 +12,6 @@ import model_fast
 from model import RESIDUALS, AttnRes, DualAttnRes, GPTConfig, MUDDFormer, depth_attention, norm
 from model_fast import make_model, norm_project
 from sample import KVCache
-from tools import bench
 
 # --- tolerances: each from the rounding of the arithmetic it compares -------------------------------------
 # u, the unit roundoff: float64 2^-53 = 1.1e-16, float32 2^-24 = 6.0e-8, bfloat16 2^-8 = 3.9e-3. The models here
@@ -274,7 +273,7 @@ def test_first_input_is_embedding_and_all_params_get_grads(variant):
 
 
 def saved_activation_bytes(model, idx):
-    return bench.saved_activation_bytes(lambda: model(idx, idx)[1].backward())
+    return model_fast.saved_activation_bytes(lambda: model(idx, idx)[1].backward())
 
 
 def test_full_attnres_keeps_no_quadratic_copies_of_sources():

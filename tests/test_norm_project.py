@@ -12,9 +12,8 @@ import torch.utils.checkpoint
 import model as model_module
 import model_fast
 from model import GPTConfig, norm
-from model_fast import make_model, norm_project
+from model_fast import make_model, norm_project, saved_activation_bytes
 from test_equivalence import F64_OP, F64_ZERO
-from tools import bench
 
 B, T, d, n = 2, 5, 16, 12
 
@@ -141,7 +140,7 @@ def run(m):
         m.zero_grad()
         out["logits"], loss = m(IDX, IDX.roll(-1, 1))
         loss.backward()
-    saved = bench.saved_activation_bytes(step), bench.saved_activation_bytes(step, exclude=list(m.parameters()))
+    saved = saved_activation_bytes(step), saved_activation_bytes(step, exclude=list(m.parameters()))
     return out["logits"].detach(), {k: p.grad for k, p in m.named_parameters() if p.grad is not None}, saved
 
 

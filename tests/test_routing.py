@@ -8,10 +8,8 @@ import torch.nn as nn
 import model as model_module
 import model_fast
 from model import DAR_STREAMS, RESIDUALS, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes
-from model_fast import TwoPhaseRouter, make_model, rms_inv
+from model_fast import ReferenceRouter, TwoPhaseRouter, make_model, rms_inv
 from test_equivalence import F64, F64_OP
-from tools import bench
-from tools.bench import ReferenceRouter
 
 # --- the router alone: phase 1 over the completed sources, phase 2 with the recent ones ----------------
 
@@ -245,7 +243,7 @@ def test_saved_activations_stay_linear_in_the_sources(residual, per_site):
 
     def saved(**kw):
         m = make_model(GPTConfig(vocab_size=61, block_size=Tt, n_layer=n_layer, n_head=2, n_embd=dm, **kw), seed=0)
-        return bench.saved_activation_bytes(lambda: m(idx, idx)[1].backward())
+        return model_fast.saved_activation_bytes(lambda: m(idx, idx)[1].backward())
 
     extra = saved(residual=residual) - saved(residual="standard")
     source = Bt * Tt * dm * 4
