@@ -1,7 +1,7 @@
 # The CPU experiment of the README: an 8-layer byte-level model on the embedded Shakespeare corpus,
 # deep enough (16 sublayers) for depth routing to matter, small enough for 85 paired runs on 2 cores.
 #   python prepare_data.py --tokenizer byte        # once: data/shakespeare_byte
-#   python -m tools.sweep configs/sweep_cpu.py           # every variant and control x 5 seeds, then the table
+#   python -m experiments.sweep experiments/configs/sweep_cpu.py           # every variant and control x 5 seeds, then the table
 data_dir = "data/shakespeare_byte"
 residual = "standard"
 

@@ -18,8 +18,8 @@ its main through cli(), and so exits with:
     0    done
     1    tools.gpu_check: a check failed (its summary says which)
     2    one `error:` line (a UserError or an OSError)
-    3    tools.sweep: done, but some runs diverged (they are tabulated as diverged)
-    4    tools.sweep: done, but a twin did not match its twin
+    3    experiments.sweep: done, but some runs diverged (they are tabulated as diverged)
+    4    experiments.sweep: done, but a twin did not match its twin
     128 + N    stopped by signal N (130: Ctrl-C; 143: SIGTERM), after saying what was kept
 """
 

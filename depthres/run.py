@@ -7,7 +7,7 @@ which failures are one `error:` line.
     open_run(tc, ...)     a context: the Run, its claim on the run directory held until the run ends
     start_log(run)        config.json, the log the run keeps, what the run is; returns its Progress
     failures(run)         a context: a failed write, a divergence or a failed compile said in one line
-    evaluate(...)         the mean loss over a split's first tokens (train.py and tools/rescore.py)
+    evaluate(...)         the mean loss over a split's first tokens (train.py and experiments/rescore.py)
 """
 
 import gc
@@ -386,7 +386,7 @@ ONE_CPU = Dist(rank=0, world_size=1, device=torch.device("cpu"))
 def evaluate(model, data_dir, split, batch_size, seq_len, max_tokens=None, dist=ONE_CPU, autocast=None,
              lockstep=False):
     """Mean loss over the first max_tokens targets of a split (None: all of it), over all ranks, summed in
-    float64. Returns (loss, tokens). train.py's evaluation and tools/rescore.py both call it, so a rescore
+    float64. Returns (loss, tokens). train.py's evaluation and experiments/rescore.py both call it, so a rescore
     of a run's eval_tokens repeats its logged losses bit for bit. lockstep (FSDP, where every forward
     gathers weights from all ranks): every rank runs as many batches as the rank with the most (the
     split's windows need not divide evenly); the extra ones count nothing."""
@@ -435,7 +435,7 @@ def summarize(run, val_loss, test_loss, progress):
 @contextmanager
 def failures(run):
     """Around the loop: a failed write says what is kept, a divergence is recorded in the run directory
-    (tools/sweep.py tabulates the run as diverged), a failed torch.compile is one line; the W&B run, if
+    (experiments/sweep.py tabulates the run as diverged), a failed torch.compile is one line; the W&B run, if
     any, ends with exit code 0 (finished, or stopped with a checkpoint) or 1 (failed)."""
     clean = False
     try:

@@ -82,6 +82,21 @@ def provenance(step):
             "torch": torch.__version__, "host": socket.gethostname()}
 
 
+def log_records(d):
+    """The JSON records of a run's log.jsonl (a torn or foreign line skipped; none without the file)."""
+    try:
+        lines = (Path(d) / "log.jsonl").read_bytes().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        with suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
 def run_provenance(starts):
     """A finished run's provenance for summary.json, from its "start" records (log.jsonl): when it started
     and finished (UTC), and every commit (with "+dirty" where the tree was), torch and host it ran on."""

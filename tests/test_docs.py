@@ -101,7 +101,7 @@ ALL = [(page.relative_to(ROOT), c) for page in PAGES for c in commands(page.read
 
 
 def test_the_pages_hold_commands():
-    assert len(ALL) > 40 and any(c.startswith("python -m tools.sweep") for _, c in ALL)
+    assert len(ALL) > 40 and any(c.startswith("python -m experiments.sweep") for _, c in ALL)
 
 
 @pytest.mark.parametrize("page, command", ALL, ids=[f"{p}:{c[:60]}" for p, c in ALL])
@@ -110,8 +110,8 @@ def test_every_command_names_what_exists(page, command):
 
 
 def test_a_wrong_command_is_caught():
-    assert check("python sweep.py configs/sweep_cpu.py") == ["file 'sweep.py'"]
-    assert check("python -m tools.sweeps configs/sweep_cpu.py") == ["module 'tools.sweeps'"]
+    assert check("python sweep.py experiments/configs/sweep_cpu.py") == ["file 'sweep.py'"]
+    assert check("python -m tools.sweeps experiments/configs/sweep_cpu.py") == ["module 'tools.sweeps'"]
     assert check("python train.py configs/demo.py --residuals=rd_attnres") == ["train.py key '--residuals'"]
     assert check("python -m tools.bench --vocab 512") == ["tools/bench.py flag '--vocab'"]
     assert check("python train.py configs/nope.py") == ["config 'configs/nope.py'"]

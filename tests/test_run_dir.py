@@ -626,7 +626,7 @@ def test_a_finite_but_huge_loss_is_a_divergence_and_its_resume_says_so_again(dat
                          r"guess\): training diverged and stopped before this update; (no checkpoint was written|the "
                          r"last good checkpoint \(step \d\) is kept at .*ckpt.pt)\. Try a lower lr", err), err
         assert "Traceback" not in err
-        # the run directory tells too (tools/sweep.py tabulates the run as diverged): one record, the last
+        # the run directory tells too (experiments/sweep.py tabulates the run as diverged): one record, the last
         last = json.loads((tmp_path / "test" / "log.jsonl").read_text().splitlines()[-1])
         assert last["kind"] == "diverged" and err.endswith(f"error: {last['error']}\n") and len(records(tmp_path / "test",
                                                                                                  "diverged")) == 1

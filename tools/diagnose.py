@@ -34,10 +34,9 @@ from depthres import UserError, cli, files, os_error_message
 from depthres.checkpoint import load_model
 from depthres.config import need
 from depthres.files import write_figure, write_file
-from depthres.runlog import perplexity
+from depthres.runlog import log_records, perplexity
 from depthres.token_data import eval_batches, load_meta
 from model import DARStream, site_name
-from tools.rundirs import val_curve
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs
 
@@ -450,6 +449,13 @@ def check_args(args):
         check_writable(os.path.dirname(png) or ".", "the curves")
     if args.ckpt:
         check_writable(args.out or default_out(args.ckpt), "the diagnostics")
+
+
+def val_curve(d):
+    """[(step, val loss)] of a run's log.jsonl."""
+    return [(r["step"], r["loss"]) for r in log_records(d)
+            if r.get("kind") == "eval" and r.get("split") == "val" and isinstance(r.get("step"), int)
+            and isinstance(r.get("loss"), (int, float))]
 
 
 def curve_labels(runs):

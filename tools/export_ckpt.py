@@ -1,6 +1,6 @@
 """
 Write an FSDP run's sharded checkpoint (RUN_DIR/ckpt/, depthres/fsdp.py) as one file: the
-checksummed ckpt.pt that sample.py, tools/diagnose.py and tools/rescore.py read, and that any run
+checksummed ckpt.pt that sample.py, tools/diagnose.py and experiments/rescore.py read, and that any run
 resumes from (one process, DDP or FSDP), bit for bit the state the shards hold.
 
     python -m tools.export_ckpt runs/x                  # writes runs/x/ckpt.pt (not while the run runs)

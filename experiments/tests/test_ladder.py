@@ -1,4 +1,4 @@
-"""configs/ladder_cpu.py, the size ladder of issue 37, and tools/ladder.py, its read-off: "standard
+"""experiments/configs/ladder_cpu.py, the size ladder of issue 37, and experiments/ladder.py, its read-off: "standard
 needs X times the compute", with an interval whose coverage and width a simulation checks."""
 
 import json
@@ -11,9 +11,9 @@ import torch
 
 from depthres import UserError
 from depthres.config import build_model_config, parse_config, total_steps
+from experiments import ladder, sweep
+from experiments.stats import paired_t
 from model_fast import make_model
-from tools import ladder, sweep
-from tools.stats import paired_t
 
 from sweeps import finished_run
 
@@ -23,19 +23,19 @@ RUNG = 2
 
 
 def test_the_ladder_is_standard_at_five_widths_on_the_replication_s_first_seeds():
-    spec = sweep.load_sweep("configs/ladder_cpu.py")
+    spec = sweep.load_sweep("experiments/configs/ladder_cpu.py")
     sweep.check_runs(spec)  # every width parses as train.py reads it
-    replication = sweep.load_sweep("configs/replication_cpu.py")
+    replication = sweep.load_sweep("experiments/configs/replication_cpu.py")
     assert spec["seeds"] == replication["seeds"][:3] and spec["base"] == replication["base"]
     assert spec["variants"][spec["rung"]] == "" and len(spec["variants"]) == 5
     assert all(v in replication["variants"] for vs in spec["pairs"].values() for v in vs)
 
 
 def test_the_gpu_ladder_s_rung_is_the_family_s_standard_run():
-    """configs/ladder_gpu.py: its rung trains exactly configs/sweep_family.py's `standard` (same base, overrides
-    and seeds: the same initial weights and batches), so the family's variants pair with it seed by seed; the
-    widths keep head dim 64 and span about 6x in parameters; the cost its comment states."""
-    spec, family = sweep.load_sweep("configs/ladder_gpu.py"), sweep.load_sweep("configs/sweep_family.py")
+    """experiments/configs/ladder_gpu.py: its rung trains exactly experiments/configs/sweep_family.py's `standard`
+    (same base, overrides and seeds: the same initial weights and batches), so the family's variants pair with it
+    seed by seed; the widths keep head dim 64 and span about 6x in parameters; the cost its comment states."""
+    spec, family = sweep.load_sweep("experiments/configs/ladder_gpu.py"), sweep.load_sweep("experiments/configs/sweep_family.py")
     sweep.check_runs(spec)
     assert spec["base"] == family["base"] and spec["seeds"] == family["seeds"]
     assert sweep.overrides(spec, spec["rung"]) == sweep.overrides(family, "standard")

@@ -1,4 +1,4 @@
-"""tools/rescore.py: a finished run's checkpoint scored again equals the run's own evaluation when
+"""experiments/rescore.py: a finished run's checkpoint scored again equals the run's own evaluation when
 asked for the same tokens, and whole splits score every window of the split."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from depthres.token_data import load_meta
-from tools import rescore
+from experiments import rescore
 
 from runs import records, run, sharded_copy
 
@@ -70,7 +70,7 @@ def test_a_run_that_starts_over_or_continues_drops_its_scores(finished, data_dir
 
 
 def test_a_checkpoint_that_does_not_fit_this_model_py_is_one_line_in_every_reader(finished, tmp_path, capsys):
-    """sample.py, tools/diagnose.py and tools/rescore.py read a checkpoint through one function
+    """sample.py, tools/diagnose.py and experiments/rescore.py read a checkpoint through one function
     (depthres.checkpoint.load_model), with one error for a model this model.py cannot load."""
     import sample
     from depthres.checkpoint import load_checkpoint, save_checkpoint
@@ -120,7 +120,7 @@ def test_scores_of_other_data_are_recorded_and_never_the_run_s(copy, data_dir, t
     plain rescore called them up to date."""
     import shutil
 
-    from tools.rundirs import whole_split_scores
+    from experiments.rundirs import whole_split_scores
     other = tmp_path / "other"
     shutil.copytree(data_dir, other)
     assert rescore.main([str(copy), "--data_dir", str(other), "--tokens", "64"]) == 0

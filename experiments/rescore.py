@@ -2,15 +2,15 @@
 Score finished runs on whole splits: each run's final checkpoint on every token of its validation and
 test splits, not the fixed prefix (eval_tokens) the run itself evaluates.
 
-    python -m tools.rescore runs/sweep_cpu/rd_attnres/seed0          # one run (or several)
-    python -m tools.rescore --sweep configs/sweep_cpu.py             # every finished run of a sweep
-    python -m tools.rescore --sweep configs/sweep_cpu.py --out_dir DIR   # ... whose runs are in DIR
-    python -m tools.rescore RUN_DIR --tokens 65536 --splits val      # as the run scored it (a check)
+    python -m experiments.rescore runs/sweep_cpu/rd_attnres/seed0          # one run (or several)
+    python -m experiments.rescore --sweep experiments/configs/sweep_cpu.py             # every finished run of a sweep
+    python -m experiments.rescore --sweep experiments/configs/sweep_cpu.py --out_dir DIR   # ... whose runs are in DIR
+    python -m experiments.rescore RUN_DIR --tokens 65536 --splits val      # as the run scored it (a check)
 
 Writes scores.json into each run directory (atomically): {"step", "val": {"loss", "tokens"}, "test":
 {...}, "max_tokens", "data_dir", "own_data", "device", "autocast"}; train.py drops it when the run starts
 over or continues. data_dir is the prepared data it scored (resolved), own_data whether that is the
-run's own data_dir (tools/rundirs.py reads only scores of the run's own data). A run whose scores.json is
+run's own data_dir (experiments/rundirs.py reads only scores of the run's own data). A run whose scores.json is
 of its checkpoint's step, its --tokens and the data asked for is skipped unless --force.
 Before any compute: the data must hold the tokens the run's model reads (its tokenizer's name and
 fingerprint, and no id beyond the model's vocabulary: as tools/diagnose.py checks), and the run
@@ -19,7 +19,7 @@ The numbers are those train.py's evaluation computes (the same function, depthre
 same windows of seq_len, the same batches, float64 sums), so with --tokens set to the run's eval_tokens
 they equal its logged losses bit for bit. On a CUDA machine the model runs there, under bfloat16
 autocast as train.py evaluates; elsewhere on the CPU in float32. A sweep scores each run it finishes
-this way (tools/sweep.py); the reports read the scores (tools/rundirs.py).
+this way (experiments/sweep.py); the reports read the scores (experiments/rundirs.py).
 Exit status: 0 done; 2 with one `error:` line per run that could not be scored or saved (no checkpoint, a
 corrupt one, missing data or data of another tokenizer, a run directory that cannot be written: the scores
 are then printed, not saved), the other runs scored.
@@ -40,9 +40,9 @@ from depthres.files import check_writable, write_file
 from depthres.fsdp import whole_checkpoint
 from depthres.run import evaluate
 from depthres.token_data import get_tokenizer, load_meta
+from experiments.rundirs import run_dir
+from experiments.sweep import load_sweep
 from tools.diagnose import find_data_dir
-from tools.rundirs import run_dir
-from tools.sweep import load_sweep
 
 
 def run_data(ckpt, data_dir=None):

@@ -1,7 +1,7 @@
 # The RD-AttnRes paper's early-budget controls: same size S, 0.5B tokens (a full cosine schedule over
 # 954 steps), 5 paired seeds: is it role separation (decoupled) or just a second route (average),
 # a second parameter (tied is Block AttnRes), or a uniform value route (frozen_v)?
-#   python -m tools.sweep configs/sweep_rd_controls.py --launcher "torchrun --standalone --nproc_per_node=8"
+#   python -m experiments.sweep experiments/configs/sweep_rd_controls.py --launcher "torchrun --standalone --nproc_per_node=8"
 # Compute: ~0.25 GPU-hour a run at 40% MFU on H100; 25 runs ~6 GPU-hours.
 base = "configs/rd_s.py"
 variants = {

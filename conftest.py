@@ -140,3 +140,15 @@ def pytest_collection_modifyitems(config, items):
     Otherwise the tests keep their files' order."""
     if getattr(config.option, "loadgroup", False):  # set in xdist's test processes
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files' order within
+
+
+@pytest.fixture(scope="session")
+def byte_data(tmp_path_factory):
+    from prepare_data import main as prepare
+    out = tmp_path_factory.mktemp("data") / "bytes"
+    src = tmp_path_factory.mktemp("src") / "docs.jsonl"
+    text = "To be, or not to be, that is the question. " * 40
+    src.write_text("\n".join(json.dumps({"text": f"{i}: {text}"}) for i in range(30)))
+    assert prepare(["--data_files", str(src), "--tokenizer", "byte", "--out_dir", str(out),
+                    "--val_fraction", "0.2", "--test_fraction", "0.1"]) == 0
+    return out

@@ -1,11 +1,11 @@
-"""tools/stats.py on cases computed by hand or read from tables: Student's t, Holm, the exact sign-flip
-p-value and the detectable effect (the gated family: tests/test_report.py)."""
+"""experiments/stats.py on cases computed by hand or read from tables: Student's t, Holm, the exact sign-flip
+p-value and the detectable effect (the gated family: experiments/tests/test_report.py)."""
 
 import math
 
 import pytest
 
-from tools import stats
+from experiments import stats
 
 
 def test_sign_flip_p_counts_the_sign_patterns():

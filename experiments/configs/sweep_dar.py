@@ -1,6 +1,7 @@
 # The DAR paper's comparison at the small dense scale (its 0.1B-0.5B models; size S here, 122M):
 # DAR and its routing ablations against the standard residual, Block AttnRes and mHC-2, 3 seeds, 2B
-# FineWeb-Edu tokens.   python -m tools.sweep configs/sweep_dar.py --launcher "torchrun --standalone --nproc_per_node=8"
+# FineWeb-Edu tokens.
+#   python -m experiments.sweep experiments/configs/sweep_dar.py --launcher "torchrun --standalone --nproc_per_node=8"
 # Compute: ~1 GPU-hour a run at 40% MFU on H100 (DAR ~20% slower); 24 runs ~28 GPU-hours.
 # The paper: DAR 2.03% to 5.12% lower val loss than the standard residual.
 base = "configs/rd_s.py"
@@ -16,7 +17,7 @@ variants = {
 }
 seeds = [0, 1, 2]
 reference = "standard"
-# the paper's headline, against the standard residual (tools/report.py); the routings, Block AttnRes and
+# the paper's headline, against the standard residual (experiments/report.py); the routings, Block AttnRes and
 # mHC-2 against it are exploratory
 primary = [("dar", "standard")]
 out_dir = "runs/sweep_dar_s"

@@ -1,8 +1,9 @@
 # The README's CPU experiment: every variant x 5 paired seeds on configs/exp_cpu.py, plus a
 # parameter-matched standard control for each variant with more than 1% extra parameters.
-#   python prepare_data.py --tokenizer byte && python -m tools.sweep configs/sweep_cpu.py
+#   python prepare_data.py --tokenizer byte && python -m experiments.sweep experiments/configs/sweep_cpu.py
 # 85 runs, about 3 hours as two processes of one thread each (they share the runs):
-#   OMP_NUM_THREADS=1 python -m tools.sweep configs/sweep_cpu.py & OMP_NUM_THREADS=1 python -m tools.sweep configs/sweep_cpu.py
+#   OMP_NUM_THREADS=1 python -m experiments.sweep experiments/configs/sweep_cpu.py &
+#   OMP_NUM_THREADS=1 python -m experiments.sweep experiments/configs/sweep_cpu.py
 base = "configs/exp_cpu.py"
 variants = {
     "standard": "residual=standard",
@@ -24,7 +25,7 @@ variants = {
     "standard_mlp549": "residual=standard mlp_hidden=549",  # 1,730,560 vs muddformer's 1,730,005 (+4.5%)
     "standard_mlp608": "residual=standard mlp_hidden=608",  # 1,851,392 vs mhc's 1,851,824 (+11.9%)
 }
-# The comparison, declared before the runs (tools/report.py). The primary family: each paper's claim
+# The comparison, declared before the runs (experiments/report.py). The primary family: each paper's claim
 # against its own baseline, paired t-tests on the whole validation split, Holm within the family.
 primary = [
     ("full_attnres", "standard"),  # Kimi's Attention Residuals

@@ -1,15 +1,15 @@
 """
-The report of tools/robust.py: robust.md from the analysis, the loss-vs-FLOPs plot, and JSON-safe values.
+The report of experiments/robust.py: robust.md from the analysis, the loss-vs-FLOPs plot, and JSON-safe values.
 """
 
 import math
 import statistics
 
+from experiments.multiplier import inverse, predict
+from experiments.report import provenance_text
+from experiments.robust_design import STAGES, steps_name
+from experiments.rundirs import nats
 from tools.diagnose import pyplot, save_figure
-from tools.multiplier import inverse, predict
-from tools.report import provenance_text
-from tools.robust_design import STAGES, steps_name
-from tools.rundirs import nats
 
 
 def _f(x, fmt, none="-"):
@@ -43,14 +43,14 @@ def render(result, design):
     tokens = f"{unit or 'token'}s"  # what the runs' tokens are: bytes with the byte tokenizer
     if design["score"] == "val":
         scores = (f"Scores: validation NLL in {nats(unit)} on the whole validation split (each run's scores.json, "
-                  "tools/rescore.py), the design's declared score. ")
+                  "experiments/rescore.py), the design's declared score. ")
     else:
         scores = (f"Scores: validation NLL in {nats(unit)} (summary.json `val_loss`) on the fixed first {et} {tokens} of "
                   "the validation split (the runs' `eval_tokens`), the same chunk for every run: not whole-split scores. ")
     unscored = sum(len(x) for x in r["unscored"].values())
     if unscored:
         scores += (f"**{unscored} finished run(s) have no whole-split scores yet and are left out** (listed under Runs; "
-                   "`python -m tools.robust DESIGN` without --table_only scores them). ")
+                   "`python -m experiments.robust DESIGN` without --table_only scores them). ")
     out += [scores + f"Recipe: lr {shared}, min_lr {design['recipe']['min_lr']:g}, {design['recipe']['steps']} steps of "
             f"{design['recipe']['batch_tokens']:,} {tokens}. Tuning seeds {list(design['tuning_seeds'])}; comparison "
             f"seeds {list(design['seeds'])}. Finished runs: {len(r['runs'])}, "
@@ -99,7 +99,7 @@ def render(result, design):
                        f"{'changes' if c['ranking_changes'] else 'unchanged'}.")
     if need:
         out.append(f"Missing best-lr runs on the comparison seeds ({len(need)}): {', '.join(f'`{x}`' for x in need)} "
-                   f"(`python -m tools.robust <design> --stage best`).")
+                   f"(`python -m experiments.robust <design> --stage best`).")
     unsettled = lr["unsettled"]
     if unsettled:
         out.append(f"Best-lr runs not yet named for {', '.join(f'`{v}`' for v in unsettled)}: their tuning runs are unfinished.")
@@ -139,7 +139,7 @@ def render(result, design):
     # c.
     out += ["", "## c. Compute along the data axis: the reference needs X times the compute", "",
             f"A data multiplier: `{ref}` at one size trained for several lengths, not the papers' multiplier across model "
-            "sizes (tools/ladder.py reads that one off a size ladder). X is the paired gap rescaled through the "
+            "sizes (experiments/ladder.py reads that one off a size ladder). X is the paired gap rescaled through the "
             "ladder's slope, so it adds no evidence beyond the gap, and a bootstrap of 3 seeds has 10 distinct "
             "resamples: its intervals cover less than they say.", ""]
     pts = r["ladder"]

@@ -1,4 +1,4 @@
-"""tools/robust.py (with robust_design, multiplier, robust_report): the design's run names, its checks, the lr
+"""experiments/robust.py (with robust_design, multiplier, robust_report): the design's run names, its checks, the lr
 chosen on tuning seeds alone, the compute multiplier on synthetic power-law ladders (known answers), the
 bootstrap, and a tiny design end to end."""
 
@@ -11,9 +11,9 @@ import pytest
 
 import train
 from depthres import UserError, config
-from tools import multiplier, rescore, robust, robust_report, sweep
+from experiments import multiplier, rescore, robust, robust_report, sweep
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- the CPU design: exactly the runs of issue 26 ------------------------------------------------------
@@ -56,7 +56,7 @@ def train_argv(spec, name):
 
 
 def test_the_cpu_design_names_exactly_the_runs_of_issue_26():
-    d = robust.load_design("configs/robust_cpu.py")
+    d = robust.load_design("experiments/configs/robust_cpu.py")
     assert d["recipe"] == dict(lr=3e-3, min_lr=3e-4, steps=400, batch_tokens=1024) and d["out_dir"] == "runs/robust_cpu"
     tune, compare = robust.stage_spec(d, "tune"), robust.stage_spec(d, "compare")
     assert tune["variants"] == TUNE and tune["seeds"] == [100, 101]
@@ -74,7 +74,8 @@ def test_the_cpu_design_names_exactly_the_runs_of_issue_26():
     assert robust.stage_spec(d, "best", {"standard": 3e-3}) is None
 
 
-@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("robust_*.py")))
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT))
+                                         for p in (ROOT / "experiments" / "configs").glob("robust_*.py")))
 def test_every_run_of_every_design_is_a_valid_config(path):
     d = robust.load_design(path)
     every_lr = {v: lr for v in d["variants"] for lr in d["lrs"]}  # the best stage's runs are the tune stage's
@@ -85,10 +86,10 @@ def test_every_run_of_every_design_is_a_valid_config(path):
 
 
 def test_the_gpu_design_is_the_cpu_protocol_at_rd_s():
-    d = robust.load_design("configs/robust_gpu.py")
+    d = robust.load_design("experiments/configs/robust_gpu.py")
     assert d["base"] == "configs/rd_s.py" and d["recipe"]["steps"] == 3814 and d["recipe"]["lr"] == 3e-3
     assert d["steps"] == [3814, 11442] and d["ladder"] == [3814, 5721, 7628, 11442]
-    cpu = robust.load_design("configs/robust_cpu.py")
+    cpu = robust.load_design("experiments/configs/robust_cpu.py")
     assert d["variants"] == cpu["variants"] and d["lrs"] == cpu["lrs"]
     assert (d["tuning_seeds"], d["seeds"]) == (cpu["tuning_seeds"], cpu["seeds"])
 
@@ -370,7 +371,7 @@ def test_a_contrast_pairs_two_variants_besides_the_reference(tmp_path):
 # --- the report ----------------------------------------------------------------------------------------
 
 def test_the_bench_ratios_are_the_bench_files():
-    ratios = robust.bench_ratios(robust.load_design("configs/robust_cpu.py"))
+    ratios = robust.bench_ratios(robust.load_design("experiments/configs/robust_cpu.py"))
     bench = {s["variant"]: s for s in json.loads((ROOT / "docs/results/bench_cpu_exp_size.json").read_text())["steps"]}
     assert set(ratios["variants"]) == {"standard", "block_attnres", "rd_attnres", "muddformer", "delta_attnres"}
     assert ratios["variants"]["muddformer"]["speed_ratio"] == bench["muddformer"]["speed_ratio"]
@@ -436,7 +437,7 @@ def test_the_score_is_the_whole_split_and_an_unscored_run_waits(tmp_path, capsys
 
 def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
     """2 variants x 2 lrs on 1 tuning seed, then 2 comparison seeds at 4 and 6 steps: trained in this
-    process (tools.sweep's runner, with train.py called in place of a child process), then the report."""
+    process (experiments.sweep's runner, with train.py called in place of a child process), then the report."""
     path = tmp_path / "design.py"
     path.write_text(f'base = "configs/test.py"\n'
                     f'variants = {{"standard": "residual=standard", "block": "residual=block_attnres"}}\n'
@@ -447,7 +448,7 @@ def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
     ran, scored = [], []
 
     def in_process(cmd):
-        if cmd[1:3] == ["-m", "tools.rescore"]:  # the sweep scores its finished runs on whole splits
+        if cmd[1:3] == ["-m", "experiments.rescore"]:  # the sweep scores its finished runs on whole splits
             scored.extend(cmd[3:])
             return rescore.main(cmd[3:])
         ran.append(next(a for a in cmd if a.startswith("--out_dir=")).rsplit("/", 1)[1] + "/" +
@@ -529,7 +530,7 @@ def test_a_read_only_out_dir_is_one_warning_as_in_a_sweep(tmp_path, read_only, c
 
 
 def test_odd_run_files_are_unfinished_runs_and_a_bad_bench_file_is_one_line(tmp_path):
-    """robust (and the ladder, which reads runs the same way: tools.rundirs.finished_run) crashed on run files
+    """robust (and the ladder, which reads runs the same way: experiments.rundirs.finished_run) crashed on run files
     that are not train.py's: a summary.json that is a list, a step that is text, a config.json without its
     train keys, a model config no model.py builds, an lr that is missing. Such a run is unfinished (listed as
     such), never read; a bench file that is not tools.bench's is one `error:` line."""

@@ -1,8 +1,8 @@
 # The family at a paper size: the standard residual, Block AttnRes, RD-AttnRes, DAR, DenseFormer,
 # MUDDFormer and Delta AttnRes, size S (configs/rd_s.py: 16 layers, width 576, 122M parameters), 2B
 # FineWeb-Edu tokens (prepare the data as configs/rd_s.py says), 3 paired seeds.
-#   python -m tools.sweep configs/sweep_family.py --launcher "torchrun --standalone --nproc_per_node=8"
-#   python -m tools.sweep configs/sweep_family.py --table_only --reference block_attnres
+#   python -m experiments.sweep experiments/configs/sweep_family.py --launcher "torchrun --standalone --nproc_per_node=8"
+#   python -m experiments.sweep experiments/configs/sweep_family.py --table_only --reference block_attnres
 # Compute: model.flops_per_token() is 669 MFLOP for every variant but MUDDFormer (674: its 0.7M
 # generator weights), so 2B tokens are 1.34e18 FLOP, ~0.94 GPU-hour a run at 40% MFU on an H100 SXM
 # (989 TFLOP/s bf16 dense); 21 runs ~20 GPU-hours. The depth routing and the dense mixes are
@@ -21,7 +21,7 @@ variants = {
 }
 seeds = [0, 1, 2]
 reference = "standard"
-# the declared family (tools/report.py): each paper's claim against the baseline it is proposed over, Holm
+# the declared family (experiments/report.py): each paper's claim against the baseline it is proposed over, Holm
 # within it, on the whole validation split; each variant against both references otherwise is exploratory
 primary = [
     ("block_attnres", "standard"),

@@ -1,12 +1,12 @@
 """
 Paired comparisons: every variant with every seed, and a table of what came out.
 
-    python -m tools.sweep configs/sweep_cpu.py                          # one run after another, on this machine
-    python -m tools.sweep configs/sweep_cpu.py --launcher "torchrun --nproc_per_node=8"
-    python -m tools.sweep configs/sweep_cpu.py --table_only             # just the table, from finished runs
-    python -m tools.sweep configs/sweep_cpu.py --table_only --reference block_attnres
-    python -m tools.sweep configs/sweep_cpu.py --table_only --score test   # the tests on the whole test split
-    python -m tools.sweep configs/sweep_cpu.py --wandb                  # every run logged to Weights & Biases
+    python -m experiments.sweep experiments/configs/sweep_cpu.py                          # one run after another, on this machine
+    python -m experiments.sweep experiments/configs/sweep_cpu.py --launcher "torchrun --nproc_per_node=8"
+    python -m experiments.sweep experiments/configs/sweep_cpu.py --table_only             # just the table, from finished runs
+    python -m experiments.sweep experiments/configs/sweep_cpu.py --table_only --reference block_attnres
+    python -m experiments.sweep experiments/configs/sweep_cpu.py --table_only --score test   # the tests on the whole test split
+    python -m experiments.sweep experiments/configs/sweep_cpu.py --wandb                  # every run logged to Weights & Biases
 
 A sweep file is Python that sets:
     base       a train.py config file
@@ -16,7 +16,7 @@ A sweep file is Python that sets:
                their initial weights, their batches and their schedule (no seed twice)
     reference  the variant the others are compared with
     overrides  (optional) "key=value ..." for every run
-The comparison, declared before any run (what the report does with it: tools/report.py):
+The comparison, declared before any run (what the report does with it: experiments/report.py):
     primary    (optional) [(variant, baseline), ...]: the claims, one family, Holm within it
     controls   (optional) {variant: its parameter-matched control}: tested once the variant's primary
                test rejects
@@ -54,9 +54,9 @@ even by kill -9, its run gets SIGTERM, so it writes a checkpoint and stops (Linu
 progress line gives the runs done out of all (skipped finished runs count as done), the time since
 the sweep started, and an ETA: the mean duration of the runs this invocation has run, times the runs
 left (a resumed run counts with the part it ran, so right after a resume the ETA can be low). Each run
-that finishes is scored on its whole validation and test splits (python -m tools.rescore, scores.json
+that finishes is scored on its whole validation and test splits (python -m experiments.rescore, scores.json
 in the run directory), and so is any finished run the sweep finds unscored. At the end the report
-(tools/report.py) is printed and saved as results.md, results.json and results.csv in out_dir, with
+(experiments/report.py) is printed and saved as results.md, results.json and results.csv in out_dir, with
 plots when matplotlib is installed; each file is written whole or not at all, and a file that cannot
 be written (a read-only out_dir) is one `warning:` line after the printed tables.
 
@@ -85,9 +85,9 @@ from pathlib import Path
 from depthres import Stopped, UserError, cli, files, os_error_message
 from depthres.checkpoint import EXECUTION_KEYS, holds_checkpoint
 from depthres.config import TrainConfig, build_model_config, control_character, parse_config
+from experiments.report import SCORES, report, unequal_twins
+from experiments.rundirs import collect, divergence, read_json, read_summary, run_dir, whole_split_scores
 from model import GPTConfig
-from tools.report import SCORES, report, unequal_twins
-from tools.rundirs import collect, divergence, read_json, read_summary, run_dir, whole_split_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNED_KEYS = ("seed", "data_seed", "run_name", "out_dir", "resume", "overwrite")  # what the sweep sets for every run
@@ -174,7 +174,7 @@ def load_sweep(path, reference=None):
 
 
 def check_protocol(spec, fail):
-    """The declared comparison (tools/report.py): primary [(variant, baseline)], twins {variant: twin},
+    """The declared comparison (experiments/report.py): primary [(variant, baseline)], twins {variant: twin},
     score and alpha; each checked against the variants, so a typo is an error before any run, not a
     family that silently lost a test."""
     names = list(spec["variants"])
@@ -479,7 +479,7 @@ def run_all(spec, launcher):
 
 def unscored(spec, variant, seed):
     """Whether a finished run lacks its whole-split scores (and has a checkpoint to score: ckpt.pt, or an FSDP
-    run's sharded one, which tools/rescore.py gathers)."""
+    run's sharded one, which experiments/rescore.py gathers)."""
     d = run_dir(spec, variant, seed)
     summary = read_summary(d)
     return summary is not None and holds_checkpoint(d) and \
@@ -488,7 +488,7 @@ def unscored(spec, variant, seed):
 
 def score_all(spec):
     """Score every finished run that has no whole-split scores yet, one run at a time, each in its own
-    tools/rescore.py child process (the model is the child's, the sweep stays small) and each claimed as
+    experiments/rescore.py child process (the model is the child's, the sweep stays small) and each claimed as
     a run is: two sweep processes share the scoring and never score the same run (claiming them all at
     once left the second process idle for the first one's hour of scoring). A run that cannot be scored
     is a note: the report pairs the seeds that have scores, and says how many lack them."""
@@ -501,12 +501,12 @@ def score_all(spec):
             continue  # another process scores it
         try:
             if unscored(spec, variant, seed):  # not scored by another process meanwhile
-                failed += run_child([sys.executable, "-m", "tools.rescore", str(run_dir(spec, variant, seed))]) != 0
+                failed += run_child([sys.executable, "-m", "experiments.rescore", str(run_dir(spec, variant, seed))]) != 0
         finally:
             lock.release()
     if failed:
         print(f"sweep: {failed} run(s) could not be scored (the errors above); the report pairs the seeds that have "
-              "scores (python -m tools.rescore RUN_DIR to try again)", flush=True)
+              "scores (python -m experiments.rescore RUN_DIR to try again)", flush=True)
 
 
 def main(argv=None):
@@ -539,7 +539,7 @@ def main(argv=None):
     check_design(spec)
     if not args.table_only:
         run_all(spec, args.launcher)
-    ts = report(spec, rescore_hint=f"python -m tools.rescore --sweep {args.sweep}" + (
+    ts = report(spec, rescore_hint=f"python -m experiments.rescore --sweep {args.sweep}" + (
         f" --out_dir {args.out_dir}" if args.out_dir else "") + " (the sweep scores each run it finishes)")
     if unequal_twins(ts, collect(spec)):
         return EXIT_TWINS

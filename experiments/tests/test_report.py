@@ -1,4 +1,4 @@
-"""tools/report.py: the declared family (selection, Holm, the gate of the controls), exploratory
+"""experiments/report.py: the declared family (selection, Holm, the gate of the controls), exploratory
 and twin comparisons, whole-split scores, the tables and plots, on runs with known numbers."""
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import plots, report, stats, sweep
+from experiments import plots, report, stats, sweep
 
 from sweeps import finished_run, strict_json, sweep_file, sweep_spec
 
@@ -109,7 +109,7 @@ def test_graph_procedure_rejects_exactly_where_the_local_level_is_met():
 
 
 def test_the_family_of_the_cpu_sweep_is_the_declared_one():
-    spec = sweep.load_sweep("configs/sweep_cpu.py")
+    spec = sweep.load_sweep("experiments/configs/sweep_cpu.py")
     kinds = {}
     for kind, v, b in report.plan(spec, spec["variants"]):
         kinds.setdefault(kind, []).append((v, b))
@@ -263,15 +263,15 @@ def test_a_sweep_file_declares_its_family_and_the_sweep_scores_its_runs(tmp_path
 
     def child(cmd):
         ran.append(cmd[1:])
-        if cmd[1:3] != ["-m", "tools.rescore"]:
+        if cmd[1:3] != ["-m", "experiments.rescore"]:
             finished_run(tmp_path / "runs" / "b" / "seed0", 2.9)
         return 0
     monkeypatch.setattr(sweep, "run_child", child)
     assert sweep.main([str(path)]) == 0
-    assert ran[1:] == [["-m", "tools.rescore", str(tmp_path / "runs" / "a" / "seed0")]]  # one child, after the runs
+    assert ran[1:] == [["-m", "experiments.rescore", str(tmp_path / "runs" / "a" / "seed0")]]  # one child, after the runs
     err = capsys.readouterr().err
     assert f"note: 2 of 3 finished runs have no score on the whole validation split (the tests pair only the seeds that " \
-           f"have it): python -m tools.rescore --sweep {path}" in err
+           f"have it): python -m experiments.rescore --sweep {path}" in err
     assert json.loads((tmp_path / "runs" / "results.json").read_text())["primary"] == [["b", "a"]]
 
 
@@ -379,7 +379,7 @@ def test_a_margin_without_runs_shows_neither_and_the_report_keeps_it(tmp_path, c
 
 
 def test_the_replication_declares_its_margin_with_its_two_tests():
-    spec = sweep.load_sweep("configs/replication_cpu.py")
+    spec = sweep.load_sweep("experiments/configs/replication_cpu.py")
     assert spec["equivalence_margin"] == 0.006 and len(spec["primary"]) == 2 and spec["seeds"] == list(range(1000, 1016))
 
 
@@ -459,6 +459,14 @@ def test_the_report_names_its_runs_commits_and_span_against_the_declaration(tmp_
     p = strict_json(tmp_path / "runs" / "results.json")["provenance"]
     assert p["declaration"] == dict(file=path.name, commit=declared, utc="2026-01-01T10:00:00+00:00", last_change=None)
     assert p["one_commit"] and p["on_declared_commit"] and p["declared_before_first_start"] and p["recorded"] == 4
+    # a design file moved (as into experiments/configs/), its contents the same: declared where it was first added
+    (repo / "moved").mkdir()
+    git(repo, "mv", path.name, "moved/" + path.name)
+    git(repo, "commit", "-qm", "moved", when="2026-01-02T10:00:00+00:00")
+    assert report.declared_at(repo / "moved" / path.name) == dict(file=path.name, commit=declared,
+                                                                  utc="2026-01-01T10:00:00+00:00", last_change=None)
+    git(repo, "mv", "moved/" + path.name, path.name)
+    git(repo, "commit", "-qm", "back", when="2026-01-02T11:00:00+00:00")
 
     # a run on a dirty tree before the declaration, a run that predates provenance, and a later change to the file
     recorded(tmp_path / "runs" / "b" / "seed1", "2026-01-01T09:00:00+00:00", ["0123456789abcdef+dirty"])
@@ -497,7 +505,7 @@ def test_provenance_that_git_or_the_runs_cannot_give(tmp_path, monkeypatch):
 
 
 def test_the_loss_unit_is_what_the_runs_tokenizer_makes_a_token(tmp_path):
-    from tools.rundirs import nats, token_unit
+    from experiments.rundirs import nats, token_unit
     for name, tokenizer in (("a", "byte"), ("b", "byte"), ("c", "gpt2")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({"tokenizer": tokenizer}))

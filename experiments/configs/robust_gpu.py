@@ -1,9 +1,9 @@
-# Does the advantage hold? (issue 26) The GPU design of tools/robust.py on configs/rd_s.py's recipe: size S
+# Does the advantage hold? (issue 26) The GPU design of experiments/robust.py on configs/rd_s.py's recipe: size S
 # (16 layers, width 576, 122M parameters), FineWeb-Edu (prepare the data as configs/rd_s.py says), lr 3e-3
 # -> 3e-4 cosine, 2B tokens (3,814 steps of 524,288 tokens). The CPU design's protocol, lengths as
 # multiples of that budget: 1x and 3x for every variant, 1x/1.5x/2x/3x for standard's ladder.
-#   python -m tools.robust configs/robust_gpu.py --launcher "torchrun --standalone --nproc_per_node=8"
-#   python -m tools.robust configs/robust_gpu.py --table_only
+#   python -m experiments.robust experiments/configs/robust_gpu.py --launcher "torchrun --standalone --nproc_per_node=8"
+#   python -m experiments.robust experiments/configs/robust_gpu.py --table_only
 # Cost from model.flops_per_token() (669.3 MFLOP for standard, Block AttnRes, RD-AttnRes and Delta
 # AttnRes; 673.5 for MUDDFormer): a 1x run is 1.34e18 FLOP, ~0.94 GPU-hour at 40% MFU on an H100 SXM
 # (989 TFLOP/s bf16 dense). tune 30 runs x 1x = 40e18; compare 15 x 1x + 15 x 3x + 3 x 1.5x + 3 x 2x =

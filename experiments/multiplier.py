@@ -1,7 +1,7 @@
 """
-The compute multiplier of tools/robust.py: the reference's loss against training compute, fitted to a
+The compute multiplier of experiments/robust.py: the reference's loss against training compute, fitted to a
 ladder of its runs at several lengths, and "the reference needs X times the compute" to reach a
-variant's loss, with a bootstrap interval over the seeds. Plain Python, no torch: tests/test_robust.py
+variant's loss, with a bootstrap interval over the seeds. Plain Python, no torch: experiments/tests/test_robust.py
 checks it on synthetic ladders with known answers.
 """
 

@@ -1,12 +1,12 @@
 """
-The plots of a sweep's report (tools/report.py): the forest of its comparisons and the paired gap over
+The plots of a sweep's report (experiments/report.py): the forest of its comparisons and the paired gap over
 training. Each reads the report's tests and gaps; None where there is nothing to draw or no matplotlib.
 """
 
 import math
 
+from experiments.stats import t_quantile
 from tools.diagnose import pyplot, save_figure
-from tools.stats import t_quantile
 
 SHORT = {"val": "val (whole)", "test": "test (whole)", "val_prefix": "val prefix", "test_prefix": "test prefix"}
 

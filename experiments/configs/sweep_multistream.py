@@ -1,6 +1,6 @@
 # The multi-stream family next to standard and Block AttnRes: 200 steps of configs/exp_cpu.py, one
 # seed, every DAR routing, HC and mHC (about 10 minutes on 2 cores).
-#   python -m tools.sweep configs/sweep_multistream.py
+#   python -m experiments.sweep experiments/configs/sweep_multistream.py
 base = "configs/exp_cpu.py"
 variants = {
     "standard": "residual=standard",

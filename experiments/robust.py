@@ -1,13 +1,13 @@
 """
 Does the advantage hold? Learning rate, training length and compute, from one design file.
 
-    python -m tools.robust configs/robust_cpu.py                  # every stage, then the report
-    python -m tools.robust configs/robust_cpu.py --stage tune     # one stage: tune | compare | best
-    python -m tools.robust configs/robust_cpu.py --list           # every run of every stage, finished or not
-    python -m tools.robust configs/robust_cpu.py --table_only [--out_dir DIR]   # the report alone
-    python -m tools.robust configs/robust_gpu.py --launcher "torchrun --standalone --nproc_per_node=8"
+    python -m experiments.robust experiments/configs/robust_cpu.py                  # every stage, then the report
+    python -m experiments.robust experiments/configs/robust_cpu.py --stage tune     # one stage: tune | compare | best
+    python -m experiments.robust experiments/configs/robust_cpu.py --list           # every run of every stage, finished or not
+    python -m experiments.robust experiments/configs/robust_cpu.py --table_only [--out_dir DIR]   # the report alone
+    python -m experiments.robust experiments/configs/robust_gpu.py --launcher "torchrun --standalone --nproc_per_node=8"
 
-A design file is Python, like a sweep file (tools/sweep.py), and sets:
+A design file is Python, like a sweep file (experiments/sweep.py), and sets:
     base          a train.py config file: the recipe (its lr, min_lr and length, with `overrides` applied)
     variants      {name: "key=value ..."}: the residual variants; their overrides may not set lr, min_lr,
                   max_steps or max_tokens (the design's axes); names may not contain "--"
@@ -33,7 +33,7 @@ Every run is a plain sweep run, out_dir/<name>/seed<s>, named:
     <variant>                the recipe (its lr, min_lr, length)
     <variant>--lr<x:g>       the recipe at lr=x, min_lr=x*min_lr_ratio (e.g. standard--lr0.0015)
     <variant>--steps<n>      the recipe with max_steps=n: its own warmup and cosine, ending at step n
-Stages (each a sweep through tools.sweep's run_all: finished runs are skipped, interrupted ones resumed,
+Stages (each a sweep through experiments.sweep's run_all: finished runs are skipped, interrupted ones resumed,
 and several processes may share a design as they share a sweep):
     tune     every variant at every lr of the grid, on the tuning seeds, at the recipe's length
     compare  every variant at every length of `steps` and the reference at every length of `ladder`,
@@ -55,7 +55,7 @@ to out_dir), each file whole or not at all; a file that cannot be written (a ful
        charged its own FLOPs per token) and X in steps (step-matched: the same tokens), with a
        bootstrap interval over the comparison seeds, and the loss-vs-FLOPs plot
     d. wall-clock, only as the bench file's measured speed ratios
-Scores: `score = "val"` (the default) is the whole validation split, each run's scores.json (tools/rescore.py;
+Scores: `score = "val"` (the default) is the whole validation split, each run's scores.json (experiments/rescore.py;
 each stage's sweep scores the runs it finishes, and any finished run it finds unscored): a finished run without
 it is left out and listed as unscored. `score = "val_prefix"` reads summary.json's val_loss instead, the fixed
 eval_tokens prefix the runs log (the report states it, read from their config.json). The test split is reported
@@ -74,14 +74,14 @@ import torch
 from depthres import UserError, cli
 from depthres.config import model_config
 from depthres.files import write_file
+from experiments import sweep
+from experiments.multiplier import bootstrap, fit_ladder, inside, multiple
+from experiments.report import PROVENANCE, provenance, save_outputs
+from experiments.robust_design import SCORES, STAGES, bench_path, check_design_runs, load_design, lr_name, stage_spec, steps_name
+from experiments.robust_report import plot, render, strict
+from experiments.rundirs import finished_run, finite, token_unit, whole_split_scores
+from experiments.stats import holm, paired_t
 from model_fast import make_model
-from tools import sweep
-from tools.multiplier import bootstrap, fit_ladder, inside, multiple
-from tools.report import PROVENANCE, provenance, save_outputs
-from tools.robust_design import SCORES, STAGES, bench_path, check_design_runs, load_design, lr_name, stage_spec, steps_name
-from tools.robust_report import plot, render, strict
-from tools.rundirs import finished_run, finite, token_unit, whole_split_scores
-from tools.stats import holm, paired_t
 
 # --- the runs ---------------------------------------------------------------------------------------
 
@@ -266,7 +266,7 @@ def contrasts(design, runs, best):
     return out
 
 
-# --- c. the compute multiplier (its math: tools/multiplier.py) -----------------------------------------
+# --- c. the compute multiplier (its math: experiments/multiplier.py) -----------------------------------------
 
 def multipliers(design, runs):
     """Per variant and length of `steps`: "the reference needs X times the compute". Each cell uses the
@@ -408,7 +408,7 @@ def analyze(design):
 
 def report(design):
     """The report, printed, then written into out_dir (robust.md, robust.json, loss_vs_flops.png), each
-    file whole or not at all (tools.report.save_outputs): what cannot be written (a read-only or full
+    file whole or not at all (experiments.report.save_outputs): what cannot be written (a read-only or full
     disk, no out_dir) is one `warning:` line after the printed report, as in a sweep's report."""
     result = analyze(design)
     text = render(result, design)
@@ -451,7 +451,7 @@ def main(argv=None):
     design = load_design(args.design, args.out_dir)
     if args.score:
         design["score"] = args.score
-    check_design_runs(design)  # one `error:` line (tools.sweep.check_runs) before any run
+    check_design_runs(design)  # one `error:` line (experiments.sweep.check_runs) before any run
     if args.list:
         return list_runs(design)
     if not args.table_only:

@@ -1,8 +1,8 @@
 """
 A sweep's report: what its finished runs say, with the statistics a reviewer asks for. The sweep
-prints it after its runs; `python -m tools.sweep SWEEP_FILE --table_only` prints it alone.
+prints it after its runs; `python -m experiments.sweep SWEEP_FILE --table_only` prints it alone.
 
-The protocol is declared in the sweep file, before any run (tools/sweep.py checks it):
+The protocol is declared in the sweep file, before any run (experiments/sweep.py checks it):
     primary   [(variant, baseline), ...]: the claims under test, one family: each a paired t-test on
               the declared score, Holm-adjusted within the family (family-wise error rate alpha)
     controls  {variant: its parameter-matched control}: a gate. "variant - control" is tested only once
@@ -11,7 +11,7 @@ The protocol is declared in the sweep file, before any run (tools/sweep.py check
     twins     {variant: twin}: a variant that trains bit for bit as its twin (rd_tied is Block AttnRes):
               checked for equality, in no family
     score     the split the tests use: "val" (default) the whole validation split, "test" the whole test
-              split (both from each run's scores.json, tools/rescore.py), "val_prefix"/"test_prefix" the
+              split (both from each run's scores.json, experiments/rescore.py), "val_prefix"/"test_prefix" the
               fixed eval_tokens prefix each run scored itself (its summary.json)
     alpha     the family-wise error rate (default 0.05)
     equivalence_margin  (optional) a margin in nats: each primary test is also an equivalence test,
@@ -51,10 +51,10 @@ from pathlib import Path
 
 from depthres import UserError
 from depthres.files import write_file
+from experiments.plots import SHORT, plot_forest, plot_gaps, undefined
+from experiments.rundirs import collect, collect_diverged, finite, nats, run_dir, token_unit
+from experiments.stats import detectable, gated_holm, holm, paired_t, sign_flip_p, tost
 from tools.diagnose import plot_curves
-from tools.plots import SHORT, plot_forest, plot_gaps, undefined
-from tools.rundirs import collect, collect_diverged, finite, nats, run_dir, token_unit
-from tools.stats import detectable, gated_holm, holm, paired_t, sign_flip_p, tost
 
 SCORES = {  # score -> what it is, as the tables say
     "val": "the whole validation split",
@@ -449,29 +449,34 @@ def _utc(text):
 
 
 def declared_at(path):
-    """The commit that added a study's declaration file (its latest `git log --diff-filter=A`, in the git
-    checkout that holds the file) and that commit's time, and the last commit that changed the file after
-    it: dict(file, commit, utc, last_change (dict(commit, utc), or None)), or dict(file, why) where git cannot
-    tell (git is not available, the file is in no git checkout, or no commit adds it). The file is named
-    relative to the project root, or by its name alone outside it."""
+    """The commit that added a study's declaration file (followed through renames: a design file that moved, as
+    into experiments/configs/, is the one its first commit added) and that commit's time, and the last commit
+    after it that changed the file's contents (a rename alone is no change): dict(file, commit, utc,
+    last_change (dict(commit, utc), or None)), or dict(file, why) where git cannot tell (git is not available,
+    the file is in no git checkout, or no commit adds it). The file is named relative to the project root, or
+    by its name alone outside it."""
     p = Path(path).resolve()
     where = dict(file=str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else p.name)  # no machine's paths
     if shutil.which("git") is None:
         return dict(where, why="git is not available")
-    logs = []
-    for added in (["--diff-filter=A"], []):  # newest first: the add of the file as it stands, then every change
-        try:
-            git = subprocess.run(["git", "log", *added, "--format=%H %cI", "--", p.name], cwd=p.parent,
-                                 capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.SubprocessError) as e:
-            return dict(where, why=f"git did not answer ({type(e).__name__})")
-        if git.returncode != 0:
-            return dict(where, why="git: " + (git.stderr.strip().splitlines() or ["failed"])[0])
-        logs.append([line.split() for line in git.stdout.splitlines() if line.strip()])
-    adds, changes = logs
+    try:  # newest first, each commit's line then the file's status in it (A added, M changed, R100 renamed alone)
+        git = subprocess.run(["git", "log", "--follow", "--format=%H %cI", "--name-status", "--", p.name], cwd=p.parent,
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return dict(where, why=f"git did not answer ({type(e).__name__})")
+    if git.returncode != 0:
+        return dict(where, why="git: " + (git.stderr.strip().splitlines() or ["failed"])[0])
+    commits = []  # (commit, time, status)
+    for line in git.stdout.splitlines():
+        if line.strip() and len(line.split()) == 2 and "\t" not in line:
+            commits.append([*line.split(), None])
+        elif line.strip() and commits and commits[-1][2] is None:
+            commits[-1][2] = line.split("\t")[0]
+    adds = [c for c in commits if c[2] == "A"]
     if not adds:
         return dict(where, why="no commit here adds it: not committed, or a shallow clone")
-    (commit, when), later = adds[0], changes[:[c for c, _ in changes].index(adds[0][0])]
+    commit, when, _ = adds[0]  # the newest add: the file as it stands (after a delete and a new add, the new one)
+    later = [c for c in commits[:commits.index(adds[0])] if c[2] != "R100"]
     return dict(where, commit=commit, utc=_utc(when).isoformat(),
                 last_change=dict(commit=later[0][0], utc=_utc(later[0][1]).isoformat()) if later else None)
 

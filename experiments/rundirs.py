@@ -1,6 +1,6 @@
 """
 A sweep's run directories as the tools read them: out_dir/<variant>/seed<s> with its summary.json (a
-finished run), scores.json (its whole-split scores, tools/rescore.py) and log.jsonl (its evaluations, and
+finished run), scores.json (its whole-split scores, experiments/rescore.py) and log.jsonl (its evaluations, and
 the record of a divergence). Every reader is forgiving of a torn or foreign file: an unreadable summary is
 an unfinished run, a torn log line is skipped.
 """
@@ -8,8 +8,10 @@ an unfinished run, a torn log line is skipped.
 import json
 import math
 import sys
-from contextlib import suppress
 from pathlib import Path
+
+from depthres.runlog import log_records
+from tools.diagnose import val_curve
 
 
 def run_dir(spec, variant, seed):
@@ -68,7 +70,7 @@ def tabulable(summary):
 
 
 def whole_split_scores(d, step):
-    """{"val": loss, "test": loss} of a run's scores.json (tools/rescore.py) when it scored the whole
+    """{"val": loss, "test": loss} of a run's scores.json (experiments/rescore.py) when it scored the whole
     splits of the checkpoint at `step` on the run's own data; {} otherwise (not scored yet, an older
     checkpoint's, or scores of other data: rescore --data_dir)."""
     scores = read_json(Path(d) / "scores.json")
@@ -79,31 +81,9 @@ def whole_split_scores(d, step):
             and finite(scores[s].get("loss"))}
 
 
-def log_records(d):
-    """The JSON records of a run's log.jsonl (a torn or foreign line skipped; none without the file)."""
-    try:
-        lines = (Path(d) / "log.jsonl").read_bytes().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        with suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                records.append(record)
-    return records
-
-
 def divergence(d):
     """The "diverged" record train.py left in a run's log.jsonl (its step and error), or None."""
     return next((r for r in reversed(log_records(d)) if r.get("kind") == "diverged"), None)
-
-
-def val_curve(d):
-    """[(step, val loss)] of a run's log.jsonl."""
-    return [(r["step"], r["loss"]) for r in log_records(d)
-            if r.get("kind") == "eval" and r.get("split") == "val" and isinstance(r.get("step"), int)
-            and isinstance(r.get("loss"), (int, float))]
 
 
 def collect(spec):

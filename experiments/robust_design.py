@@ -1,5 +1,5 @@
 """
-The design file of tools/robust.py (its format: that module's docstring): reading and checking it,
+The design file of experiments/robust.py (its format: that module's docstring): reading and checking it,
 and the runs it asks for: their names, their overrides and the stages that group them.
 """
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from depthres import UserError
 from depthres.config import parse_config, total_steps
-from tools import sweep
+from experiments import sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 AXES = ("lr", "min_lr", "max_steps", "max_tokens")  # keys the design sets per run; a variant may not
@@ -149,7 +149,7 @@ def _spec(design, runs, seeds):
 
 
 def stage_spec(design, stage, best=None):
-    """A stage as a plain sweep spec (tools.sweep): its runs' names and overrides, and its seeds. `best`
+    """A stage as a plain sweep spec (experiments.sweep): its runs' names and overrides, and its seeds. `best`
     ({variant: lr}) names the best-lr runs; a variant without an entry has none yet."""
     if stage == "tune":
         runs = [lr_run(design, v, lr) for v in design["variants"] for lr in design["lrs"]]

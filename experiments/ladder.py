@@ -4,14 +4,14 @@ its loss against training compute across the sizes, and "standard needs X times 
 variant that ran at one of the sizes, read off that curve. The papers fit a curve per method; here each
 variant, run at one size, is taken to lie on a curve parallel to standard's.
 
-    python -m tools.ladder configs/ladder_cpu.py      # ladder.md, ladder.json, ladder.png in the ladder's out_dir
+    python -m experiments.ladder experiments/configs/ladder_cpu.py   # ladder.md, .json, .png in the ladder's out_dir
 
-The ladder's design file is a sweep file (tools/sweep.py runs it) that also sets:
+The ladder's design file is a sweep file (experiments/sweep.py runs it) that also sets:
     rung    the ladder's variant at the size the variants ran at: they pair with it seed by seed
     pairs   {a sweep's out_dir: [its variants to read off]}, relative to the project root
     level   the interval's confidence (0.95)
 
-The arithmetic (configs/ladder_cpu.py declares it):
+The arithmetic (experiments/configs/ladder_cpu.py declares it):
     C      = GPT.flops_per_token() x the training tokens of a run
     fit    log L = a - alpha log C, least squares over the sizes' mean log NLL (whole validation split);
            alpha's standard error from the residuals (sizes - 2 degrees of freedom)
@@ -24,8 +24,8 @@ The arithmetic (configs/ladder_cpu.py declares it):
            correlation. Where alpha's interval reaches 0 the ladder does not fix the slope and the
            interval is unbounded on the side the gap points to.
 No bootstrap: with 3 seeds it has 10 distinct resamples and covers far less than it says.
-tests/test_ladder.py checks the interval's coverage by simulation, and that it is not uselessly wide.
-The read-off names its runs' provenance (tools.report.provenance) against the design file's commit.
+experiments/tests/test_ladder.py checks the interval's coverage by simulation, and that it is not uselessly wide.
+The read-off names its runs' provenance (experiments.report.provenance) against the design file's commit.
 """
 
 import argparse
@@ -37,12 +37,12 @@ from pathlib import Path
 
 from depthres import UserError, cli
 from depthres.files import write_file
+from experiments.report import PROVENANCE, provenance, provenance_text, save_outputs, strict_json
+from experiments.robust import flops_per_token
+from experiments.rundirs import finished_run, nats, token_unit, whole_split_scores
+from experiments.stats import paired_t, t_quantile
+from experiments.sweep import in_root, load_sweep
 from tools.diagnose import pyplot, save_figure
-from tools.report import PROVENANCE, provenance, provenance_text, save_outputs, strict_json
-from tools.robust import flops_per_token
-from tools.rundirs import finished_run, nats, token_unit, whole_split_scores
-from tools.stats import paired_t, t_quantile
-from tools.sweep import in_root, load_sweep
 
 
 def slope_fit(log_c, log_l):
@@ -240,12 +240,12 @@ def plot(result, path):
 def main(argv=None):
     """The command line (run as a command through depthres.cli: a UserError is one `error:` line, exit 2)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("design", help="the ladder's sweep file, e.g. configs/ladder_cpu.py")
+    p.add_argument("design", help="the ladder's sweep file, e.g. experiments/configs/ladder_cpu.py")
     args = p.parse_args(argv)
     spec = load_sweep(args.design)
     for key in ("rung", "pairs"):
         if key not in spec:
-            raise UserError(f"{args.design} must set {key} (see tools/ladder.py)")
+            raise UserError(f"{args.design} must set {key} (see experiments/ladder.py)")
     if spec["rung"] not in spec["variants"]:
         raise UserError(f"{args.design}: rung {spec['rung']!r} is not one of the variants {list(spec['variants'])}")
     if not isinstance(spec["pairs"], dict) or not all(isinstance(v, list) for v in spec["pairs"].values()):

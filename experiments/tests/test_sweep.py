@@ -1,9 +1,8 @@
-"""The experiment tools: the sweep table's arithmetic and progress lines, the diagnostics' measures,
-a tiny sweep."""
+"""experiments/sweep.py: its progress lines, its claims, bad sweep files, a tiny sweep end to end, the
+sweep's reliability rounds; tools/diagnose.py on a sweep's runs."""
 
 import contextlib
 import json
-import math
 import os
 import re
 import shlex
@@ -14,22 +13,21 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 import train
 from depthres import Stopped, UserError, config
-from model import GPTConfig
+from experiments import sweep
 from model_fast import make_model
-from tools import diagnose, sweep
+from tools import diagnose
 
 from runs import poll
 from sweeps import fake_train, finished_run, sweep_file, sweep_spec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_sweep_controls_match_their_variants_parameters():
-    spec = sweep.load_sweep("configs/sweep_cpu.py")
+    spec = sweep.load_sweep("experiments/configs/sweep_cpu.py")
     assert spec["controls"] and spec["seeds"] == [0, 1, 2, 3, 4] and spec["second_reference"] == "block_attnres"
 
     def params(variant):
@@ -174,7 +172,7 @@ BAD_SWEEPS = {
                      "variant name '../escape' is not a plain directory name"),
     "variant_newline": ('base = "configs/test.py"\nvariants = {"a": "", "b\\ndone: FAKE": ""}\nseeds = [0]\n'
                         'reference = "a"\n', "variant name 'b\\ndone: FAKE' is not a plain directory name"),
-    # the declared comparison (tools/report.py)
+    # the declared comparison (experiments/report.py)
     "primary_typo": (ABC + 'primary = [("b", "a"), ("cc", "a")]\n', "primary names 'cc', which is not one of the variants"),
     "primary_self": (ABC + 'primary = [("b", "b")]\n', "primary compares 'b' with itself"),
     "primary_shape": (ABC + 'primary = ["b"]\n', "primary must be a list of (variant, baseline) pairs"),
@@ -219,13 +217,6 @@ def test_a_sweep_file_may_compute_its_settings(tmp_path):
     assert spec["variants"] == {"a": "n_layer=3", "b": "n_layer=3"} and spec["reference"] == "a"
 
 
-def test_diagnose_refuses_a_corrupt_checkpoint_in_one_line(tmp_path, capsys):
-    (tmp_path / "ckpt.pt").write_bytes(b"\x00" * 1000)
-    assert diagnose.main(["--ckpt", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: {tmp_path / 'ckpt.pt'} is not a readable checkpoint") and err.count("\n") == 1
-
-
 def test_sweep_runs_log_to_wandb_in_one_group_when_asked(tmp_path):
     spec = dict(base="configs/test.py", variants={"a": "", "b": "wandb_log=true", "c": "wandb_group=mine"},
                 seeds=[0], overrides="", out_dir=str(tmp_path / "sweep_x"))
@@ -253,155 +244,12 @@ def test_a_wandb_sweep_without_wandb_stops_before_any_run(tmp_path, monkeypatch)
         sweep.run_all(spec, launcher="")
 
 
-# --- the diagnostics' measures --------------------------------------------------------------------
-
-def test_js_divergence_known_values():
-    p = torch.tensor([0.5, 0.5], dtype=torch.float64)
-    q = torch.tensor([1.0, 0.0], dtype=torch.float64)
-    assert diagnose.js_divergence(p, p).item() == 0.0
-    assert diagnose.js_divergence(q, torch.tensor([0.0, 1.0], dtype=torch.float64)).item() == pytest.approx(math.log(2))
-    # m = (0.75, 0.25): KL(p||m) = 0.5 ln(2/3) + 0.5 ln 2, KL(q||m) = ln(4/3)
-    expected = 0.5 * (0.5 * math.log(2 / 3) + 0.5 * math.log(2)) + 0.5 * math.log(4 / 3)
-    assert diagnose.js_divergence(p, q).item() == pytest.approx(expected, abs=1e-12)
-    assert diagnose.js_divergence(q, p).item() == pytest.approx(expected, abs=1e-12)
-
-
-def test_linear_cka_known_values():
-    g = torch.Generator().manual_seed(0)
-    X = torch.randn(200, 8, generator=g, dtype=torch.float64)
-    Q, _ = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=torch.float64))
-    assert diagnose.linear_cka(X, X) == pytest.approx(1.0)
-    assert diagnose.linear_cka(X, 3 * X @ Q + 1) == pytest.approx(1.0)  # invariant to rotation, scale, shift
-    # one feature: CKA is the squared correlation; centred x = (-1, 0, 1), y = (-1, 1, 0): (1 / 2)^2
-    x, y = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[1.0], [3.0], [2.0]])
-    assert diagnose.linear_cka(x, y) == pytest.approx(0.25)
-
-
-def test_rescue_gain():
-    assert diagnose.rescue_gain(0.4, 0.1) == pytest.approx(0.75)
-    assert diagnose.rescue_gain(0.4, 0.4) == 0.0
-
-
-def test_diagnostics_on_every_variant_family():
-    """The records each variant exposes are enough for its measures, at any routing."""
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 50, (2, 12), generator=g),) * 2 for _ in range(2)]
-    for kw in (dict(residual="rd_attnres"), dict(residual="dar"), dict(residual="mhc", hc_streams=2)):
-        model = make_model(GPTConfig(vocab_size=50, block_size=12, n_layer=2, n_head=2, n_embd=16, **kw))
-        with torch.no_grad():
-            for p in model.residual.parameters():
-                p.add_(torch.randn(p.shape, generator=g))
-        loss, records = diagnose.collect(model, batches)
-        if kw["residual"] == "rd_attnres":
-            assert diagnose.route_names(records) == ("QK route", "V route")
-            js = diagnose.route_js_per_layer(records, 2, ["QK", "V"])["QK||V"]
-            assert js[0] == 0 and 0 < js[1] < math.log(2)  # layer 0 routes over x0 alone
-            maps = diagnose.routing_maps(records, 2)
-            assert maps["attn.1"].shape == (2, 2)  # sources [x0, partial] by 2 routes
-            assert torch.allclose(maps["attn.1"].sum(0), torch.ones(2))
-        elif kw["residual"] == "dar":
-            assert all(0 < c < 1 for c in diagnose.dar_cka_per_layer(records, 2))
-            gains = diagnose.dar_rescue_gains(model, batches, loss)
-            assert len(gains) == 2 and "start" not in vars(model.residual)  # the ablation undone
-            assert all(g[2] != 0 for g in gains)  # ablating both streams changes the loss
-        else:
-            mix = diagnose.mixing_matrices(records, 2)
-            assert mix["mlp.1"].shape == (2, 2)
-            assert torch.allclose(mix["mlp.1"].sum(-2), torch.ones(2), atol=1e-5)  # Sinkhorn ends on columns: float32, 4 u
-
-
-def test_diagnostics_of_denseformer_muddformer_and_delta():
-    """DWA weights land on their sources S(i); MUDD maps are [4 ways, n] per attention site and [n] at
-    the readout; Delta's routing weights are distributions, their per-token peak between 1/n and 1."""
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 50, (2, 12), generator=g),) * 2 for _ in range(2)]
-    for kw in (dict(residual="denseformer", denseformer_dilation=2), dict(residual="muddformer"),
-               dict(residual="delta_attnres")):
-        model = make_model(GPTConfig(vocab_size=50, block_size=12, n_layer=3, n_head=2, n_embd=16, **kw))
-        with torch.no_grad():
-            for p in model.residual.parameters():
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-        _, records = diagnose.collect(model, batches)
-        if kw["residual"] == "denseformer":  # k = 2: S(1) = {1}, S(2) = {0, 2}, S(3) = {1, 3}
-            dwa = diagnose.dwa_weights(records, 3, 2)
-            assert [torch.isnan(v).tolist() for v in dwa.values()] == [
-                [True, False, True, True], [False, True, False, True], [True, False, True, False]]
-            assert torch.equal(dwa["dwa.3"][[1, 3]], model.residual.alpha["3"].detach())
-        elif kw["residual"] == "muddformer":
-            maps = diagnose.routing_maps(records, 3)
-            assert list(maps) == ["attn.1", "attn.2", "readout"]
-            assert maps["attn.2"].shape == (4, 3) and maps["readout"].shape == (4,)
-            ways = diagnose.mudd_way_summary(maps)
-            assert list(ways) == list("QKVR") and all(abs(w["newest"] - 1) < 0.5 for w in ways.values())
-        else:
-            maps = diagnose.routing_maps(records, 3)
-            assert maps["mlp.2"].shape == (6,) and torch.allclose(maps["mlp.2"].sum(), torch.tensor(1.0))
-            peak = diagnose.max_weight_per_site(records, 3)
-            assert "attn.0" not in peak and len(peak) == 5  # sublayer 0 routes over x0 alone
-            assert all(1 / 6 <= p <= 1 for p in peak.values())
-
-
-@pytest.mark.parametrize("residual", ["denseformer", "muddformer", "delta_attnres"])
-def test_diagnose_command_on_a_checkpoint(residual, tmp_path, byte_data):
-    train.main(["configs/test.py", f"--data_dir={byte_data}", f"--out_dir={tmp_path}", f"--residual={residual}",
-                "--max_steps=2", "--eval_interval=2", "--ckpt_interval=2"])
-    out = diagnose.diagnose(str(tmp_path / "test"), tokens=256, batch_size=2)
-    key = {"denseformer": "dwa_weights", "muddformer": "mudd_ways", "delta_attnres": "max_weight_mean"}[residual]
-    assert key in out and json.loads((tmp_path / "test" / "diagnostics.json").read_text())[key] == out[key]
-    assert diagnose.summary(out).count("\n") >= 1
-
-
-# --- diagnose.py, reliability round three: bad input is one line and exit 2, before any compute --------
-
-TINY = dict(vocab_size=260, block_size=16, n_layer=2, n_head=2, n_embd=32, residual="block_attnres")
-
-
-def fake_run(run_dir, data_dir):
-    """A run directory holding a checkpoint of a tiny random model whose run read `data_dir`."""
-    from depthres import checkpoint
-    run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint.save_checkpoint(run_dir / "ckpt.pt", {
-        "format": checkpoint.CKPT_FORMAT, "model_config": TINY, "model": make_model(GPTConfig(**TINY)).state_dict(),
-        "tokenizer": "byte", "step": 2, "train_config": {"data_dir": str(data_dir)}, "optimizer": {}, "loader": {},
-        "rng": {}})
-    return run_dir
-
+# --- diagnose on a sweep's runs ----------------------------------------------------------------------
 
 def diagnose_cli(capsys, *args):
     rc = diagnose.main([str(a) for a in args])
     out, err = capsys.readouterr()
     return rc, out, err
-
-
-@pytest.fixture
-def no_compute(monkeypatch):
-    monkeypatch.setattr(diagnose, "collect", None)  # never reached
-
-
-@pytest.mark.parametrize("case", ["tokens", "batch_size", "device", "cuda", "out_file", "curves_missing",
-                                  "curves_out_dir"])
-def test_diagnose_bad_flags_are_one_line_and_exit_2_before_any_compute(case, tmp_path, byte_data, capsys,
-                                                                     monkeypatch, no_compute):
-    run = fake_run(tmp_path / "run", byte_data)
-    (tmp_path / "a_file").write_text("mine")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args, message = {
-        "tokens": (["--ckpt", run, "--tokens", -5], "--tokens must be at least 1, got -5"),
-        "batch_size": (["--ckpt", run, "--batch_size", 0], "--batch_size must be at least 1, got 0"),
-        "device": (["--ckpt", run, "--device", "tpu"], "--device tpu is not a device: use cpu, cuda or cuda:N"),
-        "cuda": (["--ckpt", run, "--device", "cuda"], "--device cuda: no CUDA device is available"),
-        "out_file": (["--ckpt", run, "--out", tmp_path / "a_file"],
-                     f"--out {tmp_path / 'a_file'} is a file: diagnose writes diagnostics.json and routing.png into "
-                     "a directory"),
-        "curves_missing": (["--curves", run, tmp_path / "nowhere"],
-                           f"--curves {tmp_path / 'nowhere'}: no log.jsonl there (not a train.py run directory)"),
-        "curves_out_dir": (["--curves", run, "--out", tmp_path],
-                           f"--out {tmp_path} is a directory: with --curves alone, --out is the PNG file to write"),
-    }[case]
-    (run / "log.jsonl").write_text("")  # a run directory for --curves
-    rc, out, err = diagnose_cli(capsys, *args)
-    assert (rc, out) == (2, "") and err == f"error: {message}\n", err
-    assert (tmp_path / "a_file").read_text() == "mine" and not (run / "diagnostics.json").exists()
 
 
 def test_diagnose_curves_label_a_sweeps_runs_by_variant_and_seed(tmp_path, capsys, monkeypatch):
@@ -418,67 +266,8 @@ def test_diagnose_curves_label_a_sweeps_runs_by_variant_and_seed(tmp_path, capsy
         assert drawn.pop() == {label: [str(run)] for label, run in zip(labels, given, strict=True)}
 
 
-def writes_fail_under(monkeypatch, directory):
-    """Writes into `directory` fail as on a read-only file system (chmod would not stop root)."""
-    import builtins
-    import errno
-    import os
-    real = builtins.open
-
-    def guarded(file, mode="r", *args, **kwargs):
-        if set(mode) & set("wax+") and Path(os.fspath(file)).resolve().is_relative_to(directory.resolve()):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(file))
-        return real(file, mode, *args, **kwargs)
-    monkeypatch.setattr(builtins, "open", guarded)
-
-
-def test_diagnose_checks_its_output_directory_before_computing(tmp_path, byte_data, capsys, monkeypatch, no_compute):
-    run = fake_run(tmp_path / "run", byte_data)
-    writes_fail_under(monkeypatch, run)
-    rc, out, err = diagnose_cli(capsys, "--ckpt", run)
-    assert (rc, out) == (2, "")
-    assert err == (f"error: cannot write the diagnostics into {run}: read-only file system: pass --out with a "
-                   "writable directory\n"), err
-
-
-def test_diagnose_finds_the_data_of_a_run_from_anywhere_or_is_told_where(tmp_path, byte_data, capsys, monkeypatch):
-    import shutil
-    repo = tmp_path / "repo"
-    shutil.copytree(byte_data, repo / "data" / "bytes")
-    run = fake_run(tmp_path / "run", "data/bytes")  # recorded relative to the directory train.py ran in
-    monkeypatch.setattr(diagnose, "ROOT", repo)
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    monkeypatch.chdir(elsewhere)
-    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--tokens", 64, "--batch_size", 2)
-    assert rc == 0, err
-    assert f"data_dir data/bytes (from the checkpoint) is {repo / 'data' / 'bytes'}" in out
-    (repo / "data" / "bytes").rename(repo / "moved")  # the data moved: say where it looked, and what to pass
-    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--tokens", 64, "--batch_size", 2)
-    assert (rc, out) == (2, "")
-    assert err == (f"error: the checkpoint's data_dir data/bytes holds no prepared data: looked in "
-                   f"{elsewhere / 'data' / 'bytes'} and {repo / 'data' / 'bytes'}; pass --data_dir with the "
-                   "directory prepare_data.py wrote for this run\n"), err
-    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--tokens", 64, "--batch_size", 2, "--data_dir",
-                                repo / "moved")
-    assert rc == 0 and json.loads((run / "diagnostics.json").read_text())["data_dir"] == str(repo / "moved")
-    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--data_dir", tmp_path / "nothing")
-    assert (rc, out) == (2, "") and err.startswith(f"error: --data_dir {tmp_path / 'nothing'} holds no meta.json")
-
 
 # --- a tiny sweep, end to end -----------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def byte_data(tmp_path_factory):
-    from prepare_data import main as prepare
-    out = tmp_path_factory.mktemp("data") / "bytes"
-    src = tmp_path_factory.mktemp("src") / "docs.jsonl"
-    text = "To be, or not to be, that is the question. " * 40
-    src.write_text("\n".join(json.dumps({"text": f"{i}: {text}"}) for i in range(30)))
-    assert prepare(["--data_files", str(src), "--tokenizer", "byte", "--out_dir", str(out),
-                    "--val_fraction", "0.2", "--test_fraction", "0.1"]) == 0
-    return out
-
 
 @pytest.mark.slow
 def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
@@ -488,7 +277,7 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
                     f'seeds = [0, 1]\nreference = "block"\ntwins = {{"tied": "block"}}\n'
                     f'overrides = "data_dir={byte_data} max_steps=4 eval_interval=2 ckpt_interval=2"\n'
                     f'out_dir = "{tmp_path / "runs"}"\n')
-    cmd = [sys.executable, "-m", "tools.sweep", str(spec)]
+    cmd = [sys.executable, "-m", "experiments.sweep", str(spec)]
     died_early = tmp_path / "runs" / "tied" / "seed1"  # a run killed before its first checkpoint
     died_early.mkdir(parents=True)
     (died_early / "log.jsonl").write_text('{"kind": "train", "step": 1, "lo')
@@ -516,10 +305,10 @@ def test_a_sweep_whose_design_changed_under_its_runs_refuses_before_any_run(tmp_
     and were pooled with the finished ones, exit 0. Each run's config.json is compared with what the sweep
     would run now: a change of what a run computes is one line before any run, --table_only too; a change of
     how it computes or logs (ckpt_interval) is not."""
-    from tools import rescore
+    from experiments import rescore
 
-    def in_process(cmd):  # train.py and tools.rescore as the sweep runs them, in this process
-        return rescore.main(cmd[3:]) if cmd[1:3] == ["-m", "tools.rescore"] else train.cli(cmd[2:])
+    def in_process(cmd):  # train.py and experiments.rescore as the sweep runs them, in this process
+        return rescore.main(cmd[3:]) if cmd[1:3] == ["-m", "experiments.rescore"] else train.cli(cmd[2:])
     monkeypatch.setattr(sweep, "run_child", in_process)
     path = sweep_file(tmp_path, seeds=(0,), extra=f'overrides = "data_dir={byte_data} max_steps=2"\n')
     assert sweep.main([str(path)]) == 0
@@ -547,7 +336,7 @@ def test_a_sweep_with_a_diverging_variant_end_to_end(tmp_path, byte_data):
                     f'seeds = [0]\nreference = "ok"\n'
                     f'overrides = "data_dir={byte_data} max_steps=8 eval_interval=4 ckpt_interval=4"\n'
                     f'out_dir = "{tmp_path / "runs"}"\n')
-    cmd = [sys.executable, "-m", "tools.sweep", str(spec)]
+    cmd = [sys.executable, "-m", "experiments.sweep", str(spec)]
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert first.returncode == 3, first.stderr[-2000:]
     assert re.search(r"^sweep: bad seed 0 diverged at step \d: tabulated as diverged; the sweep goes on", first.stdout, re.M)
@@ -557,7 +346,7 @@ def test_a_sweep_with_a_diverging_variant_end_to_end(tmp_path, byte_data):
 
 
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT))
-                                        for p in (ROOT / "configs").glob("sweep_*.py")))
+                                        for p in (ROOT / "experiments" / "configs").glob("sweep_*.py")))
 def test_every_sweep_variant_is_a_valid_config(path):
     spec = sweep.load_sweep(path)
     for overrides in spec["variants"].values():
@@ -572,7 +361,7 @@ def test_a_sweep_run_dies_with_the_sweep(tmp_path):
     """kill -9 of the sweep: its training run gets SIGTERM (train.py then checkpoints and stops), never
     an orphan that holds the run and makes the next sweep stop on 'in use by another run'."""
     child = ("import os, sys, time; print(os.getpid(), flush=True); time.sleep(120)")
-    sweeper = subprocess.Popen([sys.executable, "-c", "import sys; from tools import sweep; "
+    sweeper = subprocess.Popen([sys.executable, "-c", "import sys; from experiments import sweep; "
                                 f"sweep.run_child([sys.executable, '-c', {child!r}])"],
                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -713,3 +502,15 @@ def test_a_link_planted_as_a_claim_is_refused_not_followed(tmp_path, monkeypatch
     with pytest.raises(UserError, match=".*seed0.sweep-lock: it is a symbolic link"):
         sweep.run_all(spec, launcher="")
     assert ran == [] and outside.read_text() == "a user's file\n"
+
+
+@pytest.mark.parametrize("command", ["rescore", "sweep", "robust", "ladder"])
+def test_a_path_longer_than_the_os_allows_is_one_line(command, tmp_path, capsys):
+    """Round five: a traceback in each. As every command, through depthres.cli: one line, exit 2."""
+    from depthres import cli
+    from experiments import ladder, rescore, robust
+    path = str(tmp_path / ("x" * 300))  # longer than a path component may be (255 bytes on Linux)
+    main = {"rescore": rescore.main, "sweep": sweep.main, "robust": robust.main, "ladder": ladder.main}[command]
+    assert cli(main, [path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "the name is longer than the OS allows" in err, err
