@@ -31,12 +31,13 @@ import torch
 import torch.distributed as torch_dist
 
 import depthres
-from depthres.config import parse_config, usage
+from depthres.config import build_model_config, parse_config, usage
 from depthres.distributed import ddp, gradient_sync, whole
 from depthres.fsdp import sharded_model
 from depthres.run import (
     DeviceBatches,
     GracefulStop,
+    Run,
     evaluate,
     failures,
     open_run,
@@ -46,7 +47,7 @@ from depthres.run import (
     write_checkpoint,
 )
 from depthres.runlog import log_eval, log_train
-from depthres.token_data import TokenLoader
+from depthres.token_data import TokenLoader, load_meta
 from model_fast import compile_model, make_model
 
 # ----------------------------------------------------------------------------------------------
@@ -194,11 +195,14 @@ def main(argv=None):
     if "-h" in argv or "--help" in argv:
         print(usage(__doc__))
         return None
-    tc, model_settings = parse_config(argv)
-    with open_run(tc, model_settings, config_path=argv[0]) as run:  # every check before any compute
-        run.raw_model, run.optimizer, loader, run.step = build(tc, run.mc, run.dist, run.ckpt)
-        run.batches = DeviceBatches(loader, run.dist.device)
-        run.model, run.train_model = wrap(run.raw_model, tc, run.dist)
+    tc, model_settings = parse_config(argv)  # the config file, then --key=value
+    meta = load_meta(tc.data_dir)  # the prepared data: its tokenizer, vocabulary and splits
+    mc = build_model_config(model_settings, tc, meta)
+    with open_run(tc, mc, meta) as (dist, claim, ckpt):  # ranks, every check before any compute, the run directory
+        raw_model, optimizer, loader, step = build(tc, mc, dist, ckpt)
+        model, train_model = wrap(raw_model, tc, dist)
+        run = Run(tc, mc, meta, dist, claim, ckpt, argv[0], raw_model, model, train_model, optimizer,
+                  DeviceBatches(loader, dist.device), step)
         return train_loop(run)
 
 

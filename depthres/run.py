@@ -1,10 +1,10 @@
 """
-A training run's machinery, so that train.py can show the loop: the Run (what one run holds), how it
-opens (ranks, data and run directory checked before any compute) and starts its log, the batches on the
-device, the graceful stop on a signal, divergence, the checkpoint write, the evaluation, the summary, and
-which failures are one `error:` line.
+A training run's machinery, so that train.py can show the run's assembly and its loop: the Run (what one
+run holds), how it opens (ranks, data and run directory checked before any compute) and starts its log, the
+batches on the device, the graceful stop on a signal, divergence, the checkpoint write, the evaluation, the
+summary, and which failures are one `error:` line.
 
-    open_run(tc, ...)     a context: the Run, its claim on the run directory held until the run ends
+    open_run(tc, mc, meta)  a context: (ranks, claim on the run directory, checkpoint resumed), held until the run ends
     start_log(run)        config.json, the log the run keeps, what the run is; returns its Progress
     failures(run)         a context: a failed write, a divergence or a failed compile said in one line
     evaluate(...)         the mean loss over a split's first tokens (train.py and experiments/rescore.py)
@@ -20,7 +20,7 @@ import sys
 import textwrap
 import threading
 from contextlib import contextmanager, nullcontext, suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +39,7 @@ from depthres.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from depthres.config import TrainConfig, build_model_config, check_memory, grad_accum_steps, total_steps
+from depthres.config import TrainConfig, check_memory, grad_accum_steps, total_steps
 from depthres.distributed import (
     Dist,
     agreed,
@@ -58,20 +58,20 @@ from depthres.distributed import (
 from depthres.files import write_file, writing
 from depthres.fsdp import load_sharded, remove_sharded, save_sharded
 from depthres.runlog import Progress, RunLog, peak_flops, provenance, require_wandb, run_provenance, start_wandb
-from depthres.token_data import TokenLoader, check_split, eval_batches, load_meta
+from depthres.token_data import TokenLoader, check_split, eval_batches
 from model import GPT, GPTConfig
 
 
 @dataclass
 class Run:
-    """One run: what it was asked (tc, mc), its data (meta), its ranks (dist), its directory and the
-    claim on it, the checkpoint it continues; train.py fills in the rest as it builds it."""
+    """One run, as train.py assembles it: what it was asked (tc, mc), its data (meta), its ranks (dist),
+    the claim on its directory, the checkpoint it continues, its model, optimizer and batches; then what
+    the loop changes (step, log, the last checkpoint saved, divergence)."""
 
     tc: TrainConfig
     mc: GPTConfig
     meta: dict
     dist: Dist
-    run_dir: Path
     claim: object = None  # checkpoint.Claim on rank 0; None on the other ranks
     ckpt: dict | None = None  # the checkpoint resumed from
     config_path: str | None = None
@@ -80,11 +80,19 @@ class Run:
     train_model: torch.nn.Module | None = None  # for training: model, in DDP when distributed without FSDP
     optimizer: torch.optim.Optimizer | None = None
     batches: object = None  # DeviceBatches of the training split
-    autocast: object = field(default_factory=nullcontext)  # bfloat16 on CUDA (open_run)
-    log: object = None  # runlog.RunLog
     step: int = 0  # optimizer steps done
+    log: object = None  # runlog.RunLog (start_log)
     saved: tuple | None = None  # (step, path) of the last checkpoint written or resumed from
     diverged: bool = False  # the run's loss, gradient or weights went non-finite (or past max_loss)
+
+    @property
+    def run_dir(self):
+        return Path(self.tc.out_dir) / self.tc.run_name
+
+    @property
+    def autocast(self):
+        """bfloat16 autocast on CUDA (float32 parameters); none on CPU."""
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.dist.device.type == "cuda" else nullcontext()
 
     @property
     def accum(self):
@@ -139,15 +147,14 @@ class Run:
 
 
 @contextmanager
-def open_run(tc, model_settings, config_path=None):
-    """The Run of a parsed config: its ranks set up, wandb (if asked) and the data checked, its run
-    directory claimed by rank 0 and the checkpoint it continues read. On leaving, the claim is released
-    and the process group taken down."""
+def open_run(tc, mc, meta):
+    """Open the run of a parsed config: its ranks set up; the batch, the memory, wandb (if asked) and the
+    data checked; its run directory claimed by rank 0 and the checkpoint it continues read, every rank
+    given it. Yields (dist, claim, ckpt). On leaving, the claim is released and the process group taken
+    down."""
     rank, world_size, local_rank = launch_env()  # a stray WORLD_SIZE without torchrun: one line
     if tc.fsdp and world_size > 1 and not (tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())):
         map_large_allocations()  # FSDP on CPUs: freed gathered weights and gradients leave the resident set
-    meta = load_meta(tc.data_dir)
-    mc = build_model_config(model_settings, tc, meta)
     grad_accum_steps(tc, world_size)  # a batch that does not split over the ranks: an error before any compute
     check_memory(mc, tc, world_size)  # a model too large for any rank's memory (vocab_size=1e10): the same
     if tc.warmup_steps > total_steps(tc) and rank == 0:  # the last step's lr is lr * steps / warmup_steps
@@ -166,10 +173,7 @@ def open_run(tc, model_settings, config_path=None):
         agreed(dist, lambda: check_data(tc, meta) if local_rank == 0 else None)
         claim = agreed(dist, lambda: claim_run_dir(tc, run_dir, mc, meta["tokenizer"]) if dist.master else None)
         ckpt = from_rank0(dist, claim.ckpt if claim else None)  # only rank 0 reads out_dir
-        run = Run(tc, mc, meta, dist, run_dir, claim, ckpt, config_path)
-        if dist.device.type == "cuda":
-            run.autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-        yield run
+        yield dist, claim, ckpt
         if dist.world_size > 1:
             torch_dist.barrier()  # every rank is done with the group before any rank takes it down
     finally:

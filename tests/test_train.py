@@ -205,7 +205,7 @@ def test_a_training_step_synchronises_with_the_device_once(data_dir, monkeypatch
         real_step()
         counting[0] = True
     monkeypatch.setattr(optimizer, "step", uncounted_step)
-    run = Run(tc, mc, {}, cpu, run_dir=None, train_model=model, optimizer=optimizer, batches=loader)
+    run = Run(tc, mc, {}, cpu, train_model=model, optimizer=optimizer, batches=loader)
     train.train_step(run, 1e-3)
     assert syncs == ["tolist"]
 
