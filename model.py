@@ -832,7 +832,7 @@ class InitialWeights:
         self.cfg, self.seed, self._residual = cfg, seed, None
 
     def rng(self, name):
-        return torch.Generator().manual_seed(param_seed(self.seed, name))
+        return torch.Generator().manual_seed(stable_seed(self.seed, name))
 
     @torch.no_grad()
     def __call__(self, name, shape):
@@ -854,6 +854,7 @@ class InitialWeights:
         return self._residual
 
 
-def param_seed(seed, name):
-    """A stable 63-bit seed for one parameter (Python's hash() is salted per process)."""
+def stable_seed(seed, name):
+    """A stable 63-bit seed for (seed, name), the same in every process and machine (Python's hash() is
+    salted per process): one parameter's initial weights here, one sample's random stream in sample.py."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1

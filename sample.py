@@ -16,7 +16,7 @@ Batches: --num_samples N decodes the N samples in batches of at most --batch_siz
 forward pass per token for all the samples of a batch, so memory stays bounded however many samples
 are asked for (a batch holds its key/value cache: 2 x n_layer x batch x block_size x n_embd floats).
 Each sample draws from its own random stream, a torch.Generator seeded with
-sample_seed(seed, i), a hash of (--seed, i): so the samples of a batch are independent, and sample i
+model.stable_seed(seed, i), a hash of (--seed, i): so the samples of a batch are independent, and sample i
 is the same text whatever the batch size (the first k samples of a run of N are the run of k with
 the same seed). One caveat: matrix products of another batch size may round differently (float32
 logits here differ by about 1e-6), which can, rarely, tip a draw or a near-tie the other way.
@@ -36,7 +36,6 @@ Exit status: 0 done; 2 with one `error:` line (bad flags, prompt or checkpoint);
 
 import argparse
 import codecs
-import hashlib
 import math
 import sys
 import time
@@ -48,6 +47,7 @@ from depthres import UserError, cli
 from depthres.checkpoint import load_model
 from depthres.config import need
 from depthres.token_data import get_tokenizer
+from model import stable_seed
 
 DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)
 
@@ -104,12 +104,6 @@ class Window:
             new = self.tokens[:, self.cache.pos:]  # the whole window after a slide, else the last token
         logits, _ = self.model(new, kv_cache=self.cache)
         return logits[:, -1]
-
-
-def sample_seed(seed, i):
-    """The seed of sample i's random stream under --seed seed: 63 bits of sha256("seed/i"), stable
-    across processes and machines, distinct for every (seed, i)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{i}".encode()).digest()[:8], "little") >> 1
 
 
 def filter_logits(logits, top_k=None, top_p=None):
@@ -321,7 +315,7 @@ def run(args):
     n_tokens, t0 = 0, time.perf_counter()
     for first in range(0, n, batch_size):  # a batch at a time: its cache, generators and texts, then the next
         rows = range(first, min(n, first + batch_size))
-        generators = [torch.Generator(device).manual_seed(sample_seed(args.seed, i)) for i in rows]
+        generators = [torch.Generator(device).manual_seed(stable_seed(args.seed, i)) for i in rows]
         writer = SampleWriter(len(rows), tokenizer, sys.stdout, text or "", tokenizer.eot, first)
         for tokens in generate(model, [prompt_ids] * len(rows), args.max_new_tokens, args.temperature, args.top_k,
                                args.top_p, generators, use_cache=not args.no_cache, vocab_size=tokenizer.vocab_size):

@@ -85,6 +85,7 @@ from pathlib import Path
 from depthres import Stopped, UserError, cli, files, os_error_message
 from depthres.checkpoint import EXECUTION_KEYS, holds_checkpoint
 from depthres.config import TrainConfig, build_model_config, control_character, parse_config
+from depthres.runlog import hms
 from experiments.report import SCORES, report, unequal_twins
 from experiments.rundirs import collect, divergence, read_json, read_summary, run_dir, whole_split_scores
 from model import GPTConfig
@@ -338,11 +339,6 @@ def train_command(spec, variant, seed, launcher):
 def eta_seconds(durations, remaining):
     """Seconds the remaining runs should take at the mean of the durations so far (None: none yet)."""
     return statistics.fmean(durations) * remaining if durations else None
-
-
-def hms(seconds):
-    s = round(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def status(spec, variant, seed):
