@@ -26,7 +26,7 @@ test: $(VENV)/.test-installed  # the linter, then every test not marked slow: on
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto -m "not slow"
 
-test-all: $(VENV)/.test-installed  # the linter, then every test, the slow ones first (tests/conftest.py)
+test-all: $(VENV)/.test-installed  # the linter, then every test, the slow ones first (conftest.py)
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadgroup
 
