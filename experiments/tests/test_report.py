@@ -512,3 +512,22 @@ def test_the_loss_unit_is_what_the_runs_tokenizer_makes_a_token(tmp_path):
     assert token_unit([tmp_path / "a", tmp_path / "b"]) == "byte" and token_unit([tmp_path / "c"]) == "token"
     assert token_unit([tmp_path / "a", tmp_path / "c"]) is None and token_unit([tmp_path / "none"]) is None
     assert (nats("byte"), nats("token"), nats(None)) == ("nats per byte", "nats per token", "nats")
+
+
+@pytest.mark.slow
+def test_the_family_replications_stored_report_is_what_its_stored_runs_give(tmp_path, capsys):
+    """docs/results/replication_family_cpu/runs.tar.gz holds every run's records (config, log, summary,
+    scores): the report --table_only writes from them is the stored one, line for line (all but the
+    provenance line, whose declaration commit is read from git history, which a shallow clone lacks)."""
+    import tarfile
+    root = Path(__file__).resolve().parents[2]
+    stored = root / "docs" / "results" / "replication_family_cpu"
+    with tarfile.open(stored / "runs.tar.gz") as tar:  # our own archive; the "data" filter where Python has it
+        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    assert sweep.main([str(root / "experiments" / "configs" / "replication_family_cpu.py"), "--table_only",
+                       "--out_dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    for name in ("results.md", "results.csv"):
+        lines = [(stored / name).read_text().splitlines(), (tmp_path / name).read_text().splitlines()]
+        kept = [[line for line in ls if not line.startswith("Provenance")] for ls in lines]
+        assert kept[0] == kept[1], name
