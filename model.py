@@ -598,8 +598,9 @@ class MultiStream:
 
     def read(self, j):
         pre, self.res, self.post = self.mod.coefficients(j, self.H)
-        for name, value in (("pre", pre), ("res", self.res), ("post", self.post)):
-            note(self.record, f"{site_name(j)}/{name}", value)
+        if self.record is not None:
+            for name, value in (("pre", pre), ("res", self.res), ("post", self.post)):
+                note(self.record, f"{site_name(j)}/{name}", value)
         return torch.einsum("btn,btnd->btd", pre, self.H)
 
     def write(self, j, y):

@@ -649,8 +649,7 @@ class _NormProject(Function):
 
     @staticmethod
     def forward(ctx, h, W):
-        hf = h.to(compute_dtype(h))
-        y = F.linear((hf * _rms_inv(hf).unsqueeze(-1)).to(h.dtype), W)  # F.rms_norm's ops: the same bits
+        y = F.linear(_normed(h)[0].to(h.dtype), W)  # F.rms_norm's ops: the same bits
         ctx.mm_dtype = y.dtype
         ctx.save_for_backward(h, W)
         return y
@@ -660,9 +659,7 @@ class _NormProject(Function):
         h, W = ctx.saved_tensors
         with autocast_off(h):
             mm, dt = ctx.mm_dtype, compute_dtype(h)
-            hf = h.to(dt)
-            rinv = _rms_inv(hf).unsqueeze(-1)  # as the forward computed it: the same bits
-            x = hf * rinv  # RMSNorm(h), rebuilt
+            x, rinv = _normed(h)  # RMSNorm(h), rebuilt by the forward's ops: the same bits
             g = g.to(mm)
             g_W = g.reshape(-1, g.size(-1)).T @ x.to(mm).reshape(-1, x.size(-1)) if ctx.needs_input_grad[1] else None
             g_h = None
@@ -670,6 +667,13 @@ class _NormProject(Function):
                 gx = (g @ W.to(mm)).to(dt)
                 g_h = gx.addcmul_(x, (gx * x).sum(-1, keepdim=True), value=-1 / x.size(-1)).mul_(rinv)
         return None if g_h is None else g_h.to(h.dtype), None if g_W is None else g_W.to(W.dtype)
+
+
+def _normed(h):
+    """(RMSNorm(h), its reciprocal RMS [..., 1]) in the compute dtype, as _NormProject's forward and backward
+    both compute it."""
+    rinv = _rms_inv(h).unsqueeze(-1)
+    return h.to(compute_dtype(h)) * rinv, rinv
 
 
 def norm_project(h, W):

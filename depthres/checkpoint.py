@@ -48,10 +48,6 @@ IDENTITY_KEYS = {"seed": "the initial weights", "data_seed": "the order of the b
                                  "and the tools count them"}
 
 
-
-
-
-
 def rng_state(device):
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
@@ -421,7 +417,7 @@ def load_model(path_or_run_dir, device="cpu", ckpt=None):
     checkpoint, or a model this model.py cannot build or load, is one UserError line."""
     ckpt = load_checkpoint(path_or_run_dir) if ckpt is None else ckpt
     try:
-        mc = model_config(ckpt["model_config"], UserError)
+        mc = model_config(ckpt["model_config"])
         weights, wte = ckpt["model"], ckpt["model"].get("wte.weight")
         layers = len({k.split(".")[1] for k in weights if k.startswith("blocks.")})
         if layers != mc.n_layer or wte is None or tuple(wte.shape) != (mc.vocab_size, mc.n_embd):  # before a model

@@ -79,8 +79,7 @@ def sharded_model(mc, seed, dist, weights=None, init=True):
     model.init_buffers()
     if weights is None and not init:
         return model
-    values = InitialWeights(mc, seed)
-    weights = None if weights is None else {renamed(k): v for k, v in weights.items()}  # older names too
+    values = InitialWeights(mc, seed)  # weights: a checkpoint's, under today's names (checkpoint.load_checkpoint)
     with torch.no_grad():
         for name, p in model.named_parameters():
             whole = values(name, p.shape) if weights is None else weights[name]
@@ -326,7 +325,7 @@ def whole_checkpoint(path):
     optimizer state an AdamW's state_dict over model.param_groups, as one process saves them."""
     state = read_sharded(path)
     with torch.device("meta"):
-        model = make_model(model_config(state["model_config"], UserError))
+        model = make_model(model_config(state["model_config"]))
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # each parameter given storage in place, so
     try:                                                         # tied ones (tie_embeddings) stay one

@@ -57,7 +57,16 @@ from depthres.distributed import (
 )
 from depthres.files import write_file, writing
 from depthres.fsdp import load_sharded, remove_sharded, save_sharded
-from depthres.runlog import Progress, RunLog, peak_flops, provenance, require_wandb, run_provenance, start_wandb
+from depthres.runlog import (
+    Progress,
+    RunLog,
+    log_records,
+    peak_flops,
+    provenance,
+    require_wandb,
+    run_provenance,
+    start_wandb,
+)
 from depthres.token_data import TokenLoader, check_split, eval_batches
 from model import GPT, GPTConfig
 
@@ -425,8 +434,7 @@ def summarize(run, val_loss, test_loss, progress):
                # CUDA: peak allocated; CPU: peak resident set; the largest of any rank's, then each rank's
                "peak_memory_bytes": peak, "peak_memory_bytes_per_rank": peaks}
     if run.dist.master:
-        summary |= run_provenance([r for r in map(json.loads, run.log.path.read_text().splitlines())
-                                   if r.get("kind") == "start"])
+        summary |= run_provenance([r for r in log_records(run.run_dir) if r.get("kind") == "start"])
         write_file(run.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), UserError)
     run.log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return summary

@@ -599,7 +599,7 @@ def report(spec, rescore_hint=None):
         bad = ", ".join(str(d["seed"]) for d in diverged if d["variant"] == reference)
         raise UserError(f"no finished run of the reference {reference!r} in {out} (looked for {reference}/seed<s>/summary.json"
             f" there{f'; seed {bad} diverged' if bad else ''}): run the sweep first, or pass the --out_dir that holds "
-            f"its runs (a relative out_dir in a sweep file is relative to {Path(__file__).resolve().parent.parent})")
+            f"its runs (a relative out_dir in a sweep file is relative to {ROOT})")
     unscored = [r for r in runs if score_of(r, score) is None]
     if unscored:
         print(f"note: {len(unscored)} of {len(runs)} finished runs have no score on {SCORES[score]} (the tests pair "

@@ -101,7 +101,7 @@ NOT_DESIGN = {"out_dir", "run_name", "resume", "overwrite", "device", "compile",
 
 def fail(message):
     """The sweep's one `error:` line (a UserError: exit status 2)."""
-    raise UserError(f"{message}")
+    raise UserError(message)
 
 
 def in_root(path):

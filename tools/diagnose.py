@@ -41,9 +41,6 @@ from model import DARStream, site_name
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs
 
 
-
-
-
 # --- the measures ---------------------------------------------------------------------------------
 
 def js_divergence(p, q, dim=0):
@@ -222,17 +219,21 @@ def recorded_kind(records):
         return "mixing"
     if any(k.startswith("dwa.") for k in keys):
         return "dwa"
-    sites = [k for k in keys if "/" not in k and not k.startswith("state.")]
+    sites = site_keys(records[0])
     if not sites:
         return None
     return "routes" if "mlp.0" in keys or all(records[0][k].dim() == 3 for k in sites) else "ways"
 
 
+def site_keys(record):
+    """The keys of a record that hold a site's routing weights (not a state, nor a site's part: "x/alpha")."""
+    return [k for k in record if "/" not in k and not k.startswith("state.")]
+
+
 def route_names(records):
     """The names of the routes a "routes" record holds, by their number R (the largest at any site), as
     attention reads R inputs: one h; (h_QK, h_V); (h_Q, h_K, h_V); else route 0, 1, .."""
-    R = max((v.size(1) for k, v in records[0].items() if "/" not in k and not k.startswith("state.") and v.dim() == 4),
-            default=1)
+    R = max((records[0][k].size(1) for k in site_keys(records[0]) if records[0][k].dim() == 4), default=1)
     return {1: ("routing weights",), 2: ("QK route", "V route"), 3: ("Q route", "K route", "V route")}.get(
         R, tuple(f"route {r}" for r in range(R)))
 
