@@ -73,7 +73,6 @@ class KVCache:
         return self.k[layer, :, :, :self.pos + T], self.v[layer, :, :, :self.pos + T]
 
 
-
 class Window:
     """The tokens the model conditions on, one row per sample, under the sliding rule of the module
     docstring, and (use_cache=True) their key/value cache. All rows have the same length: they share

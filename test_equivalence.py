@@ -190,7 +190,6 @@ def test_paired_init_shares_every_common_weight():
     assert all(not torch.equal(other[n], p) for n, p in ref.items())
 
 
-
 # The first 16 hex digits of sha256 over every parameter's name and float32 bytes, as the code before
 # the residual module's renaming (GPT.router -> GPT.residual, issue 35) drew them, the names mapped
 INITIAL_WEIGHTS_SHA256 = {
@@ -559,7 +558,6 @@ def test_step0_loss_is_log_vocab(variant):
     model = tiny(**variant)
     _, loss = model(tokens(B=4, T=16), tokens(B=4, T=16, seed=1))
     assert abs(loss.item() - math.log(61)) < 0.05
-
 
 
 # --- 7. DenseFormer, MUDDFormer, Delta AttnRes ----------------------------------------------------------

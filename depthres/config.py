@@ -27,8 +27,6 @@ FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 TRAINING_BYTES_PER_PARAM = 16  # float32 weight and gradient, AdamW's two moments (docs/training.md)
 
 
-
-
 def control_character(text):
     """(position, character) of the first control character in `text` (C0 such as newline, ESC or BEL,
     DEL, C1, a Unicode line or paragraph separator, or an invisible format character such as a right-to-left
@@ -232,7 +230,6 @@ def build_model_config(model_settings, tc, meta):
         return model_config(kv)
     except UserError as e:
         raise UserError(f"model config: {e}") from None
-
 
 
 DEPTH_IMPLS = ("two_phase", "reference")

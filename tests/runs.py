@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "test.py")  # 2 layers of width 32, 6 steps of 256 byte tokens
 
 
-
 def run(data_dir, out_dir, *overrides):
     return train.main([CONFIG, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *overrides])
 

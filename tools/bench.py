@@ -58,9 +58,6 @@ SHAPE_KEYS = {"vocab_size": "--vocab_size", "block_size": "--seq_len", "n_layer"
               "n_embd": "--n_embd", "residual": "the variant's name"}  # set for every variant by bench's flags
 
 
-
-
-
 def _boolean(value):
     if value.lower() not in ("1", "true", "0", "false"):
         raise ValueError

@@ -43,8 +43,6 @@ TOY_TRAIN = ["residual=block_attnres", "n_layer=2", "n_embd=32", "n_head=2", "se
              "log_interval=1", "ckpt_interval=0", "device=cpu"]
 
 
-
-
 def run(cmd, timeout, env=None):
     """Run a command to completion; its stdout, or UserError with the end of its output."""
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -266,7 +266,6 @@ def test_diagnose_curves_label_a_sweeps_runs_by_variant_and_seed(tmp_path, capsy
         assert drawn.pop() == {label: [str(run)] for label, run in zip(labels, given, strict=True)}
 
 
-
 # --- a tiny sweep, end to end -----------------------------------------------------------------------
 
 @pytest.mark.slow
