@@ -1,13 +1,8 @@
 """
 A training run's machinery, so that train.py can show the run's assembly and its loop: the Run (what one
-run holds), how it opens (ranks, data and run directory checked before any compute) and starts its log, the
-batches on the device, the graceful stop on a signal, divergence, the checkpoint write, the evaluation, the
-summary, and which failures are one `error:` line.
-
-    open_run(tc, mc, meta)  a context: (ranks, claim on the run directory, checkpoint resumed), held until the run ends
-    start_log(run)        config.json, the log the run keeps, what the run is; returns its Progress
-    failures(run)         a context: a failed write, a divergence or a failed compile said in one line
-    evaluate(...)         the mean loss over a split's first tokens (train.py and experiments/rescore.py)
+run holds), how it opens (open_run: ranks, data and run directory checked before any compute) and starts its
+log, the batches on the device, the graceful stop on a signal, divergence, the checkpoint write, the
+evaluation (also experiments/rescore.py's), the summary, and which failures are one `error:` line.
 """
 
 import gc
@@ -113,7 +108,9 @@ class Run:
 
     @property
     def max_loss(self):
-        return loss_limit(self.mc.vocab_size)
+        """The loss above which a run has diverged though finite: 4 times a uniform guess's ln(vocab) (every
+        variant starts at ln(vocab); a perplexity of vocab^4 predicts nothing)."""
+        return 4 * math.log(self.mc.vocab_size)
 
     @property
     def sharded(self):
@@ -344,12 +341,6 @@ class GracefulStop:
             raise Stopped("interrupted; the last checkpoint, if any, is kept (--resume=true continues from it)", signum)
 
 
-def loss_limit(vocab_size):
-    """The loss above which a run has diverged though finite: 4 times a uniform guess's ln(vocab)
-    (every variant starts at ln(vocab); a perplexity of vocab^4 predicts nothing)."""
-    return 4 * math.log(vocab_size)
-
-
 def diverged(what, loss, norm, step, saved, max_loss):
     """The divergence error's line: `what` ("loss", "val loss") at `step` was non-finite or above max_loss."""
     if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -362,12 +353,6 @@ def diverged(what, loss, norm, step, saved, max_loss):
             f"{last_good(saved)}. Try a lower lr or a longer warmup")
 
 
-def weights_finite(model, dist):
-    """Whether every weight is finite, on every rank (each checks its shard, under FSDP)."""
-    mine = all(bool(torch.isfinite(local(p)).all()) for p in model.parameters())
-    return any_rank(dist, not mine) == 0
-
-
 # ----------------------------------------------------------------------------------------------
 # Checkpoint, evaluation, summary.
 
@@ -375,7 +360,8 @@ def weights_finite(model, dist):
 def write_checkpoint(run, state):
     """Write the run's checkpoint at its step: `state` with the checkpoint format, the random generators,
     the weights and AdamW state (every rank takes part: FSDP gathers the shards, or writes its own)."""
-    if not weights_finite(run.raw_model, run.dist):
+    finite = all(bool(torch.isfinite(local(p)).all()) for p in run.raw_model.parameters())  # this rank's shard
+    if any_rank(run.dist, not finite):
         run.diverged = True
         raise UserError(f"non-finite weights after step {run.step}; {last_good(run.saved)}")
     state = {"format": CKPT_FORMAT, **state, "rng": rng_state(run.dist.device)}
@@ -463,24 +449,21 @@ def failures(run):
             raise
         raise UserError(f"{e}; {last_good(run.saved, good=False)}") from None  # a failed write, say
     except Exception as e:
-        if run.tc.compile and compile_failure(e):
-            raise UserError(compile_message(e, run)) from None
+        if run.tc.compile and (message := compile_message(e, run)):
+            raise UserError(message) from None
         raise
     finally:
         run.log.finish(clean)
 
 
-def compile_failure(e):
-    """Whether an exception came out of torch.compile (dynamo or inductor), itself or what it wraps."""
-    while e is not None:
-        if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 def compile_message(e, run):
-    """One line for a compilation that failed: torch's first line (its message runs to a hundred)."""
+    """One line for an exception that came out of torch.compile (dynamo or inductor), itself or what it wraps,
+    with torch's first line (its message runs to a hundred); None for any other exception."""
+    cause = e
+    while cause is not None and not type(cause).__module__.startswith(("torch._dynamo", "torch._inductor")):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
     first = first if len(first) <= 300 else first[:297] + "..."
     logged = run.dist.master and logged_compute(run.log.path)
