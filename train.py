@@ -147,13 +147,14 @@ def lr_at(it, tc, max_steps):
 
 
 def build(tc, mc, dist, ckpt):
-    """Model (sharded with fsdp=true), optimizer and training loader, restored from `ckpt` when
-    resuming; and the step. FSDP builds the model on the meta device and gives each rank its shards
+    """The training loader, the model (sharded with fsdp=true) and its optimizer, restored from `ckpt`
+    when resuming; and the step. FSDP builds the model on the meta device and gives each rank its shards
     (depthres/fsdp.py): no rank holds the whole model. A whole checkpoint: each rank keeps its shard.
     A sharded checkpoint (ckpt["sharded"]): each rank reads its part, whatever the number of ranks."""
     random.seed(tc.seed)
     np.random.seed(tc.seed)
     torch.manual_seed(tc.seed)  # CUDA too
+    loader = TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, dist.rank, dist.world_size, seed=tc.data_seed)
     weights = ckpt["model"] if ckpt is not None and "sharded" not in ckpt else None
     if tc.fsdp and dist.world_size > 1:
         model = sharded_model(mc, tc.seed, dist, weights, init=ckpt is None)
@@ -163,7 +164,6 @@ def build(tc, mc, dist, ckpt):
             model.load_state_dict(weights)
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                                   eps=tc.eps, fused=dist.device.type == "cuda")  # over the (sharded) parameters
-    loader = TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, dist.rank, dist.world_size, seed=tc.data_seed)
     if ckpt is None:
         return model, optimizer, loader, 0
     restore(ckpt, model, optimizer, loader, dist)

@@ -10,7 +10,6 @@ optimizer steps; with max_steps = 0, max_tokens // batch_tokens of them.
 
 import difflib
 import math
-import os
 import runpy
 import traceback
 import types
@@ -24,7 +23,6 @@ from depthres import UserError
 from model import DAR_STREAMS, RD_MODES, RESIDUALS, DeltaAttnRes, DenseFormer, DualAttnRes, GPTConfig, RDAttnRes
 
 FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
-TRAINING_BYTES_PER_PARAM = 16  # float32 weight and gradient, AdamW's two moments (docs/training.md)
 
 
 def control_character(text):
@@ -274,38 +272,6 @@ def model_config(settings, error=UserError):
     check(math.isfinite(c.rope_base) and c.rope_base > 0,
           f"rope_base must be a finite number > 0 (rotary frequencies are base^(-2i/head_dim)), got {c.rope_base}")
     return c
-
-
-def check_memory(mc, tc, world_size):
-    """A model whose training state (TRAINING_BYTES_PER_PARAM a parameter, split over the ranks under FSDP)
-    cannot fit in one rank's memory (a GPU's, or the whole host's) is a UserError, before any tensor is
-    allocated: the parameters are counted on the meta device."""
-    import torch
-
-    from model_fast import make_model
-
-    with torch.device("meta"):
-        n = make_model(mc).num_params()
-    need = TRAINING_BYTES_PER_PARAM * n / (world_size if tc.fsdp else 1)
-    cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
-    if cuda and torch.cuda.is_available():
-        have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
-    else:
-        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
-    if need > have:
-        raise UserError(f"the model would have {n:,} parameters ({mc.vocab_size:,} x {mc.n_embd} in the embedding "
-                          f"alone): training them needs about {need / 2**30:,.0f} GiB per rank ({TRAINING_BYTES_PER_PARAM} "
-                          f"bytes a parameter{', split over the ranks' if tc.fsdp else ''}), more than the "
-                          f"{have / 2**30:,.0f} GiB of {where}; set a smaller vocab_size, n_embd or n_layer")
-
-
-def grad_accum_steps(tc, world_size):
-    per_micro = tc.batch_size * tc.seq_len * world_size
-    if tc.batch_tokens % per_micro:
-        fit = max(1, round(tc.batch_tokens / per_micro)) * per_micro
-        raise UserError(f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * seq_len * world_size "
-                          f"= {tc.batch_size} * {tc.seq_len} * {world_size} = {per_micro} (e.g. batch_tokens={fit})")
-    return tc.batch_tokens // per_micro
 
 
 def total_steps(tc):

@@ -13,7 +13,7 @@ import torch
 import train
 from depthres import UserError, checkpoint, config, distributed
 from depthres.checkpoint import load_checkpoint
-from depthres.run import DeviceBatches, Run
+from depthres.run import DeviceBatches, Run, grad_accum_steps
 from depthres.token_data import load_meta
 from prepare_data import prepare
 
@@ -125,7 +125,7 @@ def test_overrides_are_typed_and_checked(data_dir, tmp_path):
         run(data_dir, tmp_path, "--batch_tokens=300")
     tc, _ = config.parse_config([CONFIG])
     with pytest.raises(UserError, match="= 4 \\* 32 \\* 3 = 384"):
-        config.grad_accum_steps(tc, world_size=3)
+        grad_accum_steps(tc, world_size=3)
     with pytest.raises(UserError, match="model config: n_embd=33 is not divisible by n_head=2"):
         run(data_dir, tmp_path, "--n_embd=33")
 
