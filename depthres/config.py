@@ -1,11 +1,7 @@
 """
-Training configuration: TrainConfig (the training keys), and a run's config from a config file and
---key=value overrides, each value checked against its key's type (model keys: model.GPTConfig).
-
-A config is a Python file that assigns keys (`residual = "block_attnres"`); `--key=value` overrides
-it. Batch: batch_tokens tokens per optimizer step, in micro-batches of batch_size x seq_len per rank,
-accumulated over batch_tokens / (batch_size * seq_len * world_size) micro-steps. Length: max_steps
-optimizer steps; with max_steps = 0, max_tokens // batch_tokens of them.
+Training configuration: TrainConfig (the training keys), and a run's config read from a config file and
+--key=value overrides (train.py's docstring says how), each value checked against its key's type (model
+keys: model.GPTConfig, checked by model_config).
 """
 
 import difflib

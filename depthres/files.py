@@ -1,24 +1,12 @@
 """
 Files that are never half-written, and directories that one process at a time writes into.
 
-    write_atomic(path, write, Error)   write(f) into a temporary file beside path (a name of this
-                                       process alone), fsync, rename over path, fsync the directory: a
-                                       crash, a kill, a full disk or a second writer leaves the old file
-                                       or a new one, never part of one
-    write_file(path, data, Error)      write_atomic of bytes or text
-    write_figure(path, fig, Error)     write_atomic of a matplotlib figure (savefig, PNG)
-    check_writable(directory)          that a directory takes a file, before the work that writes there
-    writing(path, Error)               an OSError (disk full, read-only, no permission) becomes Error,
-                                       one line naming the path
-    try_lock(path)                     an exclusive flock on one file (a Lock), or None while a live
-                                       process holds it; holder(path) names that process
-    lock_dir(directory, owner, Error)  try_lock on a directory's .lock, or Error naming its holder
-
-A lock file is never opened through a symbolic link (O_NOFOLLOW): a link planted at a lock's path is
-refused, never followed to truncate and write a file elsewhere.
-
-Every file the project writes whole goes through write_atomic: the token shards (token_data.py,
-prepare_data.py), the run directory (checkpoint.py, runlog.py, run.py) and every tool's output.
+Every file the project writes whole goes through write_atomic (a temporary file of this process alone,
+fsync, rename over the path, fsync of the directory): a crash, a kill, a full disk or a second writer
+leaves the old file or a new one, never part of one. A directory is held through an exclusive flock on
+its .lock file (lock_dir), which the OS lets go however the process ends; a lock file is never opened
+through a symbolic link (O_NOFOLLOW), so a link planted at a lock's path is refused, never followed to
+truncate and write a file elsewhere.
 """
 
 import errno
