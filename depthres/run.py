@@ -33,10 +33,13 @@ from depthres.checkpoint import (
     IDENTITY_KEYS,
     claim_run_dir,
     last_good,
+    load_sharded,
     logged_compute,
+    remove_sharded,
     resume_path,
     rng_state,
     save_checkpoint,
+    save_sharded,
     set_rng_state,
 )
 from depthres.config import TrainConfig, check_memory, grad_accum_steps, total_steps
@@ -56,7 +59,6 @@ from depthres.distributed import (
     state_bytes,
 )
 from depthres.files import write_file, writing
-from depthres.fsdp import load_sharded, remove_sharded, save_sharded
 from depthres.runlog import (
     Progress,
     RunLog,
