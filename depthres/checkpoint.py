@@ -87,14 +87,14 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def moved(x, device):
-    """A checkpoint-like tree of dicts, lists and tuples with every tensor on `device`."""
+def on_cpu(x):
+    """A checkpoint-like tree of dicts, lists and tuples with every tensor on the CPU."""
     if isinstance(x, torch.Tensor):
-        return x.to(device)
+        return x.cpu()
     if isinstance(x, dict):
-        return {k: moved(v, device) for k, v in x.items()}
+        return {k: on_cpu(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(moved(v, device) for v in x)
+        return type(x)(on_cpu(v) for v in x)
     return x
 
 
@@ -124,7 +124,6 @@ def checksum(state):
     return h.hexdigest()
 
 
-
 def save_checkpoint(path, state):
     """Write ckpt.pt atomically and durably (files.write_atomic): a kill or a full disk at any point leaves
     the previous checkpoint intact.
@@ -137,7 +136,7 @@ def save_checkpoint(path, state):
     CKPT_OPTIONAL keys: "world_size" (the ranks that wrote it). It holds only tensors and plain Python
     values, so torch.load(weights_only=True) reads it.
     """
-    state = moved({k: v for k, v in state.items() if k != "checksum"}, "cpu")
+    state = on_cpu({k: v for k, v in state.items() if k != "checksum"})
     state["checksum"] = checksum(state)
     write_atomic(path, lambda f: _save(state, f), UserError)
 
@@ -363,8 +362,9 @@ def check_contents(state, path):
                               "altered after; use an intact copy or another checkpoint")
 
 
-def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):
-    """The checkpoint dict of a run directory (its ckpt.pt) or a checkpoint file, format and checksum checked.
+def load_checkpoint(path_or_run_dir, sharded=False):
+    """The checkpoint dict (on the CPU) of a run directory (its ckpt.pt) or a checkpoint file, format and
+    checksum checked.
     A sharded checkpoint (an FSDP run's ckpt/, or a run directory whose newest checkpoint it is): with
     sharded=True its run state, without weights and optimizer, and "sharded": its directory, from which
     each rank loads its part (load_sharded); otherwise refused, naming the export command."""
@@ -396,7 +396,7 @@ def load_checkpoint(path_or_run_dir, map_location="cpu", sharded=False):
                               "(damaged on disk or in a copy); use an intact copy or another checkpoint")
     check_contents(ckpt, path)
     ckpt["model"] = {renamed(k): v for k, v in ckpt["model"].items()}  # written under older names: today's
-    return ckpt if map_location in (None, "cpu") else moved(ckpt, map_location)
+    return ckpt
 
 
 # Parameter names that changed, old prefix -> new: checkpoints written before still load.
@@ -778,12 +778,6 @@ def read_log(path, last_step, finished=False):
     return kept
 
 
-def never_started(run_dir, held):
-    """Whether a run directory holding the files `held` holds only what a run writes at its start (its
-    config, a log of "start" records alone, its W&B id) and nothing it computed."""
-    return set(held) <= {"config.json", "log.jsonl", "wandb_id.txt"} and not logged_compute(run_dir / "log.jsonl")
-
-
 def logged_compute(log):
     """Whether a log.jsonl holds a record of anything computed: a line that is not a "start" record
     (provenance, written before step 1; a torn line counts as computed)."""
@@ -833,9 +827,10 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
             kept = read_log(run_dir / "log.jsonl", ckpt["step"], finished=ckpt["step"] == last_step)
             return Claim(lock, ckpt, True, kept)
         held = [name for name in RUN_FILES if (run_dir / name).exists()]
-        if held and not tc.overwrite and never_started(run_dir, held):
-            # a start that failed before its first step (a compiler or W&B that would not start, a kill):
-            # nothing was computed, so a plain rerun takes the directory over
+        if held and not tc.overwrite and set(held) <= {"config.json", "log.jsonl", "wandb_id.txt"} \
+                and not logged_compute(run_dir / "log.jsonl"):
+            # a start that failed before its first step (a compiler or W&B that would not start, a kill): only
+            # what a run writes at its start, nothing it computed, so a plain rerun takes the directory over
             print(f"note: {run_dir} holds a run that never logged a step ({', '.join(held)}): starting it afresh",
                   file=sys.stderr)
             return Claim(lock, ckpt, False, [])

@@ -14,9 +14,8 @@ How the ranks of a torchrun job share one run: DDP (the default) or FSDP2 (fsdp=
 Both compute the same training step in float32 parameters under the same autocast (no mixed-
 precision policy: the depth-routing parameters and math stay float32 exactly as under DDP). They
 sum gradients in a different order (an all-reduce against a reduce-scatter), so their numbers agree
-to float32 rounding, not bit for bit. A DDP run's checkpoint is one file of the whole state
-(full_state), an FSDP run's a sharded one (depthres/checkpoint.py); one process, DDP and FSDP runs
-resume from either.
+to float32 rounding, not bit for bit. A DDP run's checkpoint is one file of the whole state, an FSDP
+run's a sharded one (depthres/checkpoint.py); one process, DDP and FSDP runs resume from either.
 """
 
 import ctypes
@@ -227,20 +226,8 @@ def state_bytes(model, optimizer):
     return sum(local(t).numel() * t.element_size() for t in tensors)
 
 
-def full_state(model, optimizer, dist):
-    """(model state_dict, optimizer state_dict) of a model that is not sharded (one process, DDP), on rank
-    0's CPU (None in place of the tensors elsewhere): what ckpt.pt holds."""
-    def kept(v):
-        return (v.cpu() if dist.master else None) if torch.is_tensor(v) else v
-
-    opt = optimizer.state_dict()
-    return ({k: kept(v) for k, v in model.state_dict().items()},
-            {"state": {i: {k: kept(v) for k, v in s.items()} for i, s in opt["state"].items()},
-             "param_groups": opt["param_groups"]})
-
-
 def load_optimizer_state(optimizer, state):
-    """Load a whole optimizer state (full_state's) into an optimizer whose parameters may be sharded:
+    """Load a whole optimizer state (ckpt.pt's) into an optimizer whose parameters may be sharded:
     each state tensor of a sharded parameter is sharded as that parameter is."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if hasattr(params[0], "device_mesh"):  # sharded DTensors
