@@ -56,6 +56,9 @@ CKPT_KEYS = ("format", "model_config", "model", "tokenizer", "step", "train_conf
 CKPT_OPTIONAL = ("world_size",)  # keys added since: a checkpoint without them is read as before
 CKPT_TYPES = {"model_config": dict, "model": dict, "tokenizer": str, "step": int, "train_config": dict,
               "optimizer": dict, "loader": dict, "rng": dict}  # what each key holds
+# the advice of every refusal of a checkpoint (one damaged, or one not train.py's)
+INTACT = "use an intact copy or another checkpoint"
+ALTERED = f"it was not written by train.py, or was altered after; {INTACT}"
 RUN_FILES = ("config.json", "log.jsonl", "ckpt.pt", "ckpt", "summary.json", "wandb_id.txt")  # what a run directory holds
 # model keys that change how the model computes, not what: a run may resume with other values. What
 # a change does to the numbers (tests/test_runlog.py): checkpointing recomputes the same operations,
@@ -202,7 +205,7 @@ def locate(path, prefer_sharded):
         f = int(torch.load(file, map_location="cpu", weights_only=True, mmap=True)["step"])
     except Exception:
         raise UserError(f"{file} is not a readable checkpoint: it is truncated, corrupt or not a checkpoint; "
-                        "use an intact copy or another checkpoint") from None
+                        f"{INTACT}") from None
     s = read_manifest(sharded)["step"]
     return ("sharded", sharded) if s > f or (s == f and prefer_sharded) else ("file", file)
 
@@ -216,8 +219,7 @@ def read_manifest(path):
         manifest = None
     why = _manifest_problem(manifest)
     if why is not None:
-        raise UserError(f"{path} is not a whole sharded checkpoint: its {MANIFEST} {why}; use an intact copy "
-                        "or another checkpoint")
+        raise UserError(f"{path} is not a whole sharded checkpoint: its {MANIFEST} {why}; {INTACT}")
     return manifest
 
 
@@ -260,8 +262,7 @@ def verify_files(path, names, files):
             ok = False
         if not ok:
             raise UserError(f"{path / name} is missing or corrupt: its contents do not match the checksum in "
-                                  f"{path / MANIFEST} (damaged on disk or in a copy); use an intact copy or another "
-                                  "checkpoint")
+                            f"{path / MANIFEST} (damaged on disk or in a copy); {INTACT}")
 
 
 # What DCP's index (.metadata, a pickle of a Metadata) may name: its dataclasses, torch.Size, dtypes, the
@@ -314,38 +315,34 @@ def read_index(path):
     except Exception as e:  # not a pickle, or a cut one: nothing outside INDEX_CLASSES was called
         why = f"{type(e).__name__} reading it"
     if why is not None:
-        raise UserError(f"{path / INDEX} is not the index of a sharded checkpoint ({why}): it was not written "
-                              "by train.py, or was altered after; use an intact copy or another checkpoint")
+        raise UserError(f"{path / INDEX} is not the index of a sharded checkpoint ({why}): {ALTERED}")
     return index
 
 
 def read_sharded(path):
-    """The run state of a sharded checkpoint (STATE_KEYS and its world_size),
-    with "sharded": its directory. Checks the manifest, that every file it lists is there at its size,
-    and state.pt's checksum; the shards' checksums are checked by load_sharded."""
+    """The run state of a sharded checkpoint (STATE_KEYS and its world_size), with "sharded": its directory.
+    Checks the manifest, that every file it lists is there at its size, and state.pt's checksum; the shards'
+    checksums are checked by load_sharded."""
     path = Path(path)
     manifest = read_manifest(path)
     files = manifest["files"]
     short = [n for n, f in files.items() if not (path / n).is_file() or os.path.getsize(path / n) != f["bytes"]]
     if short:
-        raise UserError(f"{path} is incomplete: {', '.join(sorted(short))} missing or of the wrong size; "
-                              "use an intact copy or another checkpoint")
+        raise UserError(f"{path} is incomplete: {', '.join(sorted(short))} missing or of the wrong size; {INTACT}")
     verify_files(path, [STATE], files)
     index = read_index(path)  # refused here, before a run starts, if it is not plain data
     named = sorted({getattr(s, "relative_path", None) for s in (index.storage_data or {}).values()} - set(files),
                    key=str)  # a file outside the checkpoint, or one no checksum covers, is never read
     if named:
         raise UserError(f"{path / INDEX} names {named[0]!r} as a file of the checkpoint, which its {MANIFEST} "
-                              "does not list: it was not written by train.py, or was altered after; use an intact "
-                              "copy or another checkpoint")
+                        f"does not list: {ALTERED}")
     try:
         state = torch.load(path / STATE, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's own message may advise weights_only=False, which is unsafe: not quoted
         state = f"{type(e).__name__} reading it"
     if not isinstance(state, dict) or state.get("format") != CKPT_FORMAT or any(k not in state for k in STATE_KEYS):
         why = state if isinstance(state, str) else f"a {type(state).__name__} without the keys of format {CKPT_FORMAT!r}"
-        raise UserError(f"{path / STATE} is not a run state ({why}): it was not written by train.py, or was "
-                              "altered after; use an intact copy or another checkpoint")
+        raise UserError(f"{path / STATE} is not a run state ({why}): {ALTERED}")
     check_contents(state, path / STATE)
     return {**state, "world_size": manifest["world_size"], "sharded": path}  # the ranks that wrote it
 
@@ -358,16 +355,14 @@ def check_contents(state, path):
     if wrong is None and state["step"] < 0:
         wrong = f"its step is {state['step']}, not a whole number >= 0"
     if wrong is not None:
-        raise UserError(f"{path} is not a run's checkpoint ({wrong}): it was not written by train.py, or was "
-                              "altered after; use an intact copy or another checkpoint")
+        raise UserError(f"{path} is not a run's checkpoint ({wrong}): {ALTERED}")
 
 
 def load_checkpoint(path_or_run_dir, sharded=False):
     """The checkpoint dict (on the CPU) of a run directory (its ckpt.pt) or a checkpoint file, format and
-    checksum checked.
-    A sharded checkpoint (an FSDP run's ckpt/, or a run directory whose newest checkpoint it is): with
-    sharded=True its run state, without weights and optimizer, and "sharded": its directory, from which
-    each rank loads its part (load_sharded); otherwise refused, naming the export command."""
+    checksum checked. A sharded checkpoint (an FSDP run's ckpt/, or a run directory whose newest checkpoint it
+    is): with sharded=True its run state (read_sharded), from which each rank loads its part of the weights and
+    optimizer (load_sharded); otherwise refused, naming the export command."""
     kind, path = locate(path_or_run_dir, prefer_sharded=sharded)
     if kind == "sharded":
         if not sharded:
@@ -382,7 +377,7 @@ def load_checkpoint(path_or_run_dir, sharded=False):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's own message may advise weights_only=False, which is unsafe: not quoted
         raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__} reading it): it is truncated, "
-                              "corrupt or not a checkpoint; use an intact copy or another checkpoint") from None
+                        f"corrupt or not a checkpoint; {INTACT}") from None
     if not isinstance(ckpt, dict) or "format" not in ckpt:
         raise UserError(f"{path} is not a train.py checkpoint (no format tag)")
     if ckpt["format"] != CKPT_FORMAT:
@@ -393,7 +388,7 @@ def load_checkpoint(path_or_run_dir, sharded=False):
         raise UserError(f"{path} lacks {', '.join(missing)}: it is incomplete")
     if checksum(ckpt) != ckpt["checksum"]:
         raise UserError(f"{path} is corrupt: its contents do not match the checksum written with it "
-                              "(damaged on disk or in a copy); use an intact copy or another checkpoint")
+                        f"(damaged on disk or in a copy); {INTACT}")
     check_contents(ckpt, path)
     ckpt["model"] = {renamed(k): v for k, v in ckpt["model"].items()}  # written under older names: today's
     return ckpt
@@ -574,8 +569,7 @@ def _safe_dcp(path):
                 value = torch.load(value, weights_only=True)
             except Exception as e:  # torch's message advises weights_only=False, which is unsafe: not quoted
                 raise UserError(f"{path} holds a value that is not plain data ({read_item.dest_index.fqn}: "
-                                      f"{type(e).__name__} reading it): it was not written by train.py, or was "
-                                      "altered after; use an intact copy or another checkpoint") from None
+                                f"{type(e).__name__} reading it): {ALTERED}") from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
             else:
@@ -611,8 +605,7 @@ def load_sharded(path, model, optimizer, dist):
             first = errors[0] if errors else e  # (e's text holds each rank's remote traceback)
             why = next((line.strip() for line in str(first).splitlines() if line.strip()), "")
             raise next((x for x in errors if isinstance(x, UserError)), UserError(
-                f"{path} cannot be loaded into this model ({type(first).__name__}: {why}); use an intact copy or "
-                "another checkpoint")) from None
+                f"{path} cannot be loaded into this model ({type(first).__name__}: {why}); {INTACT}")) from None
         state = _names(state, renamed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -710,7 +703,7 @@ def check_resumable(ckpt, path, mc, tokenizer, last_step=None, tc=None):
     (IDENTITY_KEYS of tc, the run's TrainConfig; None: not checked)."""
     if ckpt["tokenizer"] != tokenizer:  # first: another vocabulary would also be another model
         raise UserError(f"checkpoint {path} was trained on {ckpt['tokenizer']!r} tokens, "
-                              f"but data_dir holds {tokenizer!r} tokens")
+                        f"but data_dir holds {tokenizer!r} tokens")
     # a key an older checkpoint lacks had its default then (keys are only ever added with the old behaviour)
     have = {**{f.name: f.default for f in fields(GPTConfig)}, **ckpt["model_config"]}
     want = asdict(mc)
@@ -724,7 +717,7 @@ def check_resumable(ckpt, path, mc, tokenizer, last_step=None, tc=None):
                 return f"seq_len: {there!r} there, {here!r} here (the model's block_size follows it)"
             return f"{k}: {there!r} there, {here!r} here"
         raise UserError(f"checkpoint {path} holds another model ({', '.join(map(detail, differ))}); resume "
-                              f"with its config, or start a fresh run under another run_name")
+                        f"with its config, or start a fresh run under another run_name")
     if tc is not None:
         changed = [k for k in IDENTITY_KEYS if ckpt["train_config"].get(k, getattr(tc, k)) != getattr(tc, k)]
         if changed:
@@ -735,7 +728,7 @@ def check_resumable(ckpt, path, mc, tokenizer, last_step=None, tc=None):
                 f"{there}, or start a fresh run under another run_name")
     if last_step is not None and ckpt["step"] > last_step:
         raise UserError(f"checkpoint {path} is at step {ckpt['step']}, past this run's last step {last_step}: "
-                              f"resume with max_steps >= {ckpt['step']} (or a larger max_tokens)")
+                        f"resume with max_steps >= {ckpt['step']} (or a larger max_tokens)")
 
 
 def last_good(saved, good=True):

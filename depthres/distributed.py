@@ -62,7 +62,7 @@ def launch_env():
             n = None
         if n is None or n < low:
             raise UserError(f"{name}={value!r} in the environment is not a whole number >= {low}: torchrun sets it "
-                              f"for each rank; unset it to train in one process")
+                            f"for each rank; unset it to train in one process")
         return n
 
     world_size, rank, local_rank = number("WORLD_SIZE", 1, 1), number("RANK", 0, 0), number("LOCAL_RANK", 0, 0)
@@ -70,12 +70,12 @@ def launch_env():
         missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
         if missing:
             raise UserError(f"WORLD_SIZE={world_size} is set in the environment, but {', '.join(missing)} "
-                              f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun "
-                              f"(torchrun --nproc_per_node={world_size} train.py ...), or unset WORLD_SIZE to train "
-                              "in one process")
+                            f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun "
+                            f"(torchrun --nproc_per_node={world_size} train.py ...), or unset WORLD_SIZE to train "
+                            "in one process")
     if rank >= world_size:
         raise UserError(f"RANK={rank} in the environment is not below WORLD_SIZE={world_size}: start the ranks "
-                          "with torchrun, or unset RANK to train in one process")
+                        "with torchrun, or unset RANK to train in one process")
     return rank, world_size, local_rank
 
 
