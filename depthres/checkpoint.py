@@ -174,7 +174,7 @@ SHARDED_FORMAT = "depthres-sharded-1"
 NAME, TMP, OLD = "ckpt", ".ckpt.tmp", ".ckpt.old"  # the sharded checkpoint's names in the run directory
 GONE = ".ckpt.gone"  # a sharded checkpoint being deleted (remove_sharded): never read
 MANIFEST, STATE, INDEX = "manifest.json", "state.pt", ".metadata"  # INDEX: DCP's, a pickle
-STATE_KEYS = ("format", "model_config", "tokenizer", "step", "train_config", "loader", "rng")
+STATE_KEYS = tuple(k for k in CKPT_KEYS if k not in ("model", "optimizer", "checksum"))  # state.pt's
 
 
 def committed(run_dir):
@@ -435,6 +435,10 @@ def save_sharded(run_dir, model, optimizer, state, dist):
     run_dir/ckpt, every rank its own shards, by the two renames of the module's doc; a collective. Removes
     a ckpt.pt it supersedes. A failed write on any rank is a UserError on every rank, the previous
     checkpoint kept and the partial new one removed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     run_dir = Path(run_dir)
     tmp = run_dir / TMP
 
@@ -449,40 +453,32 @@ def save_sharded(run_dir, model, optimizer, state, dist):
             raise UserError(f"rank {dist.rank} cannot see {tmp}: under FSDP every rank writes its shards into the "
                             "run directory, so out_dir must be on storage that every node shares")
     agreed(dist, visible)
-    try:
-        _write_sharded(tmp, model, optimizer, state, dist)
-    except UserError:  # on every rank: rank 0 removes the partial shards (a full disk is left as it was)
-        if dist.master:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    agreed(dist, lambda: _commit(run_dir) if dist.master else None)
-
-
-def _write_sharded(tmp, model, optimizer, state, dist):
-    """Every rank's shards, the run state and the manifest (rank 0), into tmp; a collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensors: this rank's shards, nothing gathered
-    try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    except CheckpointException as e:
-        raise _failed_save(e, tmp) from None
 
     def hash_mine():  # the files this rank wrote (DCP names them __<rank>_<n>.distcp)
         with writing(tmp, UserError):
             return {n: file_digest(tmp / n) for n in os.listdir(tmp) if n.startswith(f"__{dist.rank}_")}
-    digests = {k: v for mine in per_rank(dist, agreed(dist, hash_mine)) for k, v in mine.items()}
 
-    def run_state():  # rank 0: the run state, the manifest last
+    def run_state(digests):  # rank 0: the run state, the manifest last
         write_atomic(tmp / STATE, lambda f: _save({k: state[k] for k in STATE_KEYS}, f), UserError)
         with writing(tmp, UserError):
             files = {n: digests.get(n) or file_digest(tmp / n) for n in sorted(os.listdir(tmp))}  # .metadata, state.pt
         manifest = {"format": SHARDED_FORMAT, "step": state["step"], "world_size": dist.world_size,
                     "torch": torch.__version__, "files": files}  # torch: whose DCP wrote the index
         write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode(), UserError)
-    agreed(dist, lambda: run_state() if dist.master else None)
+
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensors: this rank's shards, nothing gathered
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        except CheckpointException as e:
+            raise _failed_save(e, tmp) from None
+        digests = {k: v for mine in per_rank(dist, agreed(dist, hash_mine)) for k, v in mine.items()}
+        agreed(dist, lambda: run_state(digests) if dist.master else None)
+    except UserError:  # on every rank: rank 0 removes the partial shards (a full disk is left as it was)
+        if dist.master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    agreed(dist, lambda: _commit(run_dir) if dist.master else None)
 
 
 def _commit(run_dir):
@@ -546,11 +542,11 @@ def _failed_save(e, tmp):
 # --- the sharded checkpoint: loading (with any number of ranks), and as one file ---
 
 
-def _safe_dcp(path):
+def _safe_dcp(path, index):
     """(storage reader, load planner) for dcp.load that unpickle nothing unsafely: torch's own read the index
     (.metadata) with plain pickle.load and the shards' non-tensor values (the AdamW hyperparameters) with
     torch.load(weights_only=False), so a tampered checkpoint (its manifest recomputed) could run code. Here
-    the index goes through read_index and every value through torch.load(weights_only=True)."""
+    the index is read_index's and every value goes through torch.load(weights_only=True)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -558,7 +554,6 @@ def _safe_dcp(path):
 
     class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            index = read_index(path)
             index.storage_meta = index.storage_meta or StorageMeta()  # as FileSystemReader.read_metadata
             index.storage_meta.load_id = self.load_id
             return index
@@ -591,13 +586,15 @@ def load_sharded(path, model, optimizer, dist):
     mine = sorted(files)[dist.rank::dist.world_size]
     agreed(dist, lambda: verify_files(path, mine, files))
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's tensors, filled in place
-    state = {"model": model_sd, "optim": optim_sd}
-    older = _older_names(path)
+    index = read_index(path)
+    # a checkpoint written before RENAMED's renames: its names (its keys are "model." + a parameter's name)
+    old = [(o, n) for o, n in RENAMED.items() if any(k.startswith("model." + o) for k in index.state_dict_metadata)]
+    state = _names({"model": model_sd, "optim": optim_sd},
+                   lambda name: next((o + name.removeprefix(n) for o, n in old if name.startswith(n)), name))
     alone = not torch.distributed.is_initialized()  # one process (no process group): said to DCP, which warns anyway
-    reader, planner = _safe_dcp(path)
+    reader, planner = _safe_dcp(path, index)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        state = _names(state, older)  # as the checkpoint names the parameters
         try:
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=alone)
         except CheckpointException as e:  # raised on every rank: the first rank's error, its first line
@@ -608,13 +605,6 @@ def load_sharded(path, model, optimizer, dist):
                 f"{path} cannot be loaded into this model ({type(first).__name__}: {why}); {INTACT}")) from None
         state = _names(state, renamed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def _older_names(path):
-    """name -> the name a sharded checkpoint written before RENAMED's renames gives it (or itself)."""
-    keys = read_index(path).state_dict_metadata
-    old = [(o, n) for o, n in RENAMED.items() if any(k.startswith("model." + o) for k in keys)]
-    return lambda name: next((o + name.removeprefix(n) for o, n in old if name.startswith(n)), name)
 
 
 def _names(state, rename):
@@ -643,7 +633,7 @@ def whole_checkpoint(path):
     model.init_buffers()
     optimizer = torch.optim.AdamW(model.param_groups(state["train_config"]["weight_decay"]))  # its hyperparameters
     load_sharded(state["sharded"], model, optimizer, Dist(0, 1, torch.device("cpu")))       # come from the checkpoint
-    return {**{k: state[k] for k in STATE_KEYS}, "format": CKPT_FORMAT, "model": model.state_dict(),
+    return {**{k: state[k] for k in STATE_KEYS}, "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "world_size": state["world_size"]}
 
 
