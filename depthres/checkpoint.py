@@ -638,11 +638,9 @@ def whole_checkpoint(path):
 
 
 def export(path, out=None, overwrite=False):
-    """Write the sharded checkpoint that `path` (a run directory or the checkpoint's directory) names as one
-    checksummed file, `out` or the run directory's ckpt.pt, under the lock of the run directory it writes into
-    (not while that run runs). Never a directory, nor inside the run's checkpoints (ckpt/, .ckpt.old/,
-    .ckpt.tmp/); over an existing file (but the run's own ckpt.pt) or into another run's directory (whose
-    --resume=true would continue from the export) only with `overwrite`. Returns (out, step)."""
+    """tools/export_ckpt.py: write the sharded checkpoint that `path` (a run directory or the checkpoint's
+    directory) names as one checksummed file, `out` or the run directory's ckpt.pt, where that tool's doc
+    says it may. Returns (out, step)."""
     kind, found = locate(path, prefer_sharded=True)
     if kind != "sharded":
         raise UserError(f"{path} holds no sharded checkpoint" + (f" ({found} is one file already)"
