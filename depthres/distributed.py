@@ -3,17 +3,19 @@ How the ranks of a torchrun job share one run: DDP (the default) or FSDP2 (fsdp=
 
     DDP     every rank holds the whole model and AdamW state; gradients are all-reduced. About 16
             bytes per parameter on every GPU (4 weight, 4 gradient, 8 AdamW), before activations.
-    FSDP2   torch.distributed.fsdp.fully_shard: every sublayer's parameters, gradients and AdamW
-            state are split across the N ranks (16 / N bytes per parameter), each sublayer's whole
-            weights gathered just before it runs and freed after; gradients are reduce-scattered.
-            On CPUs, large allocations are then mapped on their own (map_large_allocations), so what
-            FSDP frees at every step leaves the resident set instead of staying in glibc's heap.
+    FSDP2   torch.distributed.fsdp.fully_shard (depthres/fsdp.py): every sublayer's parameters,
+            gradients and AdamW state are split across the N ranks (16 / N bytes per parameter), each
+            sublayer's whole weights gathered just before it runs and freed after; gradients are
+            reduce-scattered. On CPUs, large allocations are then mapped on their own
+            (map_large_allocations), so what FSDP frees at every step leaves the resident set instead
+            of staying in glibc's heap. FSDP2's modules and sharded tensors are told apart here by their
+            methods, so a run without it never imports it (a second of start-up).
 
 Both compute the same training step in float32 parameters under the same autocast (no mixed-
 precision policy: the depth-routing parameters and math stay float32 exactly as under DDP). They
 sum gradients in a different order (an all-reduce against a reduce-scatter), so their numbers agree
-to float32 rounding, not bit for bit. A checkpoint holds the whole, unsharded state either way
-(full_state), so one process, DDP and FSDP runs resume from each other's checkpoints.
+to float32 rounding, not bit for bit. A DDP run's checkpoint is one file of the whole state, an FSDP
+run's a sharded one (depthres/checkpoint.py); one process, DDP and FSDP runs resume from either.
 """
 
 import ctypes
@@ -60,7 +62,7 @@ def launch_env():
             n = None
         if n is None or n < low:
             raise UserError(f"{name}={value!r} in the environment is not a whole number >= {low}: torchrun sets it "
-                              f"for each rank; unset it to train in one process")
+                            f"for each rank; unset it to train in one process")
         return n
 
     world_size, rank, local_rank = number("WORLD_SIZE", 1, 1), number("RANK", 0, 0), number("LOCAL_RANK", 0, 0)
@@ -68,12 +70,12 @@ def launch_env():
         missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
         if missing:
             raise UserError(f"WORLD_SIZE={world_size} is set in the environment, but {', '.join(missing)} "
-                              f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun "
-                              f"(torchrun --nproc_per_node={world_size} train.py ...), or unset WORLD_SIZE to train "
-                              "in one process")
+                            f"{'is' if len(missing) == 1 else 'are'} not: start the ranks with torchrun "
+                            f"(torchrun --nproc_per_node={world_size} train.py ...), or unset WORLD_SIZE to train "
+                            "in one process")
     if rank >= world_size:
         raise UserError(f"RANK={rank} in the environment is not below WORLD_SIZE={world_size}: start the ranks "
-                          "with torchrun, or unset RANK to train in one process")
+                        "with torchrun, or unset RANK to train in one process")
     return rank, world_size, local_rank
 
 
@@ -101,10 +103,7 @@ def agreed(dist, fn):
         result, error = fn(), None
     except UserError as e:
         result, error = None, e
-    if dist.world_size > 1:
-        errors = [None] * dist.world_size
-        torch_dist.all_gather_object(errors, error, group=dist.objects)
-        error = next((e for e in errors if e is not None), None)
+    error = next((e for e in per_rank(dist, error) if e is not None), None)
     if error is not None:
         raise error
     return result
@@ -117,10 +116,7 @@ def check_same_keys(dist, keys):
     """Every rank was started with rank 0's keys (but NODE_LOCAL_KEYS): else, on every rank, one UserError
     line that names the first rank that differs and how (before any compute: ranks that train different
     models or lrs would otherwise train silently, or fail in a collective with a torch traceback)."""
-    if dist.world_size == 1:
-        return
-    everyone = [None] * dist.world_size
-    torch_dist.all_gather_object(everyone, keys, group=dist.objects)
+    everyone = per_rank(dist, keys)
     for r, theirs in enumerate(everyone[1:], 1):
         differ = [k for k, v in everyone[0].items() if k not in NODE_LOCAL_KEYS and theirs.get(k) != v]
         if differ:
@@ -146,13 +142,13 @@ def any_rank(dist, value):
     return t.item()
 
 
-def per_rank(dist, value):
-    """Every rank's integer `value`, in rank order, on every rank (a collective)."""
+def per_rank(dist, obj):
+    """Every rank's `obj` (any picklable value), in rank order, on every rank (a collective)."""
     if dist.world_size == 1:
-        return [int(value)]
-    values = [torch.zeros((), dtype=torch.int64, device=dist.device) for _ in range(dist.world_size)]
-    torch_dist.all_gather(values, torch.tensor(int(value), dtype=torch.int64, device=dist.device))
-    return [int(v) for v in values]
+        return [obj]
+    everyone = [None] * dist.world_size
+    torch_dist.all_gather_object(everyone, obj, group=dist.objects)
+    return everyone
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
@@ -189,22 +185,6 @@ def peak_memory(dist):
 
 # ----------------------------------------------------------------------------------------------
 # DDP and FSDP2.
-
-
-def shard(model, dist):
-    """FSDP2, in place: every sublayer (attention, MLP) is a unit of its own, the root holds the rest
-    (embedding, head, the residual variant's routing parameters). Sublayers, not Blocks, are the units
-    because GPT.forward calls block.attn and block.mlp, never a Block's own forward, where FSDP2's
-    hooks would sit. (FSDP2 is imported here: a second of start-up that a run without it skips; its
-    sharded tensors and modules are told apart below by their methods.)"""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
-    for block in model.blocks:
-        fully_shard(block.attn, mesh=mesh)
-        fully_shard(block.mlp, mesh=mesh)
-    fully_shard(model, mesh=mesh)
 
 
 # DDP's flag for broadcasting buffers before every forward (torch 2.13 renamed broadcast_buffers)
@@ -246,25 +226,8 @@ def state_bytes(model, optimizer):
     return sum(local(t).numel() * t.element_size() for t in tensors)
 
 
-def full_state(model, optimizer, dist):
-    """(model state_dict, optimizer state_dict) as one process holds them, on rank 0's CPU (None in
-    place of the tensors elsewhere): the checkpoint's format. Sharded tensors are gathered one at a
-    time, in the same order on every rank (each gather is a collective), and moved off the device at
-    once, so no rank ever holds the whole model and optimizer state on its GPU."""
-    def gathered(v):
-        if not torch.is_tensor(v):
-            return v
-        v = whole(v)
-        return v.cpu() if dist.master else None
-
-    opt = optimizer.state_dict()
-    return ({k: gathered(v) for k, v in model.state_dict().items()},
-            {"state": {i: {k: gathered(v) for k, v in s.items()} for i, s in opt["state"].items()},
-             "param_groups": opt["param_groups"]})
-
-
 def load_optimizer_state(optimizer, state):
-    """Load a whole optimizer state (full_state's) into an optimizer whose parameters may be sharded:
+    """Load a whole optimizer state (ckpt.pt's) into an optimizer whose parameters may be sharded:
     each state tensor of a sharded parameter is sharded as that parameter is."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if hasattr(params[0], "device_mesh"):  # sharded DTensors

@@ -28,10 +28,13 @@ from depthres.checkpoint import (
     IDENTITY_KEYS,
     claim_run_dir,
     last_good,
+    load_sharded,
     logged_compute,
+    remove_sharded,
     resume_path,
     rng_state,
     save_checkpoint,
+    save_sharded,
     set_rng_state,
 )
 from depthres.config import TrainConfig, total_steps
@@ -41,7 +44,6 @@ from depthres.distributed import (
     any_rank,
     check_same_keys,
     from_rank0,
-    full_state,
     launch_env,
     load_optimizer_state,
     local,
@@ -51,7 +53,6 @@ from depthres.distributed import (
     state_bytes,
 )
 from depthres.files import write_file, writing
-from depthres.fsdp import load_sharded, remove_sharded, save_sharded
 from depthres.runlog import (
     Progress,
     RunLog,
@@ -400,10 +401,9 @@ def write_checkpoint(run, state):
         save_sharded(run.run_dir, run.raw_model, run.optimizer, state, run.dist)
         run.saved = (run.step, run.ckpt_path)
         return
-    weights, optimizer_state = full_state(run.raw_model, run.optimizer, run.dist)
-
-    def write():  # rank 0 writes; a failed write stops every rank
-        save_checkpoint(run.ckpt_path, {**state, "model": weights, "optimizer": optimizer_state})
+    def write():  # rank 0 writes (its CPU copy of the state: save_checkpoint); a failed write stops every rank
+        save_checkpoint(run.ckpt_path, {**state, "model": run.raw_model.state_dict(),
+                                        "optimizer": run.optimizer.state_dict()})
         remove_sharded(run.run_dir)  # an older sharded checkpoint (an FSDP run resumed without FSDP)
     agreed(run.dist, lambda: write() if run.dist.master else None)
     run.saved = (run.step, run.ckpt_path)

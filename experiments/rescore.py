@@ -34,10 +34,9 @@ from pathlib import Path
 import torch
 
 from depthres import EXIT_ERROR, UserError, cli, os_error_message
-from depthres.checkpoint import load_model, locate
+from depthres.checkpoint import load_model, locate, whole_checkpoint
 from depthres.distributed import Dist
 from depthres.files import check_writable, write_file
-from depthres.fsdp import whole_checkpoint
 from depthres.run import evaluate
 from depthres.token_data import get_tokenizer, load_meta
 from experiments.rundirs import run_dir

@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 
 import train
-from depthres.checkpoint import MANIFEST, STATE_KEYS, file_digest, load_checkpoint
+from depthres.checkpoint import MANIFEST, STATE_KEYS, file_digest, load_checkpoint, save_sharded, whole_checkpoint
 from depthres.distributed import Dist
-from depthres.fsdp import save_sharded, whole_checkpoint
 from model import GPTConfig
 from model_fast import make_model
 

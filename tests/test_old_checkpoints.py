@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import sample
-from depthres.checkpoint import load_checkpoint, renamed
-from depthres.fsdp import whole_checkpoint
+from depthres.checkpoint import load_checkpoint, renamed, whole_checkpoint
 from model import GPTConfig
 from model_fast import make_model
 from tools import diagnose

@@ -348,7 +348,7 @@ def test_a_sharded_checkpoint_of_one_process_exports_bit_for_bit(data_dir, tmp_p
     """The safe reader and planner load what DCP wrote: every weight and AdamW value, hyperparameters too.
     With tie_embeddings=true too (export failed on every such checkpoint: 'Missing key in checkpoint
     state_dict: optim.state.lm_head.weight.step', the model it loads into having untied them)."""
-    from depthres.fsdp import export
+    from depthres.checkpoint import export
     if tied:
         run(data_dir, tmp_path, "--run_name=tied", "--tie_embeddings=true", "--max_steps=3")
     source = tmp_path / "tied" if tied else straight
@@ -409,9 +409,8 @@ def test_sharded_saves_over_a_linked_ckpt_keep_saving_and_never_follow_the_link(
     """A run directory whose ckpt/ is a symbolic link (to a checkpoint kept elsewhere): the first save renamed
     the link to .ckpt.old, which rmtree cannot remove, and every save after it failed ('Not a directory'). The
     link is removed, never followed: what it points to is kept as it was."""
-    from depthres.checkpoint import STATE_KEYS
+    from depthres.checkpoint import STATE_KEYS, save_sharded
     from depthres.distributed import Dist
-    from depthres.fsdp import save_sharded
     elsewhere = sharded_copy(straight, tmp_path / "elsewhere") / "ckpt"
     before = contents(elsewhere)
     run_dir = tmp_path / "run"
@@ -435,8 +434,8 @@ def test_a_failed_sharded_save_leaves_no_partial_shards_and_says_why(tmp_path, s
     checkpoint stays."""
     import resource
 
+    from depthres.checkpoint import save_sharded
     from depthres.distributed import Dist
-    from depthres.fsdp import save_sharded
 
     run_dir = sharded_copy(straight, tmp_path / "run")
     before = contents(run_dir / "ckpt")

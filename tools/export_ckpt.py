@@ -1,5 +1,5 @@
 """
-Write an FSDP run's sharded checkpoint (RUN_DIR/ckpt/, depthres/fsdp.py) as one file: the
+Write an FSDP run's sharded checkpoint (RUN_DIR/ckpt/, depthres/checkpoint.py) as one file: the
 checksummed ckpt.pt that sample.py, tools/diagnose.py and experiments/rescore.py read, and that any run
 resumes from (one process, DDP or FSDP), bit for bit the state the shards hold.
 
@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from depthres import cli
-from depthres.fsdp import export
+from depthres.checkpoint import export
 
 
 def main(argv=None):
