@@ -144,7 +144,7 @@ class GPT(nn.Module):
         cos, sin = rotary_tables(cfg)  # [T, 1, hd/2], on the CPU; on the meta device too for a meta model
         self.register_buffer("cos", cos.to(self.wte.weight.device), persistent=False)
         self.register_buffer("sin", sin.to(self.wte.weight.device), persistent=False)
-        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: depthres/fsdp.py), values come later
+        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: distributed.sharded_model), values come later
             self.init_weights(seed)
 
     def forward(self, idx, targets=None, kv_cache=None, record=None):
@@ -818,7 +818,7 @@ def rotary_tables(cfg):
 
 class InitialWeights:
     """Every parameter's initial value by name, without a model: init(name, shape), a float32 CPU
-    tensor (a model built on the meta device, depthres/fsdp.py, takes its shards of the same). Each
+    tensor (a model built on the meta device, depthres.distributed.sharded_model, takes its shards of the same). Each
     weight draws from a generator seeded by (seed, name): two variants built with one seed share every
     common weight bit for bit (section 8):
         wte, c_q, c_k, c_v, c_fc, lm_head   normal(0, 0.02)                    (GPT-2)

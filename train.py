@@ -32,8 +32,7 @@ import torch.distributed as torch_dist
 
 import depthres
 from depthres.config import build_model_config, parse_config, usage
-from depthres.distributed import ddp, gradient_sync, whole
-from depthres.fsdp import sharded_model
+from depthres.distributed import ddp, gradient_sync, sharded_model, whole
 from depthres.run import (
     DeviceBatches,
     GracefulStop,
@@ -149,7 +148,7 @@ def lr_at(it, tc, max_steps):
 def build(tc, mc, dist, ckpt):
     """The training loader, the model (sharded with fsdp=true) and its optimizer, restored from `ckpt`
     when resuming; and the step. FSDP builds the model on the meta device and gives each rank its shards
-    (depthres/fsdp.py): no rank holds the whole model. A whole checkpoint: each rank keeps its shard.
+    (distributed.sharded_model): no rank holds the whole model. A whole checkpoint: each rank keeps its shard.
     A sharded checkpoint (ckpt["sharded"]): each rank reads its part, whatever the number of ranks."""
     random.seed(tc.seed)
     np.random.seed(tc.seed)

@@ -118,7 +118,7 @@ class Run:
 
     @property
     def sharded(self):
-        """FSDP: the model and optimizer are sharded, and so are the checkpoints (depthres/fsdp.py)."""
+        """FSDP: the model and optimizer are sharded, and so are the checkpoints (depthres/checkpoint.py)."""
         return self.tc.fsdp and self.dist.world_size > 1
 
     @property

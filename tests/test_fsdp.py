@@ -42,8 +42,7 @@ KILL_9_IN_STEP_2 = signal_in_step_2("SIGKILL")
 INITIAL_WEIGHTS = """
 import sys, torch
 import torch.distributed as torch_dist
-from depthres.distributed import setup_distributed
-from depthres.fsdp import sharded_model
+from depthres.distributed import setup_distributed, sharded_model
 from model import GPTConfig, RESIDUALS
 from model_fast import make_model
 dist = setup_distributed("cpu")
