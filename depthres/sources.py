@@ -33,9 +33,9 @@ def local_files(patterns):
         for f in matches:
             if not os.path.isfile(f):
                 raise UserError(f"source {f} is not a file: pass files or a pattern such as '{f}/*.parquet'")
-            if os.path.getsize(f) == 0:
-                raise UserError(f"source file {f} is empty: pass a file with documents")
             st = os.stat(f)
+            if st.st_size == 0:
+                raise UserError(f"source file {f} is empty: pass a file with documents")
             if (st.st_dev, st.st_ino) in seen:  # the same file twice, by path, glob or link
                 first, by = seen[(st.st_dev, st.st_ino)]
                 raise UserError(f"source file {f} (from {pattern!r}) is also {first} (from {by!r}): pass each "
@@ -58,9 +58,6 @@ def format_of(files):
     if len(builders) > 1:
         raise UserError(f"source files mix formats ({', '.join(sorted(builders))}): prepare one format at a time")
     return builders.pop()
-
-
-READ_ERRORS = (OSError, EOFError, zlib.error)  # what a damaged file (a corrupt or cut .gz) raises when read
 
 
 def _open_bytes(path):
@@ -107,7 +104,7 @@ def _read_errors(path, where=lambda: ""):
         yield
     except UnicodeDecodeError:
         raise _not_utf8(path) from None
-    except READ_ERRORS as e:
+    except (OSError, EOFError, zlib.error) as e:  # what a damaged file (a corrupt or cut .gz) raises
         reason = getattr(e, "strerror", None) or str(e)
         raise UserError(f"{path} could not be read{where()} ({type(e).__name__}: {reason}): it is damaged "
                         "or cut short; replace it") from None
