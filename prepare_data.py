@@ -192,12 +192,6 @@ def _units(documents, split_of_index, cut, wanted):
         cut["pieces"] += n
 
 
-def unigram_baseline(train_counts, val_counts):
-    """Cross-entropy (nats/token) of val under the add-one-smoothed unigram distribution of train."""
-    logp = np.log(train_counts + 1.0) - np.log(train_counts.sum() + len(train_counts))
-    return float(-(val_counts * logp).sum() / val_counts.sum())
-
-
 # -----------------------------------------------------------------------------
 # tokenizing
 
@@ -237,8 +231,7 @@ def _ignore_sigint():
 def _encoded(chunks, tokenizer_name, num_proc):
     """_encode of each chunk, in order, on `num_proc` processes with a bounded backlog."""
     if num_proc == 1:
-        for chunk in chunks:
-            yield _encode(tokenizer_name, chunk)
+        yield from (_encode(tokenizer_name, chunk) for chunk in chunks)
         return
     with multiprocessing.Pool(num_proc, initializer=_ignore_sigint) as pool:
         pending = deque()
@@ -320,6 +313,12 @@ class ShardWriter:
         write_shard(self.out_dir / name, shard, self.tokenizer)
         self.files.append(name)
         self.fill = 0
+
+
+def unigram_baseline(train_counts, val_counts):
+    """Cross-entropy (nats/token) of val under the add-one-smoothed unigram distribution of train."""
+    logp = np.log(train_counts + 1.0) - np.log(train_counts.sum() + len(train_counts))
+    return float(-(val_counts * logp).sum() / val_counts.sum())
 
 
 def _tokenize(documents, tok, out_dir, shard_tokens, num_proc, val_fraction, test_fraction, cut):
