@@ -189,8 +189,7 @@ def parquet_texts(path, text_column):
 
 
 def hub_texts(dataset, name, data_files, source_split, text_column, streaming):
-    """The texts of a hub dataset's column, through `datasets`. Whatever fails while reading is a
-    UserError naming the source."""
+    """The texts of a hub dataset's column, through `datasets`."""
     where = dataset + (f" ({name})" if name else "") + (f" {data_files}" if data_files else "")
     try:
         from datasets import load_dataset
