@@ -65,6 +65,7 @@ import sys
 import time
 from collections import deque
 from contextlib import suppress
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +73,7 @@ import numpy as np
 from depthres import Stopped, UserError, cli, os_error_message
 from depthres.config import TrainConfig
 from depthres.files import lock_dir, sync_dir
-from depthres.sources import BUILDERS, READ_CHARS, format_of, hub_texts, json_texts, local_files, parquet_texts, text_blocks
+from depthres.sources import BUILDERS, READ_CHARS, documents, format_of, local_files
 from depthres.token_data import (
     DATA_DIR,
     FORMAT_VERSION,
@@ -95,11 +96,11 @@ MAX_SHARD_TOKENS = 2**30  # a shard is assembled in memory: 2 GiB of uint16 ids
 MAX_SHARDS = 10_000  # per split: more is a --shard_tokens far too small for the corpus (one file a shard)
 WINDOW = TrainConfig.__dataclass_fields__["seq_len"].default + 1  # a training window at train.py's default seq_len
 
-# the cutting rule of the module docstring
-CUT_CHARS = 1 << 20  # a document longer than this is cut (and a source's only document, whatever its length)
-PIECE_CHARS = 1 << 12  # a piece ends at the first line end at or after this many characters
-LONG_LINE_CHARS = 1 << 14  # ... or, with no line end before this length, after its last space or tab before it
-FILL_WINDOW = 4  # a lone text's empty val / test take train pieces among its last FILL_WINDOW pieces
+# the cutting rule: the module docstring (--help) states it
+CUT_CHARS = 1 << 20
+PIECE_CHARS = 1 << 12
+LONG_LINE_CHARS = 1 << 14
+FILL_WINDOW = 4
 CUT_RULE = {"above_chars": CUT_CHARS, "or_lone": True, "piece_chars": PIECE_CHARS, "long_line_chars": LONG_LINE_CHARS,
             "eot": "before a document, and before a piece whose predecessor went to another split",
             "fill": f"a lone text's empty val, test take its last train pieces (of its last {FILL_WINDOW})"}
@@ -120,7 +121,7 @@ def split_of(index, val_fraction, test_fraction):
 
 def _piece_end(buf):
     """Where the first piece of `buf` ends (an index past its last character), or None when `buf`
-    is too short to tell: the cutting rule of the module docstring."""
+    is too short to tell."""
     end = buf.find("\n", PIECE_CHARS - 1, LONG_LINE_CHARS)
     if end >= 0:
         return end + 1
@@ -131,28 +132,22 @@ def _piece_end(buf):
 
 
 def _pieces(blocks):
-    """The pieces of a text given as consecutive blocks of it."""
+    """The pieces of a text given as consecutive blocks of it. A block is taken READ_CHARS characters at a
+    time, so a piece costs a copy of at most that much however long the block (a whole record's text)."""
     buf = ""
     for block in blocks:
-        buf += block
-        while len(buf) >= PIECE_CHARS:
-            end = _piece_end(buf)
-            if end is None:
-                break
-            yield buf[:end]
-            buf = buf[end:]
+        for start in range(0, len(block), READ_CHARS):
+            buf += block[start:start + READ_CHARS]
+            while (end := _piece_end(buf)) is not None:
+                yield buf[:end]
+                buf = buf[end:]
     if buf:
         yield buf
 
 
-def _blocks(text):
-    return (text[i:i + READ_CHARS] for i in range(0, len(text), READ_CHARS))
-
-
 def _filled(assigned, wanted):
-    """The [split, piece] of a lone text's pieces, in order, where the splits in `wanted` that no piece
-    went to take train pieces among the last FILL_WINDOW (val the last one), train keeping one: the
-    cutting rule's filling. Holds FILL_WINDOW pieces, never the text."""
+    """`assigned`, the [split, piece] of a lone text's pieces in order, with the splits in `wanted` that no
+    piece went to filled. Holds FILL_WINDOW pieces, never the text."""
     seen, tail, trains = set(), deque(), 0
     for split, piece in assigned:
         tail.append([split, piece])
@@ -169,82 +164,32 @@ def _filled(assigned, wanted):
     yield from tail
 
 
-def _units(documents, split_of_index, cut, wanted=()):
-    """(split, text, eot) of every document that stays whole and of every piece of the ones that are
-    cut, in order; eot: the unit starts with EOT (the cutting rule of the module docstring).
-    documents: (text, lone) where text is a string or an iterable of its blocks (a .txt file, never
-    held whole) and lone says it is the source's only document. split_of_index: document index ->
-    split. cut: a dict that counts the documents cut and their pieces. wanted: the splits besides
-    train with a positive fraction (a lone text fills them: _filled)."""
-    for i, (text, lone) in enumerate(documents):
-        if text is None or isinstance(text, str):
-            text = text or ""
-            if len(text) <= CUT_CHARS and not lone:
-                yield split_of_index(i), text, True
+def _units(documents, split_of_index, cut, wanted):
+    """(split, text, eot) of every document that stays whole and of every piece of the ones that are cut,
+    in order; eot: the unit starts with EOT. documents: sources.documents'. split_of_index: document index ->
+    split. cut: a dict that counts the documents cut and their pieces, and says whether the source is one
+    lone document. wanted: the splits besides train with a positive fraction (a lone text fills them)."""
+    documents = iter(documents)
+    held = [doc for doc in (next(documents, None), next(documents, None)) if doc is not None]
+    cut["lone"] = lone = len(held) == 1  # one document of lookahead tells the source's only one
+    for i, blocks in enumerate(chain(held, documents)):
+        blocks, head, size = iter(blocks), [], 0
+        if not lone:  # hold up to CUT_CHARS of the text to see whether it is longer
+            for block in blocks:
+                head.append(block)
+                size += len(block)
+                if size > CUT_CHARS:
+                    break
+            else:
+                yield split_of_index(i), "".join(head), True
                 continue
-            blocks = _blocks(text)
-        else:  # blocks: hold up to CUT_CHARS of them to see whether the document is longer
-            blocks, head, size = iter(text), [], 0
-            if not lone:
-                for block in blocks:
-                    head.append(block)
-                    size += len(block)
-                    if size > CUT_CHARS:
-                        break
-                else:
-                    yield split_of_index(i), "".join(head), True
-                    continue
-            blocks = _chain(head, blocks)
         n, before = 0, None
-        assigned = ([split_of_index(i + j), piece] for j, piece in enumerate(_pieces(blocks)))
+        assigned = ([split_of_index(i + j), piece] for j, piece in enumerate(_pieces(chain(head, blocks))))
         for split, piece in _filled(assigned, wanted) if lone else assigned:
             yield split, piece, split != before
             before, n = split, n + 1
         cut["documents"] += n > 0
         cut["pieces"] += n
-        cut["lone"] = lone
-
-
-def _chain(head, rest):
-    yield from head
-    yield from rest
-
-
-def _with_lone(texts):
-    """(text, lone) of each text; lone only for the only one (one text of lookahead)."""
-    it, end = iter(texts), object()  # a text may be None (an empty document)
-    first = next(it, end)
-    if first is end:
-        return
-    second = next(it, end)
-    yield first, second is end
-    if second is not end:
-        yield second, False
-        for text in it:
-            yield text, False
-
-
-# -----------------------------------------------------------------------------
-# the source's documents (their readers: depthres/sources.py), and the baseline
-
-def unigram_baseline(train_counts, val_counts):
-    """Cross-entropy (nats/token) of val under the add-one-smoothed unigram distribution of train."""
-    logp = np.log(train_counts + 1.0) - np.log(train_counts.sum() + len(train_counts))
-    return float(-(val_counts * logp).sum() / val_counts.sum())
-
-
-def _documents(dataset, name, data_files, local, source_split, text_column, streaming):
-    """(text, lone) of every document of the source, in order (see _units)."""
-    if dataset == "text" and local:
-        for path in data_files:
-            yield text_blocks(path), len(data_files) == 1
-        return
-    if local:
-        read = json_texts if dataset == "json" else parquet_texts
-        texts = (text for path in data_files for text in read(path, text_column))
-    else:
-        texts = hub_texts(dataset, name, data_files, source_split, text_column, streaming)
-    yield from _with_lone(texts)
 
 
 # -----------------------------------------------------------------------------
@@ -254,30 +199,29 @@ CHUNK_CHARS = 1 << 18  # characters of text per tokenizer task
 
 
 def _chunks(units):
-    """(texts, EOT flags, split ids) of consecutive units of about CHUNK_CHARS characters, in source order."""
-    texts, eots, splits, size = [], [], [], 0
-    for split, text, eot in units:
-        texts.append(text)
-        eots.append(eot)
-        splits.append(SPLITS.index(split))
-        size += len(text)
+    """Lists of consecutive units of about CHUNK_CHARS characters in all, in order: a tokenizer task each."""
+    chunk, size = [], 0
+    for unit in units:
+        chunk.append(unit)
+        size += len(unit[1])
         if size >= CHUNK_CHARS:
-            yield texts, eots, splits
-            texts, eots, splits, size = [], [], [], 0
-    if texts:
-        yield texts, eots, splits
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
-def _encode_docs(tokenizer_name, texts, eots=None):
-    """Tokens of documents as [EOT] + encode(text) each ([EOT] only where eots says so; nothing for an
-    empty text), and their lengths."""
+def _encode(tokenizer_name, units):
+    """The tokens of units, as EOT (where the unit says so) + encode(text) each (nothing for an empty text),
+    with each unit's token count and split id."""
     tok = get_tokenizer(tokenizer_name)
     ids, lengths = [], []
-    for text, eot in zip(texts, eots or [True] * len(texts)):
+    for _, text, eot in units:
         doc = [tok.eot] * eot + tok.encode(text) if text else []
         ids += doc
         lengths.append(len(doc))
-    return np.array(ids, dtype=np.uint16), np.array(lengths, dtype=np.int64)
+    splits = [SPLITS.index(split) for split, _, _ in units]
+    return np.array(ids, dtype=np.uint16), np.array(lengths, dtype=np.int64), np.array(splits)
 
 
 def _ignore_sigint():
@@ -285,25 +229,18 @@ def _ignore_sigint():
 
 
 def _encoded(chunks, tokenizer_name, num_proc):
-    """(tokens, lengths, split ids) of the chunks, in order, on `num_proc` processes with a bounded backlog."""
+    """_encode of each chunk, in order, on `num_proc` processes with a bounded backlog."""
     if num_proc == 1:
-        for texts, eots, splits in chunks:
-            yield *_encode_docs(tokenizer_name, texts, eots), splits
+        yield from (_encode(tokenizer_name, chunk) for chunk in chunks)
         return
     with multiprocessing.Pool(num_proc, initializer=_ignore_sigint) as pool:
         pending = deque()
-        for texts, eots, splits in chunks:
-            pending.append((pool.apply_async(_encode_docs, (tokenizer_name, texts, eots)), splits))
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode, (tokenizer_name, chunk)))
             if len(pending) >= 2 * num_proc:
-                result, splits = pending.popleft()
-                yield *result.get(), splits
+                yield pending.popleft().get()
         while pending:
-            result, splits = pending.popleft()
-            yield *result.get(), splits
-
-
-SETTINGS = ("format_version", "source", "tokenizer", "tokenizer_fingerprint",
-            "val_fraction", "test_fraction", "shard_tokens", "cut_documents")
+            yield pending.popleft().get()
 
 
 def _our_files(out_dir):
@@ -334,9 +271,9 @@ def _up_to_date(out_dir, settings):
                         "pass --overwrite to replace them, or choose another --out_dir")
     if meta is None:
         return False  # shards without meta.json are what an interrupted run left: nothing to lose
-    if {k: _setting(meta, k) for k in SETTINGS} == settings:
+    changed = ", ".join(k for k in settings if _setting(meta, k) != settings[k])
+    if not changed:
         return True
-    changed = ", ".join(k for k in SETTINGS if _setting(meta, k) != settings[k])
     raise UserError(f"{out_dir} holds data prepared with other settings ({changed}): "
                     "pass --overwrite to replace it, or choose another --out_dir")
 
@@ -378,15 +315,20 @@ class ShardWriter:
         self.fill = 0
 
 
+def unigram_baseline(train_counts, val_counts):
+    """Cross-entropy (nats/token) of val under the add-one-smoothed unigram distribution of train."""
+    logp = np.log(train_counts + 1.0) - np.log(train_counts.sum() + len(train_counts))
+    return float(-(val_counts * logp).sum() / val_counts.sum())
+
+
 def _tokenize(documents, tok, out_dir, shard_tokens, num_proc, val_fraction, test_fraction, cut):
     """Tokenize the documents into the shards of each split; returns the ShardWriter of each split."""
     from tqdm import tqdm
     writers = {s: ShardWriter(out_dir, s, tok, shard_tokens) for s in SPLITS}
     wanted = [s for s, f in (("val", val_fraction), ("test", test_fraction)) if f > 0]
-    chunks = _chunks(_units(documents, lambda i: split_of(i, val_fraction, test_fraction), cut, wanted))
+    units = _units(documents, lambda i: split_of(i, val_fraction, test_fraction), cut, wanted)
     with tqdm(unit="docs", desc="tokenizing", disable=None) as bar:  # no bar when stderr is not a terminal
-        for tokens, lengths, split in _encoded(chunks, tok.name, num_proc):
-            split = np.array(split)
+        for tokens, lengths, split in _encoded(_chunks(units), tok.name, num_proc):
             token_split = np.repeat(split, lengths)
             for i, s in enumerate(SPLITS):
                 writers[s].add(tokens[token_split == i], int(np.count_nonzero((split == i) & (lengths > 0))))
@@ -394,14 +336,6 @@ def _tokenize(documents, tok, out_dir, shard_tokens, num_proc, val_fraction, tes
     for w in writers.values():
         w.flush()
     return writers
-
-
-def _check_out_dir(out_dir):
-    if out_dir.is_symlink() and not out_dir.exists():
-        raise UserError(f"--out_dir {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist: "
-                        "create that directory, or pass another --out_dir")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out_dir {out_dir} is a file, not a directory")
 
 
 def prepare(dataset=None, name=None, data_files=None, source_split="train", text_column="text",
@@ -443,7 +377,11 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     if out_dir is None:
         out_dir = DATA_DIR / (stem if tok.name == "gpt2" else f"{stem}_{tok.name}")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir)
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise UserError(f"--out_dir {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist: "
+                        "create that directory, or pass another --out_dir")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out_dir {out_dir} is a file, not a directory")
     for f in data_files if local else ():
         if out_dir.resolve() in Path(f).parents:
             raise UserError(f"source file {f} lies inside --out_dir {out_dir}, whose files prepare_data.py writes "
@@ -460,7 +398,9 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         raise UserError(os_error_message(e, out_dir)) from None
     lock = lock_dir(out_dir, "prepare_data.py run", UserError)
     staging, swapping = out_dir / STAGING, False  # swapping: out_dir's previous preparation is being replaced
-    had = (out_dir / "meta.json").exists()
+    kept = f"; {out_dir}'s previous preparation is unchanged" if (out_dir / "meta.json").exists() else ""
+    lost = (f"while moving the new preparation into place: {out_dir} holds neither the old one nor the new one; "
+            "run prepare_data.py again")
     try:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed run left
         odd = next((p for p in _our_files(out_dir) if p.is_symlink() or not p.is_file()), None)
@@ -471,41 +411,39 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         if not overwrite and _up_to_date(out_dir, settings):
             print(f"{out_dir} is already prepared from this source with these settings (--overwrite rebuilds it)")
             return load_meta(out_dir)
-        kept = f"; {out_dir}'s previous preparation is unchanged" if had else ""
         try:
             staging.mkdir()
         except OSError as e:
             raise UserError(os_error_message(e, staging) + kept) from None
         cut = {"documents": 0, "pieces": 0, "lone": False}
         try:
-            documents = _documents(dataset, name, data_files, local, source_split, text_column, streaming)
             t0 = time.time()
-            writers = _tokenize(documents, tok, staging, shard_tokens, num_proc, val_fraction, test_fraction, cut)
+            docs = documents(dataset, name, data_files, source_split, text_column, streaming)
+            writers = _tokenize(docs, tok, staging, shard_tokens, num_proc, val_fraction, test_fraction, cut)
             if sum(w.docs for w in writers.values()) == 0:
                 raise UserError(f"source {dataset} {data_files or name or ''} has no documents with text "
                                 f"in column {text_column!r}: pass a non-empty source")
             if writers["train"].tokens == 0:
                 raise UserError(f"the train split is empty: all {sum(w.docs for w in writers.values())} documents went "
                                 "to val or test; lower --val_fraction / --test_fraction, or pass more documents")
+            splits = {s: {"docs": w.docs, "tokens": w.tokens, "shards": len(w.files), "files": w.files}
+                      for s, w in writers.items()}
+            baseline = None
+            if writers["val"].tokens:
+                baseline = unigram_baseline(writers["train"].counts, writers["val"].counts)
+            meta = {**settings, "vocab_size": tok.vocab_size, "eot": tok.eot,
+                    "eot_placement": "before each document (in a cut one, where its split's text jumps)",
+                    "splits": splits, "unigram_baseline_nats": baseline}
+            write_meta(staging, meta)
         except UserError as e:
             raise UserError(f"{e}{kept}") from None
         except OSError as e:  # reading raises UserError, and writing a shard does too: this is something else
             raise UserError(f"{type(e).__name__} while preparing into {staging}: {e}{kept}") from None
-        splits = {s: {"docs": w.docs, "tokens": w.tokens, "shards": len(w.files), "files": w.files}
-                  for s, w in writers.items()}
-        baseline = None
-        if writers["val"].tokens:
-            baseline = unigram_baseline(writers["train"].counts, writers["val"].counts)
-        meta = {**settings, "vocab_size": tok.vocab_size, "eot": tok.eot,
-                "eot_placement": "before each document (in a cut one, where its split's text jumps)",
-                "splits": splits, "unigram_baseline_nats": baseline}
-        write_meta(staging, meta)
         swapping = True
         try:
             _swap_in(staging, out_dir)
         except OSError as e:
-            raise UserError(f"{os_error_message(e, out_dir)}, while moving the new preparation into place: "
-                            "neither the old one nor the new one is left; run prepare_data.py again") from None
+            raise UserError(f"{os_error_message(e, out_dir)}, {lost}") from None
         swapping = False  # done: the new preparation is whole
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
@@ -517,10 +455,8 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
                 out_dir.rmdir()
         if isinstance(e, KeyboardInterrupt) and not isinstance(e, Stopped):  # Ctrl-C: say what out_dir holds now
             if swapping:
-                raise Stopped(f"stopped by Ctrl-C while moving the new preparation into place: {out_dir} holds "
-                                  "neither the old one nor the new one; run prepare_data.py again") from None
-            raise Stopped(f"stopped by Ctrl-C; {out_dir}'s previous preparation is unchanged" if had else
-                              f"stopped by Ctrl-C; nothing was left in {out_dir}") from None
+                raise Stopped(f"stopped by Ctrl-C {lost}") from None
+            raise Stopped("stopped by Ctrl-C" + (kept or f"; nothing was left in {out_dir}")) from None
         raise
     finally:
         lock.release()

@@ -1,5 +1,5 @@
 """
-Where prepare_data.py's documents come from: local files (JSON lines or a JSON array, parquet, text;
+Where prepare_data.py's documents come from (documents()): local files (JSON lines or a JSON array, parquet, text;
 .gz too) and hub datasets through `datasets`, each read as a stream of texts. Whatever a source does
 wrong (a missing or empty file, the same file twice, mixed formats, bytes that are not UTF-8, a record
 without the text field, a damaged file, a hub dataset that cannot be read) is one UserError that names
@@ -13,6 +13,7 @@ import json
 import os
 import re
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 from depthres import UserError
@@ -32,9 +33,9 @@ def local_files(patterns):
         for f in matches:
             if not os.path.isfile(f):
                 raise UserError(f"source {f} is not a file: pass files or a pattern such as '{f}/*.parquet'")
-            if os.path.getsize(f) == 0:
-                raise UserError(f"source file {f} is empty: pass a file with documents")
             st = os.stat(f)
+            if st.st_size == 0:
+                raise UserError(f"source file {f} is empty: pass a file with documents")
             if (st.st_dev, st.st_ino) in seen:  # the same file twice, by path, glob or link
                 first, by = seen[(st.st_dev, st.st_ino)]
                 raise UserError(f"source file {f} (from {pattern!r}) is also {first} (from {by!r}): pass each "
@@ -59,14 +60,14 @@ def format_of(files):
     return builders.pop()
 
 
-READ_ERRORS = (OSError, EOFError, zlib.error)  # what a damaged file (a corrupt or cut .gz) raises when read
+def _open_bytes(path):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
 def _open_text(path):
     """A local file as text: .gz decompressed, UTF-8 (strict), a leading byte order mark dropped, line
     ends as "\\n"."""
-    raw = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None)
+    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig", newline=None)
 
 
 def _not_utf8(path):
@@ -74,8 +75,7 @@ def _not_utf8(path):
     import codecs
     decoder = codecs.getincrementaldecoder("utf-8")()
     pos, line, line_start = 0, 1, 0  # the file offset of the block, its line, where that line starts
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
+    with _open_bytes(path) as f:
         while True:
             block = f.read(1 << 20)
             held = decoder.getstate()[0]  # the start of a character cut by the previous block
@@ -97,24 +97,20 @@ def _not_utf8(path):
             pos += len(block)
 
 
+@contextmanager
 def _read_errors(path, where=lambda: ""):
-    """A context for reading a local file: what it raises becomes one UserError naming the file."""
-    class Context:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, kind, e, tb):
-            if isinstance(e, UnicodeDecodeError):
-                raise _not_utf8(path) from None
-            if isinstance(e, READ_ERRORS):
-                reason = getattr(e, "strerror", None) or str(e)
-                raise UserError(f"{path} could not be read{where()} ({type(e).__name__}: {reason}): it is damaged "
-                                "or cut short; replace it") from None
-            return False
-    return Context()
+    """Reading a local file: what it raises becomes one UserError naming the file."""
+    try:
+        yield
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+    except (OSError, EOFError, zlib.error) as e:  # what a damaged file (a corrupt or cut .gz) raises
+        reason = getattr(e, "strerror", None) or str(e)
+        raise UserError(f"{path} could not be read{where()} ({type(e).__name__}: {reason}): it is damaged "
+                        "or cut short; replace it") from None
 
 
-def text_blocks(path):
+def _text_blocks(path):
     """A .txt file, as blocks of its text."""
     with _read_errors(path), _open_text(path) as f:
         while block := f.read(READ_CHARS):
@@ -141,6 +137,19 @@ def _record_text(record, where, text_column, first):
     return text
 
 
+def _json(text, path, line, where, fix):
+    """`text`, from line `line` of `path` on, as JSON. What is not JSON is a UserError naming its line; what
+    Python's reader cannot hold (nesting deeper than its recursion limit, an integer of more than 4,300 digits)
+    one naming `where`, said briefly (the advice to raise the digit limit is dropped)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} line {line + e.lineno - 1} is not valid JSON ({e.msg}, column {e.colno}): "
+                        f"{fix}") from None
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"{where} is not valid JSON ({type(e).__name__}: {str(e).split(';')[0]}): {fix}") from None
+
+
 def json_texts(path, text_column):
     """The texts of a JSON lines file (one object per line), or of a JSON array of objects."""
     n, first = 0, True
@@ -151,32 +160,13 @@ def json_texts(path, text_column):
             if not stripped:
                 continue
             if first and stripped.startswith("["):  # one JSON array: read whole
-                text = line + f.read()
-                try:
-                    records = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): "
-                                    "fix it") from None
-                except (ValueError, RecursionError) as e:
-                    raise UserError(f"{path} is not valid JSON ({beyond_json(e)}): fix it") from None
+                records = _json(line + f.read(), path, n, path, "fix it")
                 for i, record in enumerate(records):
                     yield _record_text(record, f"{path} item {i}", text_column, i == 0)
                 return
-            try:
-                record = json.loads(stripped)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path} line {n} is not valid JSON ({e.msg}, column {e.colno}): "
-                                "fix or remove that line") from None
-            except (ValueError, RecursionError) as e:
-                raise UserError(f"{path} line {n} is not valid JSON ({beyond_json(e)}): fix or remove that line") from None
+            record = _json(stripped, path, n, f"{path} line {n}", "fix or remove that line")
             yield _record_text(record, f"{path} line {n}", text_column, first)
             first = False
-
-
-def beyond_json(e):
-    """What Python's JSON reader could not hold, said briefly: nesting deeper than its recursion limit, an integer
-    of more than 4,300 digits (the advice to raise that limit is dropped)."""
-    return f"{type(e).__name__}: {str(e).split(';')[0]}"
 
 
 def parquet_texts(path, text_column):
@@ -199,8 +189,7 @@ def parquet_texts(path, text_column):
 
 
 def hub_texts(dataset, name, data_files, source_split, text_column, streaming):
-    """The texts of a hub dataset's column, through `datasets`. Whatever fails while reading is a
-    UserError naming the source."""
+    """The texts of a hub dataset's column, through `datasets`."""
     where = dataset + (f" ({name})" if name else "") + (f" {data_files}" if data_files else "")
     try:
         from datasets import load_dataset
@@ -220,3 +209,17 @@ def hub_texts(dataset, name, data_files, source_split, text_column, streaming):
         reason = (str(cause).strip().splitlines() or [""])[0]
         raise UserError(f"could not read source {where}: {type(cause).__name__}: {reason}: check the dataset's "
                         "name, --name and --source_split, and the network") from None
+
+
+def documents(dataset, name, data_files, source_split, text_column, streaming):
+    """The documents of a source, in order, each as an iterable of blocks of its text: a .txt file (one
+    document) is read a block at a time as it is consumed; a record's text is one block ("" for none).
+    dataset: json, parquet or text for local files (data_files: local_files'), else a hub dataset."""
+    if dataset == "text":
+        return (_text_blocks(path) for path in data_files)
+    if dataset in ("json", "parquet"):
+        read = json_texts if dataset == "json" else parquet_texts
+        texts = (text for path in data_files for text in read(path, text_column))
+    else:
+        texts = hub_texts(dataset, name, data_files, source_split, text_column, streaming)
+    return ([text or ""] for text in texts)

@@ -2,8 +2,8 @@
 The token-shard format: what prepare_data.py writes and training reads.
 
     tokenizers    "gpt2" (GPT-2 BPE through tiktoken, from the committed rank file) and "byte"
-    a shard       {split}_NNNNNN.bin: a 64-byte header (magic, format version, vocab size, token count,
-                  tokenizer name and fingerprint), then the token ids as uint16
+    a shard       {split}_NNNNNN.bin: a 64-byte little-endian header (HEADER: magic, format version, vocab
+                  size, token count, tokenizer name and fingerprint, padding), then the token ids as uint16
     meta.json     the preparation's settings, vocabulary and splits (each split's files and token
                   counts); written last, so a directory without it is not a preparation
     reading       load_meta and check_split validate; TokenLoader gives seeded, resumable training
@@ -25,7 +25,7 @@ import tiktoken
 import torch
 
 from depthres import UserError
-from depthres.files import write_atomic
+from depthres.files import write_atomic, write_file
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -36,9 +36,6 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 
 SPLITS = ("train", "val", "test")
 
-# Shard layout, the only place it is defined: a 64-byte little-endian header
-# (magic, format version, vocab size, token count, tokenizer name, tokenizer fingerprint, padding)
-# followed by `token count` uint16 tokens.
 SHARD_MAGIC = b"DRTOKENS"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sIIQ16s8s16x")
@@ -119,11 +116,6 @@ def get_tokenizer(name):
 # -----------------------------------------------------------------------------
 # shards
 
-def _write_atomic(path, chunks):
-    """Write byte chunks atomically (files.write_atomic); a failed write is one UserError line."""
-    write_atomic(path, lambda f: f.writelines(chunks), UserError)
-
-
 def check_fits_uint16(tokenizer):
     if tokenizer.vocab_size > 2**16:
         raise UserError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but shards store "
@@ -136,7 +128,7 @@ def write_shard(path, tokens, tokenizer):
     tokens = np.asarray(tokens, dtype=np.uint16)
     header = HEADER.pack(SHARD_MAGIC, FORMAT_VERSION, tokenizer.vocab_size, len(tokens),
                          tokenizer.name.encode(), bytes.fromhex(tokenizer.fingerprint))
-    _write_atomic(Path(path), [header, memoryview(tokens)])
+    write_atomic(path, lambda f: f.writelines([header, memoryview(tokens)]), UserError)
 
 
 def read_header(path):
@@ -180,7 +172,7 @@ def open_shard(path, fingerprint=None):
 
 def write_meta(out_dir, meta):
     """Write a preparation's meta.json (atomically): the last file of a preparation."""
-    _write_atomic(Path(out_dir) / "meta.json", [(json.dumps(meta, indent=2) + "\n").encode()])
+    write_file(Path(out_dir) / "meta.json", json.dumps(meta, indent=2) + "\n", UserError)
 
 
 # -----------------------------------------------------------------------------
@@ -192,12 +184,11 @@ def load_meta(data_dir):
     if not path.is_file():
         raise UserError(f"{path} not found: prepare the data first, with `python prepare_data.py` "
                         f"(and --out_dir {data_dir} for another source; see --help)")
+    redo = f"re-run `python prepare_data.py --overwrite --out_dir {data_dir}` with the same source"
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}): re-run `python prepare_data.py --overwrite "
-                        f"--out_dir {data_dir}` with the same source") from e
-    redo = f"re-run `python prepare_data.py --overwrite --out_dir {data_dir}` with the same source"
+        raise UserError(f"{path} is not valid JSON ({e}): {redo}") from e
     if not isinstance(meta, dict):
         raise UserError(f"{path} holds a JSON {type(meta).__name__}, not an object: {redo}")
     if meta.get("format_version") != FORMAT_VERSION:
@@ -248,7 +239,7 @@ META_KEYS = ("tokenizer", "tokenizer_fingerprint", "vocab_size", "splits")  # wh
 
 
 def _open_split(data_dir, split):
-    """The memory-mapped shards of one split, checked against meta.json."""
+    """The meta.json of data_dir and the memory-mapped shards of one split, checked against it."""
     meta = load_meta(data_dir)
     info = meta["splits"].get(split)
     if info is None:
@@ -256,26 +247,25 @@ def _open_split(data_dir, split):
     if info["tokens"] == 0:
         raise UserError(f"split {split!r} of {data_dir} is empty: re-run prepare_data.py with --overwrite "
                         "and fractions that give it documents")
-    return [open_shard(Path(data_dir) / f, meta["tokenizer_fingerprint"]) for f in info["files"]]
+    return meta, [open_shard(Path(data_dir) / f, meta["tokenizer_fingerprint"]) for f in info["files"]]
 
 
 def check_split(data_dir, split):
     """Open every shard of a split as the loaders will, and read each token id once (one pass over
     the split's bytes): a shard that is missing, truncated, from another tokenizer or holding an id
     outside the tokenizer's vocabulary is a UserError naming it. Returns the split's token count."""
-    meta = load_meta(data_dir)
-    vocab = meta["vocab_size"]
-    total = 0
-    for name, shard in zip(meta["splits"][split]["files"], _open_split(data_dir, split)):
+    meta, shards = _open_split(data_dir, split)
+    vocab, info, total = meta["vocab_size"], meta["splits"][split], 0
+    for name, shard in zip(info["files"], shards):
         top = max(int(shard[i:i + (1 << 24)].max()) for i in range(0, len(shard), 1 << 24))
         if top >= vocab:
             raise UserError(f"shard {Path(data_dir) / name} holds token id {top}, outside the {meta['tokenizer']} "
                             f"tokenizer's ids 0..{vocab - 1}: it is corrupt or was written for another tokenizer; "
                             f"re-create it with `python prepare_data.py --overwrite --out_dir {data_dir}`")
         total += len(shard)
-    if total != meta["splits"][split]["tokens"]:
+    if total != info["tokens"]:
         raise UserError(f"split {split!r} of {data_dir} holds {total:,} tokens in its shards, but its meta.json "
-                        f"says {meta['splits'][split]['tokens']:,}: the shards and meta.json are from different "
+                        f"says {info['tokens']:,}: the shards and meta.json are from different "
                         f"preparations; re-create them with `python prepare_data.py --overwrite --out_dir {data_dir}`")
     return total
 
@@ -294,7 +284,7 @@ class TokenLoader:
             raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
         self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.shards = _open_split(data_dir, split)
+        _, self.shards = _open_split(data_dir, split)
         per_shard = [(len(s) - 1) // seq_len for s in self.shards]
         self.starts = np.cumsum([0] + per_shard)  # first window id of each shard
         self.n_windows = int(self.starts[-1])
@@ -354,7 +344,7 @@ def eval_batches(data_dir, split, batch_size, seq_len, max_tokens, rank=0, world
     """
     if not 0 <= rank < world_size:
         raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
-    shards = _open_split(data_dir, split)
+    _, shards = _open_split(data_dir, split)
     total = sum(len(s) for s in shards)
     n = (total - 1 if max_tokens is None else min(max_tokens, total - 1)) // seq_len
     if n == 0 and max_tokens is not None and max_tokens < seq_len:

@@ -835,7 +835,7 @@ def test_a_small_lone_text_fills_every_split(tmp_path, capsys):
 def test_a_lone_text_fills_what_its_pieces_can_and_train_keeps_one(n_pieces, val, test):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(prepare_data, "PIECE_CHARS", 8)
-        units = list(prepare_data._units([("".join(f"piece {j}\n" for j in range(n_pieces)), True)],
+        units = list(prepare_data._units([["".join(f"piece {j}\n" for j in range(n_pieces))]],
                                          lambda i: "train", {"documents": 0, "pieces": 0, "lone": False}, ["val", "test"]))
     splits = [s for s, _, _ in units]
     assert len(splits) == n_pieces and splits.count("val") == val and splits.count("test") == test
