@@ -93,7 +93,7 @@ def variant_config(spec, args):
     """The GPTConfig of a variant at the benchmark's size; UserError naming the variant if it does not build."""
     try:
         return model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                                 n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec)), UserError)
+                                 n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec)))
     except UserError as e:
         raise UserError(f"--variants {spec}: {e}") from None
 
@@ -101,11 +101,11 @@ def variant_config(spec, args):
 def check_args(args):
     """Every flag, variant and the output path, before any model is built; returns (device, specs)."""
     for flag in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "batch_size", "repeats"):
-        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}", UserError)
-    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}", UserError)
+        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}")
     need(all(len(b) == 2 and min(b) >= 1 for b in args.routing_blocks),
          "--routing_blocks: each block is sources:sites, both at least 1 (e.g. 4:4,8:4), got "
-         + ",".join(":".join(map(str, b)) for b in args.routing_blocks), UserError)
+         + ",".join(":".join(map(str, b)) for b in args.routing_blocks))
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -113,19 +113,18 @@ def check_args(args):
             device = torch.device(args.device)
         except RuntimeError:
             raise UserError(f"--device {args.device} is not a device: use auto, cpu, cuda or cuda:N") from None
-        need(device.type in ("cpu", "cuda"), f"--device {args.device}: use auto, cpu, cuda or cuda:N", UserError)
-        need(device.type != "cuda" or torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available",
-             UserError)
+        need(device.type in ("cpu", "cuda"), f"--device {args.device}: use auto, cpu, cuda or cuda:N")
+        need(device.type != "cuda" or torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available")
         need(device.type != "cuda" or device.index is None or device.index < torch.cuda.device_count(),
-             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", UserError)
+             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
     model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                      n_embd=args.n_embd), UserError)
+                      n_embd=args.n_embd))
     specs = args.variants.split(",")
     if "standard" not in specs:
         specs.insert(0, "standard")
     for spec in specs:
         variant_config(spec, args)
-    need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write", UserError)
+    need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write")
     try:
         check_writable(os.path.dirname(args.out) or ".")
     except OSError as e:

@@ -424,27 +424,27 @@ def summary(d):
 
 def check_args(args):
     """Every flag, and where the results go, before any compute."""
-    need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}", UserError)
-    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}", UserError)
+    need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}")
+    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
         raise UserError(f"--device {args.device} is not a device: use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
-        need(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available", UserError)
+        need(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available")
         need(device.index is None or device.index < torch.cuda.device_count(),
-             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", UserError)
+             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
     else:
-        need(device.type == "cpu", f"--device {args.device}: use cpu, cuda or cuda:N", UserError)
+        need(device.type == "cpu", f"--device {args.device}: use cpu, cuda or cuda:N")
     for run in args.curves or []:
         need(os.path.isfile(os.path.join(run, "log.jsonl")),
-             f"--curves {run}: no log.jsonl there (not a train.py run directory)", UserError)
+             f"--curves {run}: no log.jsonl there (not a train.py run directory)")
     if args.ckpt:
         need(args.out is None or not os.path.exists(args.out) or os.path.isdir(args.out),
-             f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory", UserError)
+             f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory")
     elif args.out:
         need(not os.path.isdir(args.out),
-             f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write", UserError)
+             f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write")
     if args.curves:
         png = curves_path(args)
         check_writable(os.path.dirname(png) or ".", "the curves")
