@@ -51,7 +51,7 @@ from depthres import UserError, cli, os_error_message
 from depthres.config import MODEL_TYPES, convert, model_config, need
 from depthres.files import check_writable, write_file
 from model_fast import ReferenceRouter, TwoPhaseRouter, compile_model, make_model, rms_inv, saved_activation_bytes
-from tools.diagnose import parse_device
+from tools.diagnose import ROOT, parse_device
 
 DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc,denseformer,muddformer,delta_attnres"
 SHAPE_KEYS = {"vocab_size": "--vocab_size", "block_size": "--seq_len", "n_layer": "--n_layer", "n_head": "--n_head",
@@ -187,7 +187,7 @@ def copy_bandwidth(device, dtype, nbytes=256 * 2**20, reps=10):
     return 2 * a.numel() * dtype.itemsize / statistics.median(timed(lambda: b.copy_(a), device) for _ in range(reps))
 
 
-def bench_block_routing(args, device, dtype, bandwidth, reps=10):
+def bench_block_routing(args, device, bandwidth, reps=10):
     """One block of S sites over n completed sources (float32, as the streams keep them): the
     router opened once, then each site reads with its partial sum. Per implementation and pass."""
     rows = []
@@ -215,7 +215,6 @@ def bench_block_routing(args, device, dtype, bandwidth, reps=10):
     return rows
 
 
-ROOT = Path(__file__).resolve().parents[1]
 MEMORY_MODEL = ["--n_layer=16", "--n_embd=512", "--n_head=8", "--max_steps=1", "--batch_size=1", "--seq_len=16",
                 "--batch_tokens=32", "--eval_tokens=32"]
 
@@ -349,7 +348,7 @@ def main(argv=None):
     routing, bandwidth = [], None
     if args.routing_blocks:
         bandwidth = copy_bandwidth(device, torch.float32)
-        routing = bench_block_routing(args, device, dtype, bandwidth)
+        routing = bench_block_routing(args, device, bandwidth)
         print(f"\nDepth routing of one block, {args.batch_size} x {args.seq_len} x {args.n_embd} float32 sources; "
               f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
         print("| completed sources | sites | impl | pass | ms | floor ms | fraction of floor speed |")
