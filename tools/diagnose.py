@@ -25,7 +25,6 @@ import math
 import os
 import statistics
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -123,27 +122,20 @@ class AblatedDARStream(DARStream):
         return r
 
 
-@contextmanager
-def ablated(model, ablate):
-    """The model's DAR streams ablated as AblatedDARStream says, inside the with block."""
-    module = model.residual
-    module.start = lambda x0, record=None: AblatedDARStream(module, x0, record, ablate)
-    try:
-        yield model
-    finally:
-        del module.start
-
-
 @torch.no_grad()
 def dar_rescue_gains(model, batches, base_loss):
     """Per layer: replace both streams' retrievals at the layer's sublayers with their token means
     (D_none = loss increase), then keep stream m intact (D_m); gain_m = 1 - D_m / D_none."""
-    gains = []
+    module, gains = model.residual, []
     for i in range(model.cfg.n_layer):
         d = {}
         for kept, ablate in (("none", (0, 1)), (0, (1,)), (1, (0,))):
-            with ablated(model, {2 * i: ablate, 2 * i + 1: ablate}):
+            targets = {2 * i: ablate, 2 * i + 1: ablate}
+            module.start = lambda x0, record=None: AblatedDARStream(module, x0, record, targets)  # not DARStream
+            try:
                 d[kept] = collect(model, batches)[0] - base_loss
+            finally:
+                del module.start
         gains.append([rescue_gain(d["none"], d[0]), rescue_gain(d["none"], d[1]), d["none"]])
     return gains
 
@@ -383,8 +375,9 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
                                                     f"{cfg.residual}, step {ckpt['step']}", kind, names)
         path = os.path.join(out_dir, "diagnostics.json")
         write_file(path, json.dumps(out, indent=1) + "\n")
-    except OSError as e:
-        raise UserError(os_error_message(e, out_dir), result=out) from None
+    except OSError as e:  # computed, then the disk failed: the numbers are printed, not lost
+        print(summary(out))
+        raise UserError(f"{os_error_message(e, out_dir)}; the summary above is all that was kept") from None
     return out
 
 
@@ -497,13 +490,7 @@ def run(argv):
         except OSError as e:
             raise UserError(os_error_message(e, curves_path(args))) from None
     if args.ckpt:
-        try:
-            print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)))
-        except UserError as e:
-            if e.result is None:
-                raise
-            print(summary(e.result))  # computed, then the disk failed: the numbers are printed, not lost
-            raise UserError(f"{e}; the summary above is all that was kept") from None
+        print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)))
     return 0
 
 
