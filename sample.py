@@ -6,7 +6,7 @@ Sample text from a checkpoint, decoding incrementally with a key/value cache.
 
 The prompt is prefilled once, then the model decodes one token per step against its KVCache. Depth
 routing in every residual variant works per position, so the attention keys and values are all a
-variant needs cached: this file touches the model only through forward(), which reads a KVCache's pos and update().
+variant needs cached.
 
 Prompt: without --prompt or --prompt_file the prompt is the end-of-text token alone. prepare_data.py
 puts EOT before every document, so this samples the start of a new document (unconditional).
