@@ -50,8 +50,9 @@ import torch._dynamo
 from depthres import UserError, cli, os_error_message
 from depthres.config import MODEL_TYPES, convert, model_config, need
 from depthres.files import check_writable, write_file
+from depthres.runlog import ROOT
 from model_fast import ReferenceRouter, TwoPhaseRouter, compile_model, make_model, rms_inv, saved_activation_bytes
-from tools.diagnose import ROOT, parse_device
+from tools.diagnose import parse_device
 
 DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc,denseformer,muddformer,delta_attnres"
 SHAPE_KEYS = {"vocab_size": "--vocab_size", "block_size": "--seq_len", "n_layer": "--n_layer", "n_head": "--n_head",

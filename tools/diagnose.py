@@ -33,12 +33,9 @@ from depthres import UserError, cli, files, os_error_message
 from depthres.checkpoint import load_model
 from depthres.config import need
 from depthres.files import write_figure, write_file
-from depthres.runlog import log_records, perplexity
+from depthres.runlog import ROOT, log_records, perplexity  # ROOT: the repository, where train.py usually runs
 from depthres.token_data import eval_batches, load_meta
 from model import DARStream
-
-ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs
-
 
 # --- the measures ---------------------------------------------------------------------------------
 

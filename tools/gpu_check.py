@@ -30,9 +30,8 @@ from pathlib import Path
 import torch
 
 from depthres import UserError, cli
-from depthres.runlog import log_records
+from depthres.runlog import ROOT, log_records
 
-ROOT = Path(__file__).resolve().parent.parent
 BENCH = ["--n_layer", "12", "--n_embd", "768", "--n_head", "6", "--seq_len", "1024", "--batch_size", "8",
          "--dtype", "bf16", "--compile", "--repeats", "5", "--warmup", "2", "--routing_blocks", "4:4,8:4,16:4"]
 TOY_BENCH = ["--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--seq_len", "16", "--batch_size", "2",
