@@ -433,8 +433,7 @@ def check_args(args):
         need(not os.path.isdir(args.out),
              f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write")
     if args.curves:
-        png = curves_path(args)
-        check_writable(os.path.dirname(png) or ".", "the curves")
+        check_writable(os.path.dirname(curves_path(args)) or ".", "the curves")
     if args.ckpt:
         check_writable(args.out or default_out(args.ckpt), "the diagnostics")
 

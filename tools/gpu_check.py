@@ -164,12 +164,12 @@ def check(argv):
     results, failed, t0 = {}, [], time.time()
     try:
         data_dir = prepare(args, work)
-        for name, check in (("bench", lambda: check_bench(args, work)),
-                            ("train", lambda: check_train(args, data_dir, work / "runs")),
-                            ("sample", lambda: check_sample(args, work / "runs"))):
+        for name, part in (("bench", lambda: check_bench(args, work)),
+                           ("train", lambda: check_train(args, data_dir, work / "runs")),
+                           ("sample", lambda: check_sample(args, work / "runs"))):
             print(f"== {name}", flush=True)
             try:
-                results[name] = check()
+                results[name] = part()
             except (UserError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as e:
                 results[name] = [f"FAILED: {e}"]
                 failed.append(name)
