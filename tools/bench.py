@@ -181,11 +181,11 @@ def quartiles(xs):
     return q[0], statistics.median(xs), q[2]
 
 
-def copy_bandwidth(device, dtype, nbytes=256 * 2**20, reps=10):
+def copy_bandwidth(device, nbytes=256 * 2**20, reps=10):
     """Bytes per second of a large device copy (read + write): the traffic ceiling in practice."""
-    a = torch.empty(nbytes // 2 // dtype.itemsize, dtype=dtype, device=device).fill_(1)
+    a = torch.ones(nbytes // 2 // 4, device=device)  # float32: nbytes / 2 read, as many written
     b = torch.empty_like(a)
-    return 2 * a.numel() * dtype.itemsize / statistics.median(timed(lambda: b.copy_(a), device) for _ in range(reps))
+    return nbytes / statistics.median(timed(lambda: b.copy_(a), device) for _ in range(reps))
 
 
 def bench_block_routing(args, device, bandwidth, reps=10):
@@ -348,7 +348,7 @@ def main(argv=None):
 
     routing, bandwidth = [], None
     if args.routing_blocks:
-        bandwidth = copy_bandwidth(device, torch.float32)
+        bandwidth = copy_bandwidth(device)
         routing = bench_block_routing(args, device, bandwidth)
         print(f"\nDepth routing of one block, {args.batch_size} x {args.seq_len} x {args.n_embd} float32 sources; "
               f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
