@@ -226,10 +226,9 @@ def route_names(records):
 
 
 def plot_routing_maps(maps, path, title, kind, names):
-    """One heatmap per route: rows are sites in depth order, columns are sources (0 = embedding).
-    RD-AttnRes: the QK and V routes (MLP sites and readout appear in both); DAR: one per stream;
-    MUDDFormer: one per way (the readout's one way in each). DenseFormer and MUDDFormer weights are
-    free reals, not a softmax: a diverging colour scale centred on 0."""
+    """One heatmap per route (route_names): rows are sites in depth order, columns are sources (0 =
+    embedding); a site of one route (RD-AttnRes' MLP sites, MUDDFormer's readout) appears in each.
+    DenseFormer and MUDDFormer weights are free reals, not a softmax: a diverging colour scale centred on 0."""
     plt = pyplot()
     if plt is None:
         return None
