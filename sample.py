@@ -6,7 +6,7 @@ Sample text from a checkpoint, decoding incrementally with a key/value cache.
 
 The prompt is prefilled once, then the model decodes one token per step against its KVCache. Depth
 routing in every residual variant works per position, so the attention keys and values are all a
-variant needs cached: this file touches the model only through forward(), which reads a KVCache's pos and update().
+variant needs cached.
 
 Prompt: without --prompt or --prompt_file the prompt is the end-of-text token alone. prepare_data.py
 puts EOT before every document, so this samples the start of a new document (unconditional).
@@ -57,8 +57,7 @@ DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)
 
 
 class KVCache:
-    """Keys and values of past positions, per layer, for incremental decoding. Depth routing works
-    per position, so the attention keys and values are all that any residual variant needs cached."""
+    """Keys and values of past positions, per layer: what model.forward reads (pos) and fills (update)."""
 
     def __init__(self, cfg, batch_size, device=None, dtype=torch.float32):
         shape = (cfg.n_layer, batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
@@ -74,9 +73,8 @@ class KVCache:
 
 
 class Window:
-    """The tokens the model conditions on, one row per sample, under the sliding rule of the module
-    docstring, and (use_cache=True) their key/value cache. All rows have the same length: they share
-    their positions, so they slide together."""
+    """The tokens the model conditions on, one row per sample (all of one length), under the sliding
+    rule of the module docstring, and (use_cache=True) their key/value cache."""
 
     def __init__(self, model, prompts, use_cache=True):
         self.model, self.use_cache = model, use_cache
@@ -124,9 +122,8 @@ def filter_logits(logits, top_k=None, top_p=None):
 
 def sample_logits(logits, temperature=1.0, top_k=None, top_p=None, generators=None):
     """Token ids [B] from logits [B, vocab]: the argmax of each row when temperature is 0 (or below the
-    smallest normal float, its limit), else row b
-    draws from softmax(logits[b] / temperature) after filter_logits, with generators[b] (None: the
-    global generator)."""
+    smallest normal float, its limit), else row b draws from softmax(logits[b] / temperature) after
+    filter_logits, with generators[b] (None: the global generator)."""
     if temperature < torch.finfo(logits.dtype).tiny:  # 0, or so small that dividing by it overflows: greedy
         return logits.argmax(-1)
     # the row's largest logit subtracted first: a tiny temperature then sends the others to -inf, not NaN
@@ -139,10 +136,9 @@ def sample_logits(logits, temperature=1.0, top_k=None, top_p=None, generators=No
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
              generators=None, use_cache=True, vocab_size=None):
     """Yield max_new_tokens steps, each the next token ids [B] of the B = len(prompts) rows that
-    continue prompts (non-empty token lists, all of one length: the rows share their positions),
-    one forward pass per step for the whole batch. generators: one per row, its random stream.
-    vocab_size: draw only from the first vocab_size ids (a model's vocabulary is padded past its
-    tokenizer's). use_cache=False runs a full forward pass over the window at every step."""
+    continue prompts (non-empty token lists of one length), one forward pass per step.
+    generators: one per row, its random stream. vocab_size: draw only from the first vocab_size ids
+    (a model's vocabulary is padded past its tokenizer's)."""
     if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
     if len({len(p) for p in prompts}) > 1:
@@ -156,33 +152,12 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=
         window.append(tokens)
 
 
-class TextStream:
-    """Writes the text of tokens as they come, through an incremental UTF-8 decoder: a character whose
-    bytes are split across tokens is held back until its last byte arrives, and bytes that can never
-    complete one print as U+FFFD at once (each token's bytes are decoded once)."""
-
-    def __init__(self, tokenizer, out):
-        self.tokenizer, self.out = tokenizer, out
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def write(self, token):
-        self._emit(self.decoder.decode(self.tokenizer.decode_bytes([token])))
-
-    def close(self):
-        """Write what is held back (bytes that never completed a character print as U+FFFD)."""
-        self._emit(self.decoder.decode(b"", final=True))
-
-    def _emit(self, text):
-        if text:
-            self.out.write(text)
-            self.out.flush()
-
-
 class SampleWriter:
-    """Prints the samples of a batch one after another, in order, as they are decoded: the first
-    unfinished sample streams (through a TextStream), a later one prints what it has when its turn
-    comes and streams from there. Each sample starts with the prompt text; a line of dashes
-    separates them. A sample ends at the stop token (not printed) or at finish()."""
+    """Prints the samples of a batch in the order the module docstring states, each starting with the
+    prompt text, a line of dashes between them. A sample ends at the stop token (not printed) or at
+    finish(). Its text goes through an incremental UTF-8 decoder: a character whose bytes are split
+    across tokens is held back until its last byte arrives, and bytes that can never complete one
+    print as U+FFFD at once (each token's bytes are decoded once)."""
 
     def __init__(self, n, tokenizer, out, prompt_text, stop_token, first=0):
         """first: how many samples were printed before these (a later batch: a separator before its first)."""
@@ -190,7 +165,7 @@ class SampleWriter:
         self.first = first
         self.tokens = [[] for _ in range(n)]  # of each sample, up to its end
         self.done = [False] * n
-        self.current, self.stream, self.written = 0, None, 0  # the sample being printed
+        self.current, self.decoder, self.written = 0, None, 0  # the sample being printed
 
     def add(self, tokens):
         """tokens: the next token of every sample (ignored for the finished ones). Returns how many
@@ -214,21 +189,24 @@ class SampleWriter:
 
     def _print(self):
         while self.current < len(self.tokens):
-            if self.stream is None:
+            if self.decoder is None:  # the current sample's start
                 if self.first + self.current > 0:
-                    self.out.write("-" * 40 + "\n")
-                self.out.write(self.prompt_text)
-                self.stream, self.written = TextStream(self.tokenizer, self.out), 0
+                    self._write("-" * 40 + "\n")
+                self._write(self.prompt_text)
+                self.decoder, self.written = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
             row = self.tokens[self.current]
             for token in row[self.written:]:
-                self.stream.write(token)
+                self._write(self.decoder.decode(self.tokenizer.decode_bytes([token])))
             self.written = len(row)
             if not self.done[self.current]:
                 return
-            self.stream.close()
-            self.out.write("\n")
+            self._write(self.decoder.decode(b"", final=True) + "\n")  # what is held back: U+FFFD
+            self.current, self.decoder = self.current + 1, None
+
+    def _write(self, text):
+        if text:
+            self.out.write(text)
             self.out.flush()
-            self.current, self.stream = self.current + 1, None
 
     @property
     def all_done(self):
@@ -240,6 +218,7 @@ class SampleWriter:
 
 
 def parse_args(argv):
+    """The flags, each checked."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="a run directory (holding ckpt.pt) or a checkpoint file")
     prompt = p.add_mutually_exclusive_group()
@@ -256,18 +235,16 @@ def parse_args(argv):
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu (default auto)")
     p.add_argument("--no_cache", action="store_true", help="a full forward pass per token, for comparison")
-    return p.parse_args(argv)
-
-
-def check_args(args):
-    need(args.num_samples >= 1, f"--num_samples must be at least 1, got {args.num_samples}", UserError)
-    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}", UserError)
-    need(args.max_new_tokens >= 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}", UserError)
+    args = p.parse_args(argv)
+    need(args.num_samples >= 1, f"--num_samples must be at least 1, got {args.num_samples}")
+    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}")
+    need(args.max_new_tokens >= 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     need(math.isfinite(args.temperature) and args.temperature >= 0,
-         f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}", UserError)
-    need(args.top_k is None or args.top_k >= 1, f"--top_k must be at least 1, got {args.top_k}", UserError)
-    need(args.top_p is None or 0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}", UserError)
-    need(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available", UserError)
+         f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
+    need(args.top_k is None or args.top_k >= 1, f"--top_k must be at least 1, got {args.top_k}")
+    need(args.top_p is None or 0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}")
+    need(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    return args
 
 
 def read_prompt(args):
@@ -296,7 +273,6 @@ def read_prompt(args):
 
 
 def run(args):
-    check_args(args)
     text = read_prompt(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, ckpt = load_model(args.ckpt, device)

@@ -64,7 +64,7 @@ def test_diagnostics_on_every_variant_family():
             assert diagnose.route_names(records) == ("QK route", "V route")
             js = diagnose.route_js_per_layer(records, 2, ["QK", "V"])["QK||V"]
             assert js[0] == 0 and 0 < js[1] < math.log(2)  # layer 0 routes over x0 alone
-            maps = diagnose.routing_maps(records, 2)
+            maps = diagnose.routing_maps(records)
             assert maps["attn.1"].shape == (2, 2)  # sources [x0, partial] by 2 routes
             assert torch.allclose(maps["attn.1"].sum(0), torch.ones(2))
         elif kw["residual"] == "dar":
@@ -73,7 +73,7 @@ def test_diagnostics_on_every_variant_family():
             assert len(gains) == 2 and "start" not in vars(model.residual)  # the ablation undone
             assert all(g[2] != 0 for g in gains)  # ablating both streams changes the loss
         else:
-            mix = diagnose.mixing_matrices(records, 2)
+            mix = diagnose.mixing_matrices(records)
             assert mix["mlp.1"].shape == (2, 2)
             assert torch.allclose(mix["mlp.1"].sum(-2), torch.ones(2), atol=1e-5)  # Sinkhorn ends on columns: float32, 4 u
 
@@ -96,15 +96,15 @@ def test_diagnostics_of_denseformer_muddformer_and_delta():
                 [True, False, True, True], [False, True, False, True], [True, False, True, False]]
             assert torch.equal(dwa["dwa.3"][[1, 3]], model.residual.alpha["3"].detach())
         elif kw["residual"] == "muddformer":
-            maps = diagnose.routing_maps(records, 3)
+            maps = diagnose.routing_maps(records)
             assert list(maps) == ["attn.1", "attn.2", "readout"]
             assert maps["attn.2"].shape == (4, 3) and maps["readout"].shape == (4,)
             ways = diagnose.mudd_way_summary(maps)
             assert list(ways) == list("QKVR") and all(abs(w["newest"] - 1) < 0.5 for w in ways.values())
         else:
-            maps = diagnose.routing_maps(records, 3)
+            maps = diagnose.routing_maps(records)
             assert maps["mlp.2"].shape == (6,) and torch.allclose(maps["mlp.2"].sum(), torch.tensor(1.0))
-            peak = diagnose.max_weight_per_site(records, 3)
+            peak = diagnose.max_weight_per_site(records)
             assert "attn.0" not in peak and len(peak) == 5  # sublayer 0 routes over x0 alone
             assert all(1 / 6 <= p <= 1 for p in peak.values())
 

@@ -11,7 +11,7 @@ from depthres import checkpoint
 from depthres.token_data import get_tokenizer
 from model import GPT, RD_MODES, RESIDUALS, GPTConfig, stable_seed
 from model_fast import make_model
-from sample import SampleWriter, TextStream, Window, filter_logits, generate, main, sample_logits
+from sample import SampleWriter, Window, filter_logits, generate, main, sample_logits
 from test_equivalence import F64
 
 VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]
@@ -209,42 +209,42 @@ class Recorder:
 
 
 @pytest.mark.parametrize("piece", [1, 2, 5])
-def test_text_stream_writes_split_characters_whole(piece):
+def test_streamed_text_writes_split_characters_whole(piece):
     text = "a€b — 日本語 ok 🙂!"
     data = text.encode()
     tokenizer = PieceTokenizer([data[i:i + piece] for i in range(0, len(data), piece)])
     out = Recorder()
-    stream = TextStream(tokenizer, out)
+    writer = SampleWriter(1, tokenizer, out, "", stop_token=None)  # one sample, streamed
     for i in range(len(tokenizer.pieces)):
-        stream.write(i)
-    stream.close()
-    assert "".join(out.writes) == text
+        writer.add([i])
+    writer.finish()
+    assert "".join(out.writes) == text + "\n"
     assert not any("\ufffd" in w for w in out.writes)
     assert len(out.writes) > 3  # streamed, not written at the end
 
 
-def test_text_stream_passes_broken_bytes_through():
+def test_streamed_text_passes_broken_bytes_through():
     tokenizer = PieceTokenizer([b"\xff", b"x", b"\xe2\x82"])  # a stray byte; a character never finished
     out = Recorder()
-    stream = TextStream(tokenizer, out)
+    writer = SampleWriter(1, tokenizer, out, "", stop_token=None)
     for i in range(3):
-        stream.write(i)
+        writer.add([i])
     assert "".join(out.writes) == "\ufffdx"
-    stream.close()
-    assert "".join(out.writes) == "\ufffdx\ufffd"
+    writer.finish()
+    assert "".join(out.writes) == "\ufffdx\ufffd\n"
 
 
-def test_text_stream_decodes_each_token_once_and_prints_broken_bytes_at_once():
+def test_streamed_text_decodes_each_token_once_and_prints_broken_bytes_at_once():
     """A byte model that emits bytes that never make UTF-8: each token was decoded again with every later
     one (cubic in the tokens: 800 took 27 s) and nothing printed until the end."""
     tokenizer = PieceTokenizer([b"\xff", b"\xc3", b"a"])
     out = Recorder()
-    stream = TextStream(tokenizer, out)
+    writer = SampleWriter(1, tokenizer, out, "", stop_token=None)
     for i in [0, 1, 2] * 400:
-        stream.write(i)
+        writer.add([i])
     assert tokenizer.decoded == 1200 and len(out.writes) >= 800 and out.writes[0] == "\ufffd"
-    stream.close()
-    assert "".join(out.writes) == "\ufffd\ufffda" * 400
+    writer.finish()
+    assert "".join(out.writes) == "\ufffd\ufffda" * 400 + "\n"
 
 
 def test_sample_writer_prints_samples_in_order_streaming_the_current_one():

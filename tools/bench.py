@@ -48,43 +48,37 @@ import torch
 import torch._dynamo
 
 from depthres import UserError, cli, os_error_message
-from depthres.config import model_config, need
+from depthres.config import MODEL_TYPES, convert, model_config, need
 from depthres.files import check_writable, write_file
-from model import GPTConfig
+from depthres.runlog import ROOT
 from model_fast import ReferenceRouter, TwoPhaseRouter, compile_model, make_model, rms_inv, saved_activation_bytes
+from tools.diagnose import parse_device
 
 DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc,denseformer,muddformer,delta_attnres"
 SHAPE_KEYS = {"vocab_size": "--vocab_size", "block_size": "--seq_len", "n_layer": "--n_layer", "n_head": "--n_head",
               "n_embd": "--n_embd", "residual": "the variant's name"}  # set for every variant by bench's flags
-
-
-def _boolean(value):
-    if value.lower() not in ("1", "true", "0", "false"):
-        raise ValueError
-    return value.lower() in ("1", "true")
+KINDS = {int: "an integer", float: "a number", bool: "true or false"}  # what a variant's key=value takes
 
 
 def parse_variant(spec):
-    """The GPTConfig keys of a variant `residual[:key=value...]`; UserError naming what does not parse."""
+    """The GPTConfig keys of a variant `residual[:key=value...]`, each value read as train.py reads its
+    --key=value (depthres.config.convert); UserError naming what does not parse."""
     name, *pairs = spec.split(":")
     kw = dict(residual=name)
-    fields = GPTConfig.__dataclass_fields__
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise UserError(f"{pair!r} is not key=value")
         if key in SHAPE_KEYS:
             raise UserError(f"{key} is set for every variant by {SHAPE_KEYS[key]}")
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
+        if key not in MODEL_TYPES:
+            close = difflib.get_close_matches(key, list(MODEL_TYPES), n=1)
             raise UserError(f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
-        typ = fields[key].type
-        typ = next((t for t in typing.get_args(typ) if t is not type(None)), typ)  # int | None -> int
-        convert, kind = {int: (int, "an integer"), float: (float, "a number"),
-                         bool: (_boolean, "true or false")}.get(typ, (str, "text"))
         try:
-            kw[key] = convert(value)
-        except ValueError:
+            kw[key] = convert(key, value, MODEL_TYPES[key])
+        except UserError:  # convert fails only for these types (alone or "| None")
+            typ = MODEL_TYPES[key]
+            kind = next(KINDS[t] for t in (typ, *typing.get_args(typ)) if t in KINDS)
             raise UserError(f"{key} takes {kind}, not {value!r}") from None
     return kw
 
@@ -93,7 +87,7 @@ def variant_config(spec, args):
     """The GPTConfig of a variant at the benchmark's size; UserError naming the variant if it does not build."""
     try:
         return model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                                 n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec)), UserError)
+                                 n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec)))
     except UserError as e:
         raise UserError(f"--variants {spec}: {e}") from None
 
@@ -101,41 +95,52 @@ def variant_config(spec, args):
 def check_args(args):
     """Every flag, variant and the output path, before any model is built; returns (device, specs)."""
     for flag in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "batch_size", "repeats"):
-        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}", UserError)
-    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}", UserError)
+        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}")
     need(all(len(b) == 2 and min(b) >= 1 for b in args.routing_blocks),
          "--routing_blocks: each block is sources:sites, both at least 1 (e.g. 4:4,8:4), got "
-         + ",".join(":".join(map(str, b)) for b in args.routing_blocks), UserError)
+         + ",".join(":".join(map(str, b)) for b in args.routing_blocks))
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
-        try:
-            device = torch.device(args.device)
-        except RuntimeError:
-            raise UserError(f"--device {args.device} is not a device: use auto, cpu, cuda or cuda:N") from None
-        need(device.type in ("cpu", "cuda"), f"--device {args.device}: use auto, cpu, cuda or cuda:N", UserError)
-        need(device.type != "cuda" or torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available",
-             UserError)
-        need(device.type != "cuda" or device.index is None or device.index < torch.cuda.device_count(),
-             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", UserError)
+        device = parse_device(args.device, "auto, cpu, cuda or cuda:N")
     model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                      n_embd=args.n_embd), UserError)
+                      n_embd=args.n_embd))
     specs = args.variants.split(",")
     if "standard" not in specs:
         specs.insert(0, "standard")
     for spec in specs:
         variant_config(spec, args)
-    need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write", UserError)
-    try:
-        check_writable(os.path.dirname(args.out) or ".")
-    except OSError as e:
-        raise UserError(f"cannot write {args.out}: {e.strerror}") from None
+    check_out(args.out)
     return device, specs
 
 
-def sync(device):
+def check_out(path):
+    """That --out can be written, before the benchmark runs."""
+    need(not os.path.isdir(path), f"--out {path} is a directory: pass the JSON file to write")
+    try:
+        check_writable(os.path.dirname(path) or ".")
+    except OSError as e:
+        raise UserError(os_error_message(e, path)) from None
+
+
+def write_report(path, report):
+    try:
+        write_file(path, json.dumps(report, indent=1) + "\n")
+    except OSError as e:  # checked before the benchmark ran: the disk filled, or the directory went away
+        raise UserError(f"{os_error_message(e, path)}; the tables above hold the numbers") from None
+    print(f"\nwrote {path}")
+
+
+def timed(fn, device):
+    """The seconds fn() takes, the device synchronised before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 class Runner:
@@ -158,13 +163,6 @@ class Runner:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def timed_step(self):
-        sync(self.device)
-        t0 = time.perf_counter()
-        self.step()
-        sync(self.device)
-        self.times.append(time.perf_counter() - t0)
-
     def memory(self):
         """(saved for backward in an eager step: every storage, and the activations alone (no parameter);
         the CUDA peak a compiled-or-not step adds, or None)."""
@@ -183,21 +181,14 @@ def quartiles(xs):
     return q[0], statistics.median(xs), q[2]
 
 
-def copy_bandwidth(device, dtype, nbytes=256 * 2**20, reps=10):
+def copy_bandwidth(device, nbytes=256 * 2**20, reps=10):
     """Bytes per second of a large device copy (read + write): the traffic ceiling in practice."""
-    a = torch.empty(nbytes // 2 // dtype.itemsize, dtype=dtype, device=device).fill_(1)
+    a = torch.ones(nbytes // 2 // 4, device=device)  # float32: nbytes / 2 read, as many written
     b = torch.empty_like(a)
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * a.numel() * dtype.itemsize / statistics.median(times)
+    return nbytes / statistics.median(timed(lambda: b.copy_(a), device) for _ in range(reps))
 
 
-def bench_block_routing(args, device, dtype, bandwidth, reps=10):
+def bench_block_routing(args, device, bandwidth, reps=10):
     """One block of S sites over n completed sources (float32, as the streams keep them): the
     router opened once, then each site reads with its partial sum. Per implementation and pass."""
     rows = []
@@ -219,20 +210,12 @@ def bench_block_routing(args, device, dtype, bandwidth, reps=10):
                         torch.autograd.backward(hs, grads)
 
                 run()
-                times = []
-                for _ in range(reps):
-                    sync(device)
-                    t0 = time.perf_counter()
-                    run()
-                    sync(device)
-                    times.append(time.perf_counter() - t0)
-                t = statistics.median(times)
+                t = statistics.median(timed(run, device) for _ in range(reps))
                 rows.append(dict(sources=n, sites=S, impl=Router.__name__, pass_=what, ms=1e3 * t,
                                  floor_ms=1e3 * floor / bandwidth, of_floor=floor / bandwidth / t))
     return rows
 
 
-ROOT = Path(__file__).resolve().parents[1]
 MEMORY_MODEL = ["--n_layer=16", "--n_embd=512", "--n_head=8", "--max_steps=1", "--batch_size=1", "--seq_len=16",
                 "--batch_tokens=32", "--eval_tokens=32"]
 
@@ -308,13 +291,9 @@ def main(argv=None):
     p.add_argument("--out", default="bench.json")
     args = p.parse_args(argv)
     if args.memory:
-        try:
-            check_writable(os.path.dirname(args.out) or ".")
-            report = memory_figures()
-            write_file(args.out, json.dumps(report, indent=1) + "\n")
-        except OSError as e:
-            raise UserError(os_error_message(e, args.out)) from None
-        print(f"\nwrote {args.out}")
+        check_out(args.out)
+        report = memory_figures()
+        write_report(args.out, report)
         return report
     device, specs = check_args(args)
     dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
@@ -332,7 +311,7 @@ def main(argv=None):
             r.step()
     for _ in range(args.repeats):  # interleaved
         for r in runners:
-            r.timed_step()
+            r.times.append(timed(r.step, device))
     results, ref = [], runners[specs.index("standard")]
     for r in runners:
         saved, peak = r.memory()
@@ -369,8 +348,8 @@ def main(argv=None):
 
     routing, bandwidth = [], None
     if args.routing_blocks:
-        bandwidth = copy_bandwidth(device, torch.float32)
-        routing = bench_block_routing(args, device, dtype, bandwidth)
+        bandwidth = copy_bandwidth(device)
+        routing = bench_block_routing(args, device, bandwidth)
         print(f"\nDepth routing of one block, {args.batch_size} x {args.seq_len} x {args.n_embd} float32 sources; "
               f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
         print("| completed sources | sites | impl | pass | ms | floor ms | fraction of floor speed |")
@@ -379,13 +358,8 @@ def main(argv=None):
             print(f"| {r['sources']} | {r['sites']} | {r['impl']} | {r['pass_']} | {r['ms']:.2f} | {r['floor_ms']:.2f} "
                   f"| {r['of_floor']:.2f} |")
 
-    report = dict(args=vars(args), device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth,
-                  steps=results, routing=routing)
-    try:
-        write_file(args.out, json.dumps(report, indent=1) + "\n")
-    except OSError as e:  # checked before the benchmark ran: the disk filled, or the directory went away
-        raise UserError(f"cannot write {args.out}: {e.strerror or e}; the tables above hold the numbers") from None
-    print(f"\nwrote {args.out}")
+    write_report(args.out, dict(args=vars(args), device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth,
+                                steps=results, routing=routing))
     return results, routing
 
 

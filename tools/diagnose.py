@@ -25,7 +25,6 @@ import math
 import os
 import statistics
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,12 +33,9 @@ from depthres import UserError, cli, files, os_error_message
 from depthres.checkpoint import load_model
 from depthres.config import need
 from depthres.files import write_figure, write_file
-from depthres.runlog import log_records, perplexity
+from depthres.runlog import ROOT, log_records, perplexity  # ROOT: the repository, where train.py usually runs
 from depthres.token_data import eval_batches, load_meta
-from model import DARStream, site_name
-
-ROOT = Path(__file__).resolve().parent.parent  # the repository: where train.py usually runs
-
+from model import DARStream
 
 # --- the measures ---------------------------------------------------------------------------------
 
@@ -77,18 +73,13 @@ def collect(model, batches):
     return sum(losses) / len(losses), records
 
 
-def site_names(n_layer):
-    return [site_name(j) for j in range(2 * n_layer)] + ["readout"]
-
-
-def routing_maps(records, n_layer):
+def routing_maps(records):
     """{site: mean routing weights over held-out tokens, [n_sources] (RD attention sites: [n, 2])}.
     DAR sites give [2 targets, n]."""
     maps = {}
-    for site in site_names(n_layer):
-        if site in records[0]:
-            a = torch.cat([r[site].flatten(start_dim=r[site].dim() - 2) for r in records], -1)  # tokens last
-            maps[site] = a.mean(-1)
+    for site in site_keys(records[0]):
+        a = torch.cat([r[site].flatten(start_dim=r[site].dim() - 2) for r in records], -1)  # tokens last
+        maps[site] = a.mean(-1)
     return maps
 
 
@@ -128,39 +119,29 @@ class AblatedDARStream(DARStream):
         return r
 
 
-@contextmanager
-def ablated(model, ablate):
-    """The model's DAR streams ablated as AblatedDARStream says, inside the with block."""
-    module = model.residual
-    module.start = lambda x0, record=None: AblatedDARStream(module, x0, record, ablate)
-    try:
-        yield model
-    finally:
-        del module.start
-
-
 @torch.no_grad()
 def dar_rescue_gains(model, batches, base_loss):
     """Per layer: replace both streams' retrievals at the layer's sublayers with their token means
     (D_none = loss increase), then keep stream m intact (D_m); gain_m = 1 - D_m / D_none."""
-    gains = []
+    module, gains = model.residual, []
     for i in range(model.cfg.n_layer):
         d = {}
         for kept, ablate in (("none", (0, 1)), (0, (1,)), (1, (0,))):
-            with ablated(model, {2 * i: ablate, 2 * i + 1: ablate}):
+            targets = {2 * i: ablate, 2 * i + 1: ablate}
+            module.start = lambda x0, record=None: AblatedDARStream(module, x0, record, targets)  # not DARStream
+            try:
                 d[kept] = collect(model, batches)[0] - base_loss
+            finally:
+                del module.start
         gains.append([rescue_gain(d["none"], d[0]), rescue_gain(d["none"], d[1]), d["none"]])
     return gains
 
 
-def max_weight_per_site(records, n_layer):
+def max_weight_per_site(records):
     """{site: the largest routing weight of a token, averaged over tokens}, for one-route sites with
     more than one source (the Delta AttnRes paper compares this peak across variants)."""
-    out = {}
-    for site in site_names(n_layer):
-        if site in records[0] and records[0][site].dim() == 3 and records[0][site].size(0) > 1:
-            out[site] = torch.cat([r[site].amax(0).flatten() for r in records]).mean().item()
-    return out
+    return {site: torch.cat([r[site].amax(0).flatten() for r in records]).mean().item()
+            for site in site_keys(records[0]) if records[0][site].dim() == 3 and records[0][site].size(0) > 1}
 
 
 def dwa_weights(records, n_layer, k):
@@ -183,10 +164,10 @@ def mudd_way_summary(maps):
             for c, way in enumerate("QKVR")}
 
 
-def mixing_matrices(records, n_layer):
+def mixing_matrices(records):
     """{site: mean H_res (mhc) / Ar (hc) over tokens, [n, n]}."""
-    return {site: torch.cat([r[site + "/res"].flatten(0, 1) for r in records]).mean(0)
-            for site in site_names(n_layer)[:-1]}
+    return {key.removesuffix("/res"): torch.cat([r[key].flatten(0, 1) for r in records]).mean(0)
+            for key in records[0] if key.endswith("/res")}
 
 
 # --- plots (optional matplotlib) ----------------------------------------------------------------------
@@ -226,31 +207,31 @@ def recorded_kind(records):
 
 
 def site_keys(record):
-    """The keys of a record that hold a site's routing weights (not a state, nor a site's part: "x/alpha")."""
+    """The keys of a record that hold a site's routing weights, in depth order (the order the forward
+    pass records them; not a state, nor a site's part: "x/alpha")."""
     return [k for k in record if "/" not in k and not k.startswith("state.")]
 
 
 def route_names(records):
-    """The names of the routes a "routes" record holds, by their number R (the largest at any site), as
-    attention reads R inputs: one h; (h_QK, h_V); (h_Q, h_K, h_V); else route 0, 1, .."""
+    """The names of the routes a record holds, a heatmap each: DAR's streams, MUDDFormer's ways, the
+    DWA matrix; for a "routes" record, by their number R (the largest at any site), as attention reads
+    R inputs: one h; (h_QK, h_V); (h_Q, h_K, h_V); else route 0, 1, .."""
+    kind = recorded_kind(records)
+    if kind != "routes":
+        return {"two_targets": ("stream 0", "stream 1"), "ways": ("Q way", "K way", "V way", "R way"),
+                "dwa": ("DWA weights",)}.get(kind, ("routing weights",))
     R = max((records[0][k].size(1) for k in site_keys(records[0]) if records[0][k].dim() == 4), default=1)
     return {1: ("routing weights",), 2: ("QK route", "V route"), 3: ("Q route", "K route", "V route")}.get(
         R, tuple(f"route {r}" for r in range(R)))
 
 
-ROUTE_NAMES = {"two_targets": ("stream 0", "stream 1"), "ways": ("Q way", "K way", "V way", "R way"),
-               "dwa": ("DWA weights",)}
-
-
-def plot_routing_maps(maps, path, title, kind, names=None):
-    """One heatmap per route: rows are sites in depth order, columns are sources (0 = embedding).
-    RD-AttnRes: the QK and V routes (MLP sites and readout appear in both); DAR: one per stream;
-    MUDDFormer: one per way (the readout's one way in each). DenseFormer and MUDDFormer weights are
-    free reals, not a softmax: a diverging colour scale centred on 0."""
+def plot_routing_maps(maps, path, title, kind, names):
+    """One heatmap per route (route_names): rows are sites in depth order, columns are sources (0 =
+    embedding); a site of one route (RD-AttnRes' MLP sites, MUDDFormer's readout) appears in each.
+    DenseFormer and MUDDFormer weights are free reals, not a softmax: a diverging colour scale centred on 0."""
     plt = pyplot()
     if plt is None:
         return None
-    names = names or ROUTE_NAMES.get(kind, ("routing weights",))
     routes = {name: {} for name in names}
     for site, m in maps.items():
         for r, name in enumerate(names):
@@ -270,7 +251,7 @@ def plot_routing_maps(maps, path, title, kind, names=None):
         im = ax.imshow(grid.numpy(), aspect="auto", **scale)
         ax.set_yticks(range(len(rows)), list(rows), fontsize=6)
         ax.set_xlabel("source (0 = embedding)")
-        ax.set_title(name or "routing weights", fontsize=9)
+        ax.set_title(name, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.6)
     fig.suptitle(title, fontsize=10)
     save_figure(plt, fig, path)
@@ -360,39 +341,39 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
                eval_batches(data_dir, "val", batch_size, cfg.block_size, tokens)]
     loss, records = collect(model, batches)
     out = dict(checkpoint=str(ckpt_path), data_dir=data_dir, residual=cfg.residual, step=ckpt["step"], val_loss=loss)
-    n, kind = cfg.n_layer, recorded_kind(records)
-    maps = routing_maps(records, n)
-    if maps and kind not in ("dwa", "mixing"):
+    n, kind, names, maps = cfg.n_layer, recorded_kind(records), route_names(records), None
+    if kind in ("routes", "two_targets", "ways"):
+        maps = routing_maps(records)
         out["routing_maps"] = {k: v.tolist() for k, v in maps.items()}
-    names = route_names(records) if kind == "routes" else None
     if kind == "routes" and len(names) == 1:
-        peak = max_weight_per_site(records, n)
+        peak = max_weight_per_site(records)
         out["max_weight_per_site"], out["max_weight_mean"] = peak, statistics.fmean(peak.values()) if peak else None
-    if kind == "dwa":  # NaN (j not in S(i)) as null in the JSON
-        maps = dwa_weights(records, n, cfg.denseformer_dilation or 1)
-        out["dwa_weights"] = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in maps.items()}
-    if kind == "ways":
-        out["mudd_ways"] = mudd_way_summary(maps)
-    if kind == "routes" and len(names) > 1:
+    elif kind == "routes":
         out["js_per_layer"] = route_js_per_layer(records, n, [name.removesuffix(" route") for name in names])
         out["js_mean"] = {pair: statistics.fmean(js) for pair, js in out["js_per_layer"].items()}
-    if kind == "two_targets":
+    elif kind == "dwa":  # NaN (j not in S(i)) as null in the JSON
+        maps = dwa_weights(records, n, cfg.denseformer_dilation or 1)
+        out["dwa_weights"] = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in maps.items()}
+    elif kind == "ways":
+        out["mudd_ways"] = mudd_way_summary(maps)
+    elif kind == "two_targets":
         out["cka_per_layer"] = dar_cka_per_layer(records, n)
         out["rescue_gain_per_layer"] = [dict(stream0=g0, stream1=g1, d_none=dn)
                                         for g0, g1, dn in dar_rescue_gains(model, batches, loss)]
-    if kind == "mixing":
-        out["mixing_matrices"] = {k: v.tolist() for k, v in mixing_matrices(records, n).items()}
+    elif kind == "mixing":
+        out["mixing_matrices"] = {k: v.tolist() for k, v in mixing_matrices(records).items()}
 
     out_dir = out_dir or default_out(ckpt_path)
     try:
         os.makedirs(out_dir, exist_ok=True)
-        if "routing_maps" in out or "dwa_weights" in out:
+        if maps:
             out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
                                                     f"{cfg.residual}, step {ckpt['step']}", kind, names)
         path = os.path.join(out_dir, "diagnostics.json")
         write_file(path, json.dumps(out, indent=1) + "\n")
-    except OSError as e:
-        raise UserError(os_error_message(e, out_dir), result=out) from None
+    except OSError as e:  # computed, then the disk failed: the numbers are printed, not lost
+        print(summary(out))
+        raise UserError(f"{os_error_message(e, out_dir)}; the summary above is all that was kept") from None
     return out
 
 
@@ -422,32 +403,36 @@ def summary(d):
     return "\n".join(lines)
 
 
+def parse_device(name, choices="cpu, cuda or cuda:N"):
+    """The torch.device a --device flag names: the CPU or a CUDA device this machine has, else UserError."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name} is not a device: use {choices}") from None
+    need(device.type in ("cpu", "cuda"), f"--device {name}: use {choices}")
+    if device.type == "cuda":
+        need(torch.cuda.is_available(), f"--device {name}: no CUDA device is available")
+        need(device.index is None or device.index < torch.cuda.device_count(),
+             f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
 def check_args(args):
     """Every flag, and where the results go, before any compute."""
-    need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}", UserError)
-    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}", UserError)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UserError(f"--device {args.device} is not a device: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        need(torch.cuda.is_available(), f"--device {args.device}: no CUDA device is available", UserError)
-        need(device.index is None or device.index < torch.cuda.device_count(),
-             f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices", UserError)
-    else:
-        need(device.type == "cpu", f"--device {args.device}: use cpu, cuda or cuda:N", UserError)
+    need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}")
+    need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}")
+    parse_device(args.device)
     for run in args.curves or []:
         need(os.path.isfile(os.path.join(run, "log.jsonl")),
-             f"--curves {run}: no log.jsonl there (not a train.py run directory)", UserError)
+             f"--curves {run}: no log.jsonl there (not a train.py run directory)")
     if args.ckpt:
         need(args.out is None or not os.path.exists(args.out) or os.path.isdir(args.out),
-             f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory", UserError)
+             f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory")
     elif args.out:
         need(not os.path.isdir(args.out),
-             f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write", UserError)
+             f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write")
     if args.curves:
-        png = curves_path(args)
-        check_writable(os.path.dirname(png) or ".", "the curves")
+        check_writable(os.path.dirname(curves_path(args)) or ".", "the curves")
     if args.ckpt:
         check_writable(args.out or default_out(args.ckpt), "the diagnostics")
 
@@ -500,13 +485,7 @@ def run(argv):
         except OSError as e:
             raise UserError(os_error_message(e, curves_path(args))) from None
     if args.ckpt:
-        try:
-            print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)))
-        except UserError as e:
-            if e.result is None:
-                raise
-            print(summary(e.result))  # computed, then the disk failed: the numbers are printed, not lost
-            raise UserError(f"{e}; the summary above is all that was kept") from None
+        print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)))
     return 0
 
 

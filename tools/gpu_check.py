@@ -27,9 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from depthres import UserError, cli
+import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from depthres import UserError, cli
+from depthres.runlog import ROOT, log_records
+
 BENCH = ["--n_layer", "12", "--n_embd", "768", "--n_head", "6", "--seq_len", "1024", "--batch_size", "8",
          "--dtype", "bf16", "--compile", "--repeats", "5", "--warmup", "2", "--routing_blocks", "4:4,8:4,16:4"]
 TOY_BENCH = ["--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--seq_len", "16", "--batch_size", "2",
@@ -44,7 +46,7 @@ TOY_TRAIN = ["residual=block_attnres", "n_layer=2", "n_embd=32", "n_head=2", "se
 
 
 def run(cmd, timeout, env=None):
-    """Run a command to completion; its stdout, or UserError with the end of its output."""
+    """Run a command to completion: (its stdout, its stderr), or UserError with the end of its output."""
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise UserError(f"`{' '.join(map(str, cmd))}` exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -52,9 +54,7 @@ def run(cmd, timeout, env=None):
 
 
 def records(run_dir, kind):
-    path = Path(run_dir) / "log.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r for r in map(json.loads, filter(None, lines)) if r["kind"] == kind]
+    return [r for r in log_records(run_dir) if r.get("kind") == kind]
 
 
 def check_bench(args, out):
@@ -72,24 +72,21 @@ def check_bench(args, out):
 
 
 def torchrun(args, data_dir, out, name, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
-           "train.py", "configs/test.py", f"--data_dir={data_dir}", f"--out_dir={out}", f"--run_name={name}",
-           *[f"--{kv}" for kv in (TOY_TRAIN if args.toy else TRAIN)], f"--batch_tokens={args.batch_tokens}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return cmd, env
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+            "train.py", "configs/test.py", f"--data_dir={data_dir}", f"--out_dir={out}", f"--run_name={name}",
+            *[f"--{kv}" for kv in (TOY_TRAIN if args.toy else TRAIN)], f"--batch_tokens={args.batch_tokens}", *extra]
 
 
 def check_train(args, data_dir, out):
     """Straight through; stopped by SIGTERM and resumed; the losses after the stop must agree."""
-    cmd, env = torchrun(args, data_dir, out, "straight")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
-    run(cmd, timeout=args.timeout, env=env)
+    run(torchrun(args, data_dir, out, "straight"), timeout=args.timeout, env=env)
     straight = {r["step"]: r["loss"] for r in records(out / "straight", "train")}
     seconds = time.time() - t0
 
-    cmd, env = torchrun(args, data_dir, out, "stopped")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(torchrun(args, data_dir, out, "stopped"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + args.timeout
     while not records(out / "stopped", "train") and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)  # until the first logged step: the signal handlers are up, the run has far to go
@@ -99,8 +96,7 @@ def check_train(args, data_dir, out):
     if proc.returncode == 0 or not stop:
         raise UserError(f"SIGTERM did not stop the run with a checkpoint (exit {proc.returncode}):\n{output[-3000:]}")
     at = stop[-1]["step"]
-    cmd, env = torchrun(args, data_dir, out, "stopped", "--resume=true")
-    run(cmd, timeout=args.timeout, env=env)
+    run(torchrun(args, data_dir, out, "stopped", "--resume=true"), timeout=args.timeout, env=env)
     resumed = {r["step"]: r["loss"] for r in records(out / "stopped", "train") if r["step"] > at}
     if not resumed or set(resumed) - set(straight):
         raise UserError(f"the resumed run logged steps {sorted(resumed)[:5]}.., the straight one {sorted(straight)[:5]}..")
@@ -155,26 +151,25 @@ def check(argv):
     p.add_argument("--out", default=None, help="keep the runs and bench.json here (default: a temp dir, removed)")
     args = p.parse_args(argv)
     if not args.toy:
-        import torch
         if not torch.cuda.is_available():
             raise UserError("no CUDA GPU here; `python -m tools.gpu_check --toy` runs the check at toy size on CPU")
         args.gpus = args.gpus or torch.cuda.device_count()
     args.gpus = args.gpus or 2
     args.new_tokens = args.new_tokens or (32 if args.toy else 256)
-    micro = (4 * 32) if args.toy else (16 * 256)  # batch_size * seq_len of the configs above
-    args.batch_tokens = micro * args.gpus
+    train = dict(kv.split("=") for kv in (TOY_TRAIN if args.toy else TRAIN))
+    args.batch_tokens = int(train["batch_size"]) * int(train["seq_len"]) * args.gpus  # one micro-batch per rank
 
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
     results, failed, t0 = {}, [], time.time()
     try:
         data_dir = prepare(args, work)
-        for name, check in (("bench", lambda: check_bench(args, work)),
-                            ("train", lambda: check_train(args, data_dir, work / "runs")),
-                            ("sample", lambda: check_sample(args, work / "runs"))):
+        for name, part in (("bench", lambda: check_bench(args, work)),
+                           ("train", lambda: check_train(args, data_dir, work / "runs")),
+                           ("sample", lambda: check_sample(args, work / "runs"))):
             print(f"== {name}", flush=True)
             try:
-                results[name] = check()
+                results[name] = part()
             except (UserError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as e:
                 results[name] = [f"FAILED: {e}"]
                 failed.append(name)
