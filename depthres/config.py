@@ -29,19 +29,19 @@ def control_character(text):
     return next(((i, c) for i, c in enumerate(text) if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
 
 
-def check_printable(name, text, error=None):
-    """Raise `error` (UserError) when `text`, the value of `name`, holds a control character."""
+def check_printable(name, text):
+    """A UserError when `text`, the value of `name`, holds a control character."""
     found = control_character(text)
     if found is not None:
-        raise (error or UserError)(
+        raise UserError(
             f"{name} holds a control character ({found[1]!r} at position {found[0]}), got {text!r}: names that "
             "are printed or become paths may not hold newlines, escapes or other control characters")
 
 
-def need(ok, message, error=UserError):
-    """Raise error(message) unless ok: bad input is one line, said before any compute."""
+def need(ok, message):
+    """A UserError(message) unless ok: bad input is one line, said before any compute."""
     if not ok:
-        raise error(message)
+        raise UserError(message)
 
 
 def key(default, help):
@@ -232,40 +232,37 @@ FLAG_OWNERS = {"rd_mode": RDAttnRes, "dar_routing": DualAttnRes, "denseformer_di
                "denseformer_period": DenseFormer, "delta_block_size": DeltaAttnRes}
 
 
-def model_config(settings, error=UserError):
-    """model.GPTConfig(**settings), each value checked: a bad one is error(one line that says what to do)."""
+def model_config(settings):
+    """model.GPTConfig(**settings), each value checked: a bad one is a UserError (one line that says what to do)."""
     unknown = sorted(set(settings) - set(MODEL_TYPES))
-    need(not unknown, f"unknown model key {unknown[0]!r}" if unknown else "", error)
+    need(not unknown, f"unknown model key {unknown[0]!r}" if unknown else "")
     c = GPTConfig(**settings)
 
-    def check(ok, message):
-        need(ok, message, error)
-
-    check(c.residual in RESIDUALS, f"unknown residual {c.residual!r}; choose one of {', '.join(RESIDUALS)}")
+    need(c.residual in RESIDUALS, f"unknown residual {c.residual!r}; choose one of {', '.join(RESIDUALS)}")
     for name, owner in FLAG_OWNERS.items():
         value, owners = getattr(c, name), [r for r, cls in RESIDUALS.items() if issubclass(cls, owner)]
-        check(value is None or issubclass(RESIDUALS[c.residual], owner),
+        need(value is None or issubclass(RESIDUALS[c.residual], owner),
               f"{name}={value!r} only applies to residual={' or '.join(map(repr, owners))} (got residual="
               f"{c.residual!r}); drop {name}")
     for name, choices in (("rd_mode", RD_MODES), ("dar_routing", tuple(DAR_STREAMS)), ("depth_impl", DEPTH_IMPLS)):
         value = getattr(c, name)
-        check(value is None or value in choices, f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+        need(value is None or value in choices, f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
     layers, sublayers = " counts transformer layers and", " counts sublayers and"
     for name, unit in (("vocab_size", ""), ("block_size", ""), ("n_layer", ""), ("n_head", ""), ("n_embd", ""),
                        ("mlp_ratio", ""), ("mlp_hidden", ""), ("hc_streams", ""), ("dar_block_size", layers),
                        ("attnres_block_size", sublayers), ("delta_block_size", sublayers), ("depth_chunk", sublayers)):
         value = getattr(c, name)
-        check(value is None or value >= 1, f"{name}{unit} must be >= 1, got {value}")
+        need(value is None or value >= 1, f"{name}{unit} must be >= 1, got {value}")
     for name in ("denseformer_dilation", "denseformer_period"):
         value = getattr(c, name)
-        check(value is None or 1 <= value <= c.n_layer,
+        need(value is None or 1 <= value <= c.n_layer,
               f"{name} counts transformer layers and must be between 1 and n_layer={c.n_layer}, got {value}")
-    check(c.n_embd % c.n_head == 0, f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
-    check((c.n_embd // c.n_head) % 2 == 0,
+    need(c.n_embd % c.n_head == 0, f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
+    need((c.n_embd // c.n_head) % 2 == 0,
           f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
-    check(math.isfinite(c.logit_softcap) and c.logit_softcap >= 0,
+    need(math.isfinite(c.logit_softcap) and c.logit_softcap >= 0,
           f"logit_softcap must be a finite number >= 0, got {c.logit_softcap}")
-    check(math.isfinite(c.rope_base) and c.rope_base > 0,
+    need(math.isfinite(c.rope_base) and c.rope_base > 0,
           f"rope_base must be a finite number > 0 (rotary frequencies are base^(-2i/head_dim)), got {c.rope_base}")
     return c
 

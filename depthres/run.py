@@ -63,7 +63,7 @@ from depthres.runlog import (
     run_provenance,
     start_wandb,
 )
-from depthres.token_data import TokenLoader, check_split, eval_batches
+from depthres.token_data import check_data, eval_batches
 from model import GPT, GPTConfig
 from model_fast import make_model
 
@@ -180,7 +180,7 @@ def open_run(tc, mc, meta):
         # before any compute: wandb if asked, the data (one process per node reads it), the run directory (rank 0)
         if tc.wandb_log:
             agreed(dist, lambda: require_wandb() if dist.master else None)
-        agreed(dist, lambda: check_data(tc, meta) if local_rank == 0 else None)
+        agreed(dist, lambda: check_data(tc.data_dir, meta, tc.seq_len) if local_rank == 0 else None)
         claim = agreed(dist, lambda: claim_run_dir(tc, run_dir, mc, meta["tokenizer"]) if dist.master else None)
         ckpt = from_rank0(dist, claim.ckpt if claim else None)  # only rank 0 reads out_dir
         yield dist, claim, ckpt
@@ -222,19 +222,6 @@ def grad_accum_steps(tc, world_size):
         raise UserError(f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * seq_len * world_size "
                           f"= {tc.batch_size} * {tc.seq_len} * {world_size} = {per_micro} (e.g. batch_tokens={fit})")
     return tc.batch_tokens // per_micro
-
-
-def check_data(tc, meta):
-    """Open and read every split this run uses (train, val, and test when it has tokens) as the run
-    will: a bad shard, an id outside the vocabulary or a split too short for seq_len is an error
-    now, not at the first evaluation or after the last step."""
-    for split in ["train", "val"] + (["test"] if meta["splits"].get("test", {}).get("tokens") else []):
-        tokens = check_split(tc.data_dir, split)
-        if split != "train" and tokens - 1 < tc.seq_len:
-            raise UserError(f"split {split!r} of {tc.data_dir} has {tokens} tokens, too few for one evaluation "
-                            f"sequence of seq_len + 1 = {tc.seq_len + 1}: use seq_len <= {tokens - 1}, or prepare "
-                            f"the data with a larger --{split}_fraction")
-    TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, seed=tc.data_seed)  # a window of seq_len + 1
 
 
 def restore(ckpt, model, optimizer, loader, dist):

@@ -6,7 +6,7 @@ The token-shard format: what prepare_data.py writes and training reads.
                   size, token count, tokenizer name and fingerprint, padding), then the token ids as uint16
     meta.json     the preparation's settings, vocabulary and splits (each split's files and token
                   counts); written last, so a directory without it is not a preparation
-    reading       load_meta and check_split validate; TokenLoader gives seeded, resumable training
+    reading       load_meta, check_split and check_data validate; TokenLoader gives seeded, resumable training
                   batches for any number of ranks; eval_batches a fixed prefix of a split, in order
 
 Every reader checks what it opens and raises UserError, one line naming the file and what to do.
@@ -268,6 +268,19 @@ def check_split(data_dir, split):
                         f"says {info['tokens']:,}: the shards and meta.json are from different "
                         f"preparations; re-create them with `python prepare_data.py --overwrite --out_dir {data_dir}`")
     return total
+
+
+def check_data(data_dir, meta, seq_len):
+    """Open and read every split a run uses (train, val, and test when it has tokens) as the run will: a
+    bad shard, an id outside the vocabulary or a split too short for seq_len is an error before the run
+    starts, not at the first evaluation or after the last step."""
+    for split in ["train", "val"] + (["test"] if meta["splits"].get("test", {}).get("tokens") else []):
+        tokens = check_split(data_dir, split)
+        if split != "train" and tokens - 1 < seq_len:
+            raise UserError(f"split {split!r} of {data_dir} has {tokens} tokens, too few for one evaluation "
+                            f"sequence of seq_len + 1 = {seq_len + 1}: use seq_len <= {tokens - 1}, or prepare "
+                            f"the data with a larger --{split}_fraction")
+    TokenLoader(data_dir, "train", 1, seq_len)  # a training window of seq_len + 1 in some shard
 
 
 class TokenLoader:
