@@ -65,9 +65,14 @@ def write_file(path, data, error=None):
     write_atomic(path, lambda f: f.write(data), error)
 
 
-def write_figure(path, fig, error=None, format="png", dpi=120):
-    """write_atomic of a matplotlib figure (fig.savefig)."""
-    write_atomic(path, lambda f: fig.savefig(f, format=format, dpi=dpi), error)
+def write_figure(path, fig):
+    """write_atomic of a matplotlib figure as a PNG (fig.savefig); the figure is closed either way."""
+    import matplotlib.pyplot as plt
+
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    finally:
+        plt.close(fig)
 
 
 def check_writable(directory):

@@ -36,13 +36,13 @@ import sys
 from pathlib import Path
 
 from depthres import UserError, cli
-from depthres.files import write_file
+from depthres.files import write_figure, write_file
 from experiments.report import PROVENANCE, provenance, provenance_text, save_outputs, strict_json
 from experiments.robust import flops_per_token
 from experiments.rundirs import finished_run, nats, token_unit, whole_split_scores
 from experiments.stats import paired_t, t_quantile
 from experiments.sweep import in_root, load_sweep
-from tools.diagnose import pyplot, save_figure
+from tools.diagnose import pyplot
 
 
 def slope_fit(log_c, log_l):
@@ -233,7 +233,7 @@ def plot(result, path):
     ax.legend(fontsize=6.5, loc="upper right")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    save_figure(plt, fig, path)
+    write_figure(path, fig)
     return path
 
 

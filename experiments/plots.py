@@ -5,8 +5,9 @@ training. Each reads the report's tests and gaps; None where there is nothing to
 
 import math
 
+from depthres.files import write_figure
 from experiments.stats import t_quantile
-from tools.diagnose import pyplot, save_figure
+from tools.diagnose import pyplot
 
 SHORT = {"val": "val (whole)", "test": "test (whole)", "val_prefix": "val prefix", "test_prefix": "test prefix"}
 
@@ -68,7 +69,7 @@ def plot_forest(ts, score, path):
                   "grey: exploratory, uncorrected 95% interval; filled: the interval excludes 0", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    save_figure(plt, fig, path)
+    write_figure(path, fig)
     return path
 
 
@@ -118,5 +119,5 @@ def plot_gaps(panels, path):
     fig.suptitle("paired gap over training on the validation prefix each run evaluates (< 0: the first is better); "
                  "band: pointwise paired 95% t interval; grey: the same baseline's other comparisons", fontsize=8)
     fig.tight_layout()
-    save_figure(plt, fig, path)
+    write_figure(path, fig)
     return path

@@ -5,11 +5,12 @@ The report of experiments/robust.py: robust.md from the analysis, the loss-vs-FL
 import math
 import statistics
 
+from depthres.files import write_figure
 from experiments.multiplier import inverse, predict
 from experiments.report import provenance_text
 from experiments.robust_design import STAGES, steps_name
 from experiments.rundirs import nats
-from tools.diagnose import pyplot, save_figure
+from tools.diagnose import pyplot
 
 
 def _f(x, fmt, none="-"):
@@ -268,7 +269,7 @@ def plot(result, design, path):
     ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    save_figure(plt, fig, path)
+    write_figure(path, fig)
     return path
 
 

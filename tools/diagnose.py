@@ -254,16 +254,8 @@ def plot_routing_maps(maps, path, title, kind, names):
         ax.set_title(name, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.6)
     fig.suptitle(title, fontsize=10)
-    save_figure(plt, fig, path)
+    write_figure(path, fig)
     return path
-
-
-def save_figure(plt, fig, path):
-    """savefig as a PNG, whole or not at all (files.write_figure); the figure is closed either way."""
-    try:
-        write_figure(path, fig)
-    finally:
-        plt.close(fig)
 
 
 def plot_curves(groups, path):
@@ -283,7 +275,7 @@ def plot_curves(groups, path):
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    save_figure(plt, fig, path)
+    write_figure(path, fig)
     return path
 
 
