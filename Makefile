@@ -1,5 +1,5 @@
 # Two commands for a fresh clone:  make demo  (train the CPU demo on the embedded corpus)  and  make test
-# (the linter and the fast tests, about 1.5 minutes); make test-all runs every test (CI, about 6-7 minutes)
+# (the linter and the fast tests, 1.5 to 2 minutes); make test-all runs every test (CI, 6-9 minutes)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
