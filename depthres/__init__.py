@@ -1,7 +1,7 @@
 """The run machinery that train.py, sample.py and the tools share; model.py knows nothing of it.
 
     config        train.py's keys, their parsing and the model config built from them
-    files         atomic writes and directory locks
+    files         atomic writes (a plot too) and directory locks
     token_data    tokenizers, the token-shard format, meta.json and the loaders
     checkpoint    the run directory, its claim, its checksummed checkpoints (one file, or sharded)
     runlog        log lines, log.jsonl, W&B, progress and MFU

@@ -3,7 +3,8 @@ Files that are never half-written, and directories that one process at a time wr
 
 Every file the project writes whole goes through write_atomic (a temporary file of this process alone,
 fsync, rename over the path, fsync of the directory): a crash, a kill, a full disk or a second writer
-leaves the old file or a new one, never part of one. A directory is held through an exclusive flock on
+leaves the old file or a new one, never part of one; a plot too (write_figure, with pyplot(): matplotlib
+when it is installed, for the tools and the experiments alike). A directory is held through an exclusive flock on
 its .lock file (lock_dir), which the OS lets go however the process ends; a lock file is never opened
 through a symbolic link (O_NOFOLLOW), so a link planted at a lock's path is refused, never followed to
 truncate and write a file elsewhere.
@@ -14,6 +15,7 @@ import fcntl
 import os
 import secrets
 import socket
+import sys
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -63,6 +65,19 @@ def write_file(path, data, error=None):
     """write_atomic of bytes, or of text (as UTF-8)."""
     data = data.encode() if isinstance(data, str) else data
     write_atomic(path, lambda f: f.write(data), error)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display), or None with a note when matplotlib is not
+    installed: plots are extras, and the tables and files that need no plot still go out."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("matplotlib is not installed: skipping plots (pip install matplotlib)", file=sys.stderr)
+        return None
 
 
 def write_figure(path, fig):

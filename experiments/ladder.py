@@ -36,13 +36,12 @@ import sys
 from pathlib import Path
 
 from depthres import UserError, cli
-from depthres.files import write_figure, write_file
+from depthres.files import pyplot, write_figure, write_file
 from experiments.report import PROVENANCE, provenance, provenance_text, save_outputs, strict_json
 from experiments.robust import flops_per_token
 from experiments.rundirs import finished_run, nats, token_unit, whole_split_scores
 from experiments.stats import paired_t, t_quantile
 from experiments.sweep import in_root, load_sweep
-from tools.diagnose import pyplot
 
 
 def slope_fit(log_c, log_l):

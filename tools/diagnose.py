@@ -32,7 +32,7 @@ import torch
 from depthres import UserError, cli, files, os_error_message
 from depthres.checkpoint import load_model
 from depthres.config import need
-from depthres.files import write_figure, write_file
+from depthres.files import pyplot, write_figure, write_file
 from depthres.runlog import ROOT, log_records, perplexity  # ROOT: the repository, where train.py usually runs
 from depthres.token_data import eval_batches, load_meta
 from model import DARStream
@@ -171,17 +171,6 @@ def mixing_matrices(records):
 
 
 # --- plots (optional matplotlib) ----------------------------------------------------------------------
-
-def pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        print("matplotlib is not installed: skipping plots (pip install matplotlib)", file=sys.stderr)
-        return None
-
 
 def recorded_kind(records):
     """What a model's routing record holds, read from the record itself (so a new variant is diagnosed
