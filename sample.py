@@ -259,7 +259,7 @@ def read_prompt(args):
             raise UserError(f"prompt file {path} is not UTF-8 text ({e})") from e
         if not text:
             raise UserError(f"prompt file {path} is empty: write a prompt in it, "
-                             "or drop --prompt_file to sample unconditionally")
+                            "or drop --prompt_file to sample unconditionally")
         return text
     if args.prompt == "":
         raise UserError("the prompt is empty: pass some text, or drop --prompt to sample unconditionally")
@@ -268,7 +268,7 @@ def read_prompt(args):
             args.prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise UserError("--prompt is not valid UTF-8 text: pass UTF-8, or put the prompt in a UTF-8 file "
-                             "and use --prompt_file") from None
+                            "and use --prompt_file") from None
     return args.prompt
 
 
@@ -279,8 +279,8 @@ def run(args):
     tokenizer = get_tokenizer(ckpt["tokenizer"])
     if model.cfg.vocab_size < tokenizer.vocab_size:  # its ids would index past the embedding
         raise UserError(f"{args.ckpt}: the model's vocab_size={model.cfg.vocab_size} is smaller than its "
-                              f"tokenizer {tokenizer.name!r}'s {tokenizer.vocab_size} tokens: the checkpoint does not "
-                              "match its tokenizer; use an intact copy or another checkpoint")
+                        f"tokenizer {tokenizer.name!r}'s {tokenizer.vocab_size} tokens: the checkpoint does not "
+                        "match its tokenizer; use an intact copy or another checkpoint")
     prompt_ids = [tokenizer.eot] if text is None else tokenizer.encode(text)
     block_size = model.cfg.block_size
     if len(prompt_ids) > block_size:

@@ -217,7 +217,7 @@ def build_model_config(model_settings, tc, meta):
     kv = {"vocab_size": 64 * math.ceil(meta["vocab_size"] / 64), "block_size": tc.seq_len, **model_settings}
     if kv["vocab_size"] < meta["vocab_size"]:
         raise UserError(f"vocab_size={kv['vocab_size']} is smaller than the {meta['tokenizer']} "
-                          f"tokenizer's {meta['vocab_size']}")
+                        f"tokenizer's {meta['vocab_size']}")
     if kv["block_size"] < tc.seq_len:
         raise UserError(f"block_size={kv['block_size']} is shorter than seq_len={tc.seq_len}")
     try:

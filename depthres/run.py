@@ -144,7 +144,7 @@ class Run:
         name = signal.Signals(signum).name
         self.log(None, {"kind": "stop", "step": self.step, "signal": name})
         raise Stopped(f"stopped by {name} after step {self.step}; checkpoint written to {self.ckpt_path}; "
-                              "resume with --resume=true", signum)
+                      "resume with --resume=true", signum)
 
     def stop_if_signalled(self, signals):
         """After the last step: the ranks agree on whether any of them got a signal, and stop if one did."""
@@ -210,9 +210,9 @@ def check_memory(mc, tc, world_size):
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
     if need > have:
         raise UserError(f"the model would have {n:,} parameters ({mc.vocab_size:,} x {mc.n_embd} in the embedding "
-                          f"alone): training them needs about {need / 2**30:,.0f} GiB per rank ({TRAINING_BYTES_PER_PARAM} "
-                          f"bytes a parameter{', split over the ranks' if tc.fsdp else ''}), more than the "
-                          f"{have / 2**30:,.0f} GiB of {where}; set a smaller vocab_size, n_embd or n_layer")
+                        f"alone): training them needs about {need / 2**30:,.0f} GiB per rank ({TRAINING_BYTES_PER_PARAM} "
+                        f"bytes a parameter{', split over the ranks' if tc.fsdp else ''}), more than the "
+                        f"{have / 2**30:,.0f} GiB of {where}; set a smaller vocab_size, n_embd or n_layer")
 
 
 def grad_accum_steps(tc, world_size):
@@ -220,7 +220,7 @@ def grad_accum_steps(tc, world_size):
     if tc.batch_tokens % per_micro:
         fit = max(1, round(tc.batch_tokens / per_micro)) * per_micro
         raise UserError(f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * seq_len * world_size "
-                          f"= {tc.batch_size} * {tc.seq_len} * {world_size} = {per_micro} (e.g. batch_tokens={fit})")
+                        f"= {tc.batch_size} * {tc.seq_len} * {world_size} = {per_micro} (e.g. batch_tokens={fit})")
     return tc.batch_tokens // per_micro
 
 
@@ -378,7 +378,8 @@ def diverged(what, loss, norm, step, saved, max_loss):
 
 def write_checkpoint(run, state):
     """Write the run's checkpoint at its step: `state` with the checkpoint format, the random generators,
-    the weights and AdamW state (every rank takes part: FSDP gathers the shards, or writes its own)."""
+    the weights and AdamW state: under FSDP every rank writes its own shards; else rank 0 writes the one file
+    and every rank hears whether it could."""
     finite = all(bool(torch.isfinite(local(p)).all()) for p in run.raw_model.parameters())  # this rank's shard
     if any_rank(run.dist, not finite):
         run.diverged = True
@@ -388,6 +389,7 @@ def write_checkpoint(run, state):
         save_sharded(run.run_dir, run.raw_model, run.optimizer, state, run.dist)
         run.saved = (run.step, run.ckpt_path)
         return
+
     def write():  # rank 0 writes (its CPU copy of the state: save_checkpoint); a failed write stops every rank
         save_checkpoint(run.ckpt_path, {**state, "model": run.raw_model.state_dict(),
                                         "optimizer": run.optimizer.state_dict()})

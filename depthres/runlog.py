@@ -114,7 +114,7 @@ def require_wandb():
         import wandb  # noqa: F401
     except ImportError:
         raise UserError("wandb_log=true needs the wandb package, which is not installed: pip install wandb "
-                          "(or drop wandb_log)") from None
+                        "(or drop wandb_log)") from None
 
 
 def start_wandb(tc, run_dir, resolved, claim):
@@ -130,7 +130,7 @@ def start_wandb(tc, run_dir, resolved, claim):
     except Exception as e:  # not logged in, no network, a bad setting: wandb's first line
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"wandb_log=true, but W&B did not start: {reason} (wandb login, or WANDB_MODE=offline "
-                          "to log locally)") from None
+                        "to log locally)") from None
     if run_id is None:
         write_file(id_file, (run.id + "\n").encode(), UserError)
         for line in claim.kept_log:  # a run that starts logging to W&B on resume: what it logged before, too

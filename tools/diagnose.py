@@ -284,7 +284,7 @@ def check_writable(directory, what):
     except OSError as e:
         reason = os_error_message(e, directory).removeprefix(f"cannot write {directory}: ")
         raise UserError(f"cannot write {what} into {directory}: {reason}: pass --out with a writable "
-                         f"{'directory' if what == 'the diagnostics' else 'path'}") from None
+                        f"{'directory' if what == 'the diagnostics' else 'path'}") from None
 
 
 def find_data_dir(recorded, given=None):

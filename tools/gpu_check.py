@@ -104,7 +104,7 @@ def check_train(args, data_dir, out):
     diffs = {s: abs(resumed[s] - straight[s]) for s in resumed}
     if diffs[first] > 1e-4 or max(diffs.values()) > 1e-2:
         raise UserError(f"resumed losses differ from the uninterrupted run's: step {first}: {diffs[first]:.2e}, "
-                          f"worst {max(diffs.values()):.2e}")
+                        f"worst {max(diffs.values()):.2e}")
     summary = json.loads((out / "straight" / "summary.json").read_text())
     return [f"{args.gpus} ranks, {len(straight)} steps in {seconds:.0f}s (with compile), "
             f"{summary['tokens_per_s']:,.0f} tokens/s, val loss {summary['val_loss']:.3f}",
