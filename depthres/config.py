@@ -242,8 +242,8 @@ def model_config(settings):
     for name, owner in FLAG_OWNERS.items():
         value, owners = getattr(c, name), [r for r, cls in RESIDUALS.items() if issubclass(cls, owner)]
         need(value is None or issubclass(RESIDUALS[c.residual], owner),
-              f"{name}={value!r} only applies to residual={' or '.join(map(repr, owners))} (got residual="
-              f"{c.residual!r}); drop {name}")
+             f"{name}={value!r} only applies to residual={' or '.join(map(repr, owners))} (got residual="
+             f"{c.residual!r}); drop {name}")
     for name, choices in (("rd_mode", RD_MODES), ("dar_routing", tuple(DAR_STREAMS)), ("depth_impl", DEPTH_IMPLS)):
         value = getattr(c, name)
         need(value is None or value in choices, f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
@@ -256,14 +256,14 @@ def model_config(settings):
     for name in ("denseformer_dilation", "denseformer_period"):
         value = getattr(c, name)
         need(value is None or 1 <= value <= c.n_layer,
-              f"{name} counts transformer layers and must be between 1 and n_layer={c.n_layer}, got {value}")
+             f"{name} counts transformer layers and must be between 1 and n_layer={c.n_layer}, got {value}")
     need(c.n_embd % c.n_head == 0, f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
     need((c.n_embd // c.n_head) % 2 == 0,
-          f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
+         f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even for rotary embeddings")
     need(math.isfinite(c.logit_softcap) and c.logit_softcap >= 0,
-          f"logit_softcap must be a finite number >= 0, got {c.logit_softcap}")
+         f"logit_softcap must be a finite number >= 0, got {c.logit_softcap}")
     need(math.isfinite(c.rope_base) and c.rope_base > 0,
-          f"rope_base must be a finite number > 0 (rotary frequencies are base^(-2i/head_dim)), got {c.rope_base}")
+         f"rope_base must be a finite number > 0 (rotary frequencies are base^(-2i/head_dim)), got {c.rope_base}")
     return c
 
 

@@ -81,10 +81,15 @@ def launch_env():
     return rank, world_size, local_rank
 
 
+def wants_cuda(device):
+    """Whether the device key ("auto", "cpu" or "cuda") asks for CUDA: "cuda", or "auto" where it is available."""
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 def setup_distributed(device):
     """Rank, world size and device from torchrun's environment (one process without it)."""
     rank, world_size, local_rank = launch_env()
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    cuda = wants_cuda(device)
     if cuda and not torch.cuda.is_available():
         raise UserError("device=cuda, but CUDA is not available")
     dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

@@ -51,6 +51,7 @@ from depthres.distributed import (
     peak_memory,
     setup_distributed,
     state_bytes,
+    wants_cuda,
 )
 from depthres.files import write_file, writing
 from depthres.runlog import (
@@ -163,7 +164,7 @@ def open_run(tc, mc, meta):
     given it. Yields (dist, claim, ckpt). On leaving, the claim is released and the process group taken
     down."""
     rank, world_size, local_rank = launch_env()  # a stray WORLD_SIZE without torchrun: one line
-    if tc.fsdp and world_size > 1 and not (tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())):
+    if tc.fsdp and world_size > 1 and not wants_cuda(tc.device):
         map_large_allocations()  # FSDP on CPUs: freed gathered weights and gradients leave the resident set
     grad_accum_steps(tc, world_size)  # a batch that does not split over the ranks: an error before any compute
     check_memory(mc, tc, world_size)  # a model too large for any rank's memory (vocab_size=1e10): the same
@@ -203,8 +204,7 @@ def check_memory(mc, tc, world_size):
     with torch.device("meta"):
         n = make_model(mc).num_params()
     need = TRAINING_BYTES_PER_PARAM * n / (world_size if tc.fsdp else 1)
-    cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
-    if cuda and torch.cuda.is_available():
+    if wants_cuda(tc.device) and torch.cuda.is_available():
         have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
     else:
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
