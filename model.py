@@ -256,8 +256,8 @@ def depth_attention(w, keys, values=None):
 # read(j) -> h_j, write(j, y_j) and readout() -> the final state. The streams are the math.
 
 
-def site_name(j):
-    return f"{'attn' if j % 2 == 0 else 'mlp'}.{j // 2}"
+def site_name(j, L=None):
+    return "readout" if j == L else f"{'attn' if j % 2 == 0 else 'mlp'}.{j // 2}"
 
 
 def note(record, key, value):
@@ -315,7 +315,7 @@ class AttnRes(nn.Module):
         return self.w[j:j + 1]
 
     def combine(self, h):
-        """The sublayer's input from its routes' outputs: h_j, (h_QK, h_V) or (h_Q, h_K, h_V)."""
+        """The sublayer's input from its routes' outputs: h_j, (h_QK, h_V) or (h_Q, h_K, h_V); the readout's: a tensor."""
         return h[0] if len(h) == 1 else tuple(h)
 
     def start(self, x0, record=None):
@@ -371,19 +371,19 @@ class AttnResStream:
     def read(self, j):
         if j > 0 and j % self.mod.S == 0:  # Eq. 5: a block boundary closes the partial sum
             self.blocks, self.partial = self.blocks + [self.partial], None
-        sources = self.blocks + ([self.partial] if self.partial is not None else [])
-        h, a = zip(*[depth_attention(w, sources) for w in self.mod.queries(j)])  # Eq. 6, one per route
-        note(self.record, site_name(j), torch.stack(a, 1).squeeze(1))
-        return self.mod.combine(h)
+        return self.site(j, self.blocks + ([self.partial] if self.partial is not None else []))
 
     def write(self, j, y):
         self.partial = y if self.partial is None else self.partial.to(self.blocks[0].dtype) + y  # in x0's dtype
 
-    def readout(self):
+    def readout(self):  # site L, read as every site is
         self.blocks, self.partial = self.blocks + [self.partial], None
-        h, a = depth_attention(self.mod.queries(self.mod.L)[0], self.blocks)
-        note(self.record, "readout", a)
-        return h
+        return self.site(self.mod.L, self.blocks)
+
+    def site(self, j, sources):
+        h, a = zip(*[depth_attention(w, sources) for w in self.mod.queries(j)])  # Eq. 6, one per route
+        note(self.record, site_name(j, self.mod.L), torch.stack(a, 1).squeeze(1))
+        return self.mod.combine(h)
 
 
 # dar_routing -> for targets m = 0 and m = 1: (the stream of its keys, the stream of its values)
@@ -467,7 +467,7 @@ class DARStream:
         sources = self.blocks + ([self.partial] if mod.include_partial and self.partial is not None else [])
         r, a = zip(*[depth_attention(mod.w[j, m], [s[ks] for s in sources], [s[vs] for s in sources])
                      for m, (ks, vs) in enumerate(mod.streams)])
-        note(self.record, site_name(j) if j < mod.L else "readout", torch.stack(a))  # [2 targets, n, B, T]
+        note(self.record, site_name(j, mod.L), torch.stack(a))  # [2 targets, n, B, T]
         if mod.routing == "sep_v":
             r = [r_m @ mod.v_proj[m].T for m, r_m in enumerate(r)]
         return r
@@ -475,7 +475,7 @@ class DARStream:
     def fuse(self, j, r):
         """h = alpha_0 r_0 + alpha_1 r_1, the fused input of the unchanged branch."""
         alpha = self.mod.theta_alpha[j].softmax(0)
-        note(self.record, (site_name(j) if j < self.mod.L else "readout") + "/alpha", alpha)
+        note(self.record, site_name(j, self.mod.L) + "/alpha", alpha)
         return alpha[0] * r[0] + alpha[1] * r[1]
 
     def write(self, j, y):

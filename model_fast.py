@@ -513,7 +513,7 @@ class FastAttnResStream(_BlockHistory):
         self._close_block()
         W, rows = self.chunk_queries(self.mod.L)
         self._open(W)
-        return self.router.read_rows(rows[self.mod.L], *self._recent())[0]
+        return self.mod.combine(self.router.read_rows(rows[self.mod.L], *self._recent()))
 
 
 class FastDARStream(_BlockHistory):

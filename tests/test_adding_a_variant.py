@@ -61,10 +61,48 @@ class TemperedAttnRes(AttnRes):
         return super().queries(j) / self.log_tau[j].exp()
 
 
+class MultiHeadAttnRes(AttnRes):
+    """Block AttnRes with H = 2 pseudo-queries per site, one per channel group of d / H: head g's logits
+    are w_j[g] . RMSNorm(s_r)[g] (the norm over all d channels), its output the group's channels of its
+    mix. Only queries and combine change (the readout's too: it is a site), so both paths run it."""
+
+    heads = 2
+    route_names = ("head 0", "head 1")
+
+    def queries(self, j):  # row g: w_j on group g's channels, 0 elsewhere
+        return torch.block_diag(*super().queries(j).view(self.heads, 1, -1))
+
+    def combine(self, h):  # group g's channels from head g
+        return torch.cat([h_g.chunk(self.heads, -1)[g] for g, h_g in enumerate(h)], -1)
+
+
+def multihead_textbook_logits(net, idx):
+    """h_j[g] = sum_r softmax_r(w_j[g] . (s_r / rms(s_r))[g]) s_r[g] over x0, the completed blocks and the
+    open block's sum (S sublayers a block); the readout (j = L) over x0 and every block."""
+    S, L, w, H = net.residual.S, net.residual.L, net.residual.w, MultiHeadAttnRes.heads
+    cos, sin = net.cos[:idx.size(1)], net.sin[:idx.size(1)]
+    x0, ys = net.wte(idx), []
+
+    def site(j):
+        sources = [x0] + [sum(ys[b:b + S]) for b in range(0, j, S)]  # the last one: the open block's sum
+        out = []
+        for g in range(H):
+            c = slice(g * w.size(1) // H, (g + 1) * w.size(1) // H)
+            logits = torch.stack([(s / s.square().mean(-1, keepdim=True).add(torch.finfo(s.dtype).eps).sqrt())[..., c]
+                                  @ w[j, c] for s in sources])
+            out.append(sum(a.unsqueeze(-1) * s[..., c] for a, s in zip(logits.softmax(0), sources)))
+        return torch.cat(out, -1)
+
+    for j in range(L):
+        block = net.blocks[j // 2]
+        ys.append(block.attn(site(j), cos, sin, j // 2) if j % 2 == 0 else block.mlp(site(j)))
+    return net.lm_head(model.norm(site(L)))
+
+
 # Parameters that start with a zero gradient by construction (the guide's exemptions, by predicate):
 #   rezero: alpha = 0 hides every sublayer's output, so no sublayer weight gets a gradient;
 #   tempered: with zero queries, w / tau = 0 whatever tau, so log_tau gets none.
-ZERO_GRAD = {"rezero": lambda name: name.startswith("blocks."), "tempered": ("residual.log_tau",)}
+ZERO_GRAD = {"rezero": lambda name: name.startswith("blocks."), "tempered": ("residual.log_tau",), "multihead": ()}
 
 
 @pytest.fixture
@@ -72,6 +110,7 @@ def registered(monkeypatch):
     """The guide's step 2: one row per variant in model.RESIDUALS."""
     monkeypatch.setitem(model.RESIDUALS, "rezero", ReZero)
     monkeypatch.setitem(model.RESIDUALS, "tempered", TemperedAttnRes)
+    monkeypatch.setitem(model.RESIDUALS, "multihead", MultiHeadAttnRes)
 
 
 def tiny(residual, **kw):
@@ -88,7 +127,7 @@ def test_an_unregistered_name_is_refused():
         model_config(dict(residual="rezero"))
 
 
-@pytest.mark.parametrize("residual", ["rezero", "tempered"])
+@pytest.mark.parametrize("residual", ["rezero", "tempered", "multihead"])
 def test_a_new_variant_learns_and_exempts_only_what_its_init_zeroes(registered, residual):
     net, idx = tiny(residual), tokens()
     _, loss = net(idx, idx.roll(-1, 1))
@@ -131,6 +170,17 @@ def test_a_temperature_of_one_is_block_attnres_on_both_paths(registered):
     with torch.no_grad():  # the readout's query is tempered too: it comes from queries as well
         net.residual.log_tau[-1] += 1.0
     assert not torch.allclose(net(idx)[0], out[-1][0])
+
+
+@pytest.mark.parametrize("impl", ["two_phase", "reference"])
+def test_a_variant_with_several_rows_at_the_readout_matches_its_textbook_definition(registered, impl):
+    """The guide's definition test: at random, non-zero queries, both paths give the logits of the
+    variant's own definition (a fast-vs-plain test cannot see a variant wrong the same way on both).
+    The readout is a site: its two rows and combine count, as at every other site."""
+    net, idx = tiny("multihead", depth_impl=impl, attnres_block_size=3), tokens()
+    with torch.no_grad():
+        net.residual.w.copy_(torch.randn(net.residual.w.shape, generator=torch.Generator().manual_seed(1)))
+        torch.testing.assert_close(net(idx)[0], multihead_textbook_logits(net, idx), rtol=0, atol=F64)
 
 
 def test_reset_parameters_zeroes_only_what_the_papers_zero(registered):
