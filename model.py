@@ -440,7 +440,8 @@ class DualAttnRes(nn.Module):
 
 def transport(P, rho, beta, y):
     """P'_m = rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams'
-    partial states P [2, B, T, d], then the gated write (model_fast.transport: the same, elementwise)."""
+    partial states P [2, B, T, d], then the gated write, in P's dtype (model_fast.transport: the same, elementwise)."""
+    y = y.to(P.dtype)  # beta_m y in bf16 would round every write (a 0-dim beta_m does not promote y)
     P_0 = rho * P[0] + (1 - rho) * P[1] + beta[0] * y
     P_1 = (1 - rho) * P[0] + rho * P[1] + beta[1] * y
     return torch.stack([P_0, P_1])

@@ -546,6 +546,55 @@ def test_every_depth_mix_stays_float32_under_bf16_autocast(variant, monkeypatch)
         assert m.dtype == p.dtype and torch.equal(m, p)
 
 
+class Lockstep:
+    """The plain stream and the fast path's (its twin, where it has one) fed the same sublayer outputs: the
+    sublayers read the plain inputs, and `pairs` holds each site's (fast, plain) input and readout."""
+
+    def __init__(self, plain, fast):
+        self.plain, self.fast, self.pairs = plain, fast, []
+
+    def read(self, j):
+        self.pairs.append((self.fast.read(j), self.plain.read(j)))
+        return self.pairs[-1][1]
+
+    def write(self, j, y):
+        self.plain.write(j, y)
+        self.fast.write(j, y)
+
+    def readout(self):
+        self.pairs.append((self.fast.readout(), self.plain.readout()))
+        return self.pairs[-1][1]
+
+
+# A stream that rounds a depth mix or a state write to bf16 (u = 2^-8) departs by a fraction of u: DAR's plain write,
+# rounding beta_m y alone, by 6.7e-4 to 9.7e-4 relative. Float32 routing in another order: ~10 float32 u (measured
+# <= 1.6e-7). u / 64 = 6.1e-5 lies between, 11x below the first and 380x above the second.
+BF16_PATHS = 2 ** -8 / 64
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_both_paths_route_in_float32_and_agree_under_bf16_autocast(variant, monkeypatch):
+    """The dtype rule on both paths, with the real sublayers under CPU bf16 autocast: the plain stream and
+    the fast path's, given the same sublayer outputs, give float32 inputs at every site that agree to within
+    BF16_PATHS relative (lockstep: no bf16 rounding of the sublayers' own moves them apart)."""
+    model = tiny(dtype=torch.float32, **variant)
+    randomize_routing(model)
+    with torch.no_grad():
+        for p in model.residual.parameters():
+            p.mul_(0.3)  # trained-looking, as above
+    lockstep = []
+    fast_stream = model.start_stream
+    monkeypatch.setattr(model, "start_stream", lambda x0, record=None: lockstep.append(
+        Lockstep(model.residual.start(x0), fast_stream(x0))) or lockstep[-1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens())
+    pairs = [pair for fast, plain in lockstep[0].pairs for pair in zip(*[h if isinstance(h, tuple) else (h,)
+                                                                          for h in (fast, plain)], strict=True)]
+    assert len(pairs) > 2 * model.cfg.n_layer and {h.dtype for pair in pairs for h in pair} == {torch.float32}
+    for fast, plain in pairs:
+        assert ((fast - plain).norm() / plain.norm()).item() < BF16_PATHS
+
+
 def test_mhc_has_no_underflowed_gradients_in_float32():
     model = tiny(residual="mhc", dtype=torch.float32)
     loss_and_grads(model, tokens())
