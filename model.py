@@ -4,13 +4,8 @@ A decoder-only GPT with depth-routing residual connections.
 Every residual variant answers two questions for sublayer j (attention or MLP, L = 2 * n_layer of
 them): what is its input h_j, and where does its output y_j = F_j(PreNorm_j(h_j)) go? The sublayers
 never change; GPT.forward's loop asks the variant's stream: h_j = stream.read(j), stream.write(j, y_j).
-VARIANTS.md is the math; section numbers below refer to it. This file is that math, in plain autograd
-(a config's values are checked where one is read: depthres.config.model_config).
-
-GPT runs the plain streams (depth_impl="reference"). model_fast.py builds on this file: its FastGPT, which
-model_fast.make_model(cfg) gives for the default depth_impl="two_phase", runs fast twins of the streams, tested
-equal to them in float64, values and gradients (tests/test_routing.py). Reading this file needs nothing
-from that one.
+VARIANTS.md is the math (section numbers below); this file is that math in plain autograd, and GPT runs
+it whatever depth_impl says. model_fast.make_model(cfg) gives the fast twins, tested equal in float64.
 """
 
 import hashlib
@@ -46,7 +41,7 @@ class GPTConfig:
     denseformer_dilation: int | None = None  # k, in transformer layers; denseformer only; None means 1
     denseformer_period: int | None = None  # p, a DWA after every p-th layer; denseformer only; None means 1
     delta_block_size: int | None = None  # S, in sublayers; delta_attnres only; None means 1 (per sublayer)
-    depth_impl: str = "two_phase"  # "two_phase" (model_fast.make_model: its twins) or "reference" (the plain streams here)
+    depth_impl: str = "two_phase"  # model_fast.make_model: "two_phase" (the fast twins) or "reference"; GPT: plain
     depth_chunk: int = 4  # two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)
     activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (memory only)
 
@@ -124,14 +119,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    twins = {}  # plain stream class -> its fast twin; FastGPT (model_fast.py) fills this and norm_project
-    norm_project = None
+    norm_project = None  # FastGPT's (model_fast.py)
 
     def __init__(self, cfg, seed=0):
         super().__init__()
-        if cfg.depth_impl == "two_phase" and not self.twins:
-            raise ValueError('depth_impl="two_phase" runs model_fast\'s twins: build the model with '
-                             'model_fast.make_model(cfg), or set depth_impl="reference" for the plain streams here')
         self.cfg = cfg
         # (not with activation checkpointing, which recomputes the sublayer anyway)
         norm_project = None if cfg.activation_checkpointing else self.norm_project
@@ -178,12 +169,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def start_stream(self, x0, record=None):
-        """The variant's stream for one forward pass: its plain stream, or that stream's fast twin (twins,
-        keyed by the plain stream's class: a stream of one's own runs as written). A record is filled by the
-        plain streams only."""
-        stream = self.residual.start(x0, record)
-        twin = self.twins.get(type(stream)) if record is None else None
-        return twin(self.residual, x0, self.cfg.depth_chunk) if twin else stream
+        """The variant's stream for one forward pass (FastGPT: its fast twin, where it has one)."""
+        return self.residual.start(x0, record)
 
     def param_groups(self, weight_decay):
         """AdamW groups: matrices decay; depth-routing parameters (pseudo-queries, gates) never do."""

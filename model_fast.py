@@ -36,7 +36,9 @@ and `make_model` (the model a config asks for), and `compile_model`. Every torch
 project is in this file.
 """
 
+import functools
 import math
+import sys
 
 import torch
 import torch._functorch.config
@@ -583,10 +585,18 @@ class FastDeltaStream(_BlockHistory):
         return self.h
 
 
-# The plain stream -> its fast twin: GPT.start_stream runs the twin wherever a variant's module starts
-# one of these plain streams (a subclass that keeps the stream keeps the twin; a stream of its own
-# runs as written). Each twin reads the module as its plain stream does: S, L, queries/combine or w.
+# The plain stream -> its fast twin, which reads the module as the plain stream does: S, L, queries/combine or w.
 TWINS = {model.AttnResStream: FastAttnResStream, model.DARStream: FastDARStream, model.DeltaStream: FastDeltaStream}
+
+
+def twin_of(cls):
+    """(the fast twin of plain stream class cls or None, why not or None): a subclass of a stream in TWINS
+    keeps its twin while it overrides none of that stream's methods (the twin would skip the override)."""
+    for i, base in enumerate(cls.__mro__):
+        if base in TWINS:
+            own = sorted({n for c in cls.__mro__[:i] for n, v in vars(c).items() if callable(v) and hasattr(base, n)})
+            return (None, f"it overrides {', '.join(own)} of model.{base.__name__}") if own else (TWINS[base], None)
+    return None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -690,15 +700,31 @@ def norm_project(h, W):
 
 class FastGPT(model.GPT):
     """model.GPT for depth_impl="two_phase": the same parameters and numbers, its AttnRes, DAR and Delta
-    streams run by their twins (TWINS) and an attention K or V input of its own projected by norm_project."""
+    streams run by their twins (twin_of) and an attention K or V input of its own projected by norm_project."""
 
-    twins = TWINS
     norm_project = staticmethod(norm_project)
+
+    def start_stream(self, x0, record=None):  # a record is filled by the plain streams only
+        stream = self.residual.start(x0, record)
+        twin = twin_of(type(stream))[0] if record is None else None
+        return twin(self.residual, x0, self.cfg.depth_chunk) if twin else stream
 
 
 def make_model(cfg, seed=0):
     """The model a config asks for: FastGPT for depth_impl="two_phase", model.GPT for "reference"."""
-    return (FastGPT if cfg.depth_impl == "two_phase" else model.GPT)(cfg, seed)
+    net = (FastGPT if cfg.depth_impl == "two_phase" else model.GPT)(cfg, seed)
+    if cfg.depth_impl == "two_phase":
+        plain_stream_note(type(net.residual.start(torch.zeros(1, 1, cfg.n_embd))))
+    return net
+
+
+@functools.cache
+def plain_stream_note(cls):
+    """One line, once per class, when a stream that could have a fast twin runs plain."""
+    why = twin_of(cls)[1]
+    if why:
+        print(f"note: {cls.__qualname__} runs as the plain stream on depth_impl='two_phase', without the fast "
+              f"path's speed and memory: {why}; write its twin and register it in model_fast.TWINS", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -714,57 +740,3 @@ def compile_model(net, **kwargs):
     short batch is one more static graph (why: docs/performance.md)."""
     torch._functorch.config.backward_pass_autocast = "off"
     return torch.compile(net, **{"dynamic": False, **kwargs})
-
-
-# ----------------------------------------------------------------------------------------------
-# The instruments the fast path is checked with (tests/test_routing.py, tools/bench.py): the router's
-# plain counterpart, and what autograd keeps for backward.
-
-
-class ReferenceRouter:
-    """TwoPhaseRouter's interface over model.depth_attention, site by site: the plain reference of one
-    chunk's routing (tools/bench.py's routing table times it; tests/test_routing.py checks the router
-    against it). The chunk's query rows W [Q, d] are known when it opens, over the sources
-    completed by then; each read adds the sources that arrived since. streams: None for one stream of
-    sources [*, d]; DAR: per target (key stream, value stream) of its sources [2, *, d], the rows
-    target-major. The norm factors `inv` are the two-phase path's, unused here."""
-
-    def __init__(self, W, completed, inv=None, streams=None):
-        self.W, self.completed, self.streams = W, completed, streams
-        self.Qt = len(W) // (1 if streams is None else len(streams))
-
-    def attend(self, q, recent=()):
-        """(h, a) for query row q over the completed sources and `recent`."""
-        sources = self.completed + list(recent)
-        if self.streams is None:
-            return model.depth_attention(self.W[q], sources)
-        ks, vs = self.streams[q // self.Qt]
-        return model.depth_attention(self.W[q], [s[ks] for s in sources], [s[vs] for s in sources])
-
-    def read(self, q, recent=(), inv=()):
-        return self.attend(q, recent)[0]
-
-    def read_rows(self, rows, recent=(), inv=()):
-        """h of each query row in rows (one site's)."""
-        return [self.read(q, recent) for q in rows]
-
-    def read_fused(self, rows, alpha, recent=(), inv=()):
-        """DAR: h = alpha_0 r_0 + alpha_1 r_1 for one site's query rows (target 0's, target 1's)."""
-        return alpha[0] * self.read(rows[0], recent) + alpha[1] * self.read(rows[1], recent)
-
-
-def saved_activation_bytes(fn, exclude=()):
-    """Run fn(); return the bytes autograd saved for backward meanwhile, each storage counted once
-    (several ops often save the same tensor), leaving out the storages of the tensors in `exclude`
-    (pass the parameters to count activations alone: a saved weight is a reference to memory the
-    model holds anyway). With activation checkpointing, a checkpointed region saves its inputs
-    (counted) and recomputes its internals in backward (not saved, not counted)."""
-    storages, skip = {}, {t.untyped_storage().data_ptr() for t in exclude}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(n for ptr, n in storages.items() if ptr not in skip)

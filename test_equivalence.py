@@ -2,6 +2,9 @@
 
 import hashlib
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import model_fast
 from model import RESIDUALS, AttnRes, DualAttnRes, GPTConfig, MUDDFormer, depth_attention, norm
 from model_fast import make_model, norm_project
 from sample import KVCache
+from tools import bench
 
 # --- tolerances: each from the rounding of the arithmetic it compares -------------------------------------
 # u, the unit roundoff: float64 2^-53 = 1.1e-16, float32 2^-24 = 6.0e-8, bfloat16 2^-8 = 3.9e-3. The models here
@@ -272,7 +276,7 @@ def test_first_input_is_embedding_and_all_params_get_grads(variant):
 
 
 def saved_activation_bytes(model, idx):
-    return model_fast.saved_activation_bytes(lambda: model(idx, idx)[1].backward())
+    return bench.saved_activation_bytes(lambda: model(idx, idx)[1].backward())
 
 
 def test_full_attnres_keeps_no_quadratic_copies_of_sources():
@@ -593,6 +597,15 @@ def test_both_paths_route_in_float32_and_agree_under_bf16_autocast(variant, monk
     assert len(pairs) > 2 * model.cfg.n_layer and {h.dtype for pair in pairs for h in pair} == {torch.float32}
     for fast, plain in pairs:
         assert ((fast - plain).norm() / plain.norm()).item() < BF16_PATHS
+
+
+def test_model_py_alone_builds_and_runs_its_default_model():
+    """model.GPT runs the plain streams whatever depth_impl says (make_model picks the path), so GPTConfig's
+    defaults build there without model_fast."""
+    code = ("import sys, torch, model; cfg = model.GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=61, "
+            "block_size=8, residual='block_attnres'); assert cfg.depth_impl == 'two_phase'; "
+            "model.GPT(cfg)(torch.zeros(1, 8, dtype=torch.long)); assert 'model_fast' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, check=True)
 
 
 def test_mhc_has_no_underflowed_gradients_in_float32():

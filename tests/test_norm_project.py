@@ -12,8 +12,9 @@ import torch.utils.checkpoint
 import model as model_module
 import model_fast
 from model import GPTConfig, norm
-from model_fast import make_model, norm_project, saved_activation_bytes
+from model_fast import make_model, norm_project
 from test_equivalence import F64_OP, F64_ZERO
+from tools.bench import saved_activation_bytes
 
 B, T, d, n = 2, 5, 16, 12
 

@@ -8,8 +8,9 @@ import torch.nn as nn
 import model as model_module
 import model_fast
 from model import DAR_STREAMS, RESIDUALS, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes
-from model_fast import ReferenceRouter, TwoPhaseRouter, make_model, rms_inv
+from model_fast import TwoPhaseRouter, make_model, rms_inv
 from test_equivalence import F64, F64_OP
+from tools.bench import ReferenceRouter, saved_activation_bytes
 
 # --- the router alone: phase 1 over the completed sources, phase 2 with the recent ones ----------------
 
@@ -226,6 +227,28 @@ def test_every_variant_runs_the_same_numbers_on_both_paths(residual, monkeypatch
         torch.testing.assert_close(gf[n], gr[n], rtol=0, atol=F64, msg=n)
 
 
+def test_a_stream_subclass_keeps_its_twin_unless_it_overrides_a_method_and_then_says_so(monkeypatch, capsys):
+    """A subclass of a stream in TWINS that overrides none of its methods runs the twin; one that overrides
+    one runs as written, and make_model says so in one line, once: which class, why, where a twin goes."""
+    class Renamed(AttnResStream):
+        """A name of its own, nothing overridden."""
+
+    class OwnRead(AttnResStream):
+        def read(self, j):
+            return super().read(j)
+
+    for stream in (Renamed, OwnRead):
+        monkeypatch.setitem(model_module.RESIDUALS, stream.__name__, type("Mod", (FullAttnRes,), dict(
+            start=lambda self, x0, record=None, stream=stream: stream(self, x0, record))))
+    assert model_fast.twin_of(Renamed) == (model_fast.FastAttnResStream, None)
+    assert model(residual="Renamed").start_stream(torch.zeros(1, 2, 16)).__class__ is model_fast.FastAttnResStream
+    assert capsys.readouterr().err == ""
+    net, _ = model(residual="OwnRead"), model(residual="OwnRead")
+    assert type(net.start_stream(torch.zeros(1, 2, 16))) is OwnRead
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(word in err for word in ("OwnRead", "overrides read", "model_fast.TWINS"))
+
+
 # --- memory: references to the sources, nothing source-sized per site ----------------------------------
 
 @pytest.mark.parametrize("residual, per_site", [("full_attnres", 1), ("block_attnres", 1), ("rd_attnres", 2),
@@ -243,7 +266,7 @@ def test_saved_activations_stay_linear_in_the_sources(residual, per_site):
 
     def saved(**kw):
         m = make_model(GPTConfig(vocab_size=61, block_size=Tt, n_layer=n_layer, n_head=2, n_embd=dm, **kw), seed=0)
-        return model_fast.saved_activation_bytes(lambda: m(idx, idx)[1].backward())
+        return saved_activation_bytes(lambda: m(idx, idx)[1].backward())
 
     extra = saved(residual=residual) - saved(residual="standard")
     source = Bt * Tt * dm * 4

@@ -51,7 +51,8 @@ from depthres import UserError, cli, os_error_message
 from depthres.config import MODEL_TYPES, convert, model_config, need
 from depthres.files import check_writable, write_file
 from depthres.runlog import ROOT
-from model_fast import ReferenceRouter, TwoPhaseRouter, compile_model, make_model, rms_inv, saved_activation_bytes
+from model import depth_attention
+from model_fast import TwoPhaseRouter, compile_model, make_model, rms_inv
 from tools.diagnose import parse_device
 
 DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc,denseformer,muddformer,delta_attnres"
@@ -130,6 +131,59 @@ def write_report(path, report):
     except OSError as e:  # checked before the benchmark ran: the disk filled, or the directory went away
         raise UserError(f"{os_error_message(e, path)}; the tables above hold the numbers") from None
     print(f"\nwrote {path}")
+
+
+# --- the instruments the fast path is measured with (here and in the tests): the router's plain
+# counterpart, and what autograd keeps for backward
+
+
+class ReferenceRouter:
+    """TwoPhaseRouter's interface over depth_attention, site by site: the plain reference of one
+    chunk's routing (tools/bench.py's routing table times it; tests/test_routing.py checks the router
+    against it). The chunk's query rows W [Q, d] are known when it opens, over the sources
+    completed by then; each read adds the sources that arrived since. streams: None for one stream of
+    sources [*, d]; DAR: per target (key stream, value stream) of its sources [2, *, d], the rows
+    target-major. The norm factors `inv` are the two-phase path's, unused here."""
+
+    def __init__(self, W, completed, inv=None, streams=None):
+        self.W, self.completed, self.streams = W, completed, streams
+        self.Qt = len(W) // (1 if streams is None else len(streams))
+
+    def attend(self, q, recent=()):
+        """(h, a) for query row q over the completed sources and `recent`."""
+        sources = self.completed + list(recent)
+        if self.streams is None:
+            return depth_attention(self.W[q], sources)
+        ks, vs = self.streams[q // self.Qt]
+        return depth_attention(self.W[q], [s[ks] for s in sources], [s[vs] for s in sources])
+
+    def read(self, q, recent=(), inv=()):
+        return self.attend(q, recent)[0]
+
+    def read_rows(self, rows, recent=(), inv=()):
+        """h of each query row in rows (one site's)."""
+        return [self.read(q, recent) for q in rows]
+
+    def read_fused(self, rows, alpha, recent=(), inv=()):
+        """DAR: h = alpha_0 r_0 + alpha_1 r_1 for one site's query rows (target 0's, target 1's)."""
+        return alpha[0] * self.read(rows[0], recent) + alpha[1] * self.read(rows[1], recent)
+
+
+def saved_activation_bytes(fn, exclude=()):
+    """Run fn(); return the bytes autograd saved for backward meanwhile, each storage counted once
+    (several ops often save the same tensor), leaving out the storages of the tensors in `exclude`
+    (pass the parameters to count activations alone: a saved weight is a reference to memory the
+    model holds anyway). With activation checkpointing, a checkpointed region saves its inputs
+    (counted) and recomputes its internals in backward (not saved, not counted)."""
+    storages, skip = {}, {t.untyped_storage().data_ptr() for t in exclude}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(n for ptr, n in storages.items() if ptr not in skip)
 
 
 def timed(fn, device):
