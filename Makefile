@@ -14,7 +14,7 @@ $(VENV)/.installed: requirements.txt
 # the tests' extras: pytest, pytest-xdist (one test process per core), ruff (the linter), and wandb
 # (optional for users: wandb_log=true), so its tests run
 $(VENV)/.test-installed: $(VENV)/.installed Makefile
-	$(PY) -m pip install -q pytest pytest-xdist ruff==0.17.6 wandb
+	$(PY) -m pip install -q pytest pytest-xdist ruff==0.17.6 wandb matplotlib
 	touch $@
 
 demo: $(VENV)/.installed

@@ -285,6 +285,8 @@ class AttnRes(nn.Module):
     (FullAttnRes: S = 1). w[j] is sublayer j's pseudo-query and w[L] the readout's (w[0] is inert:
     sublayer 0 sees x0 alone), zero at init: uniform routing, what makes these variants train stably."""
 
+    route_names = ("routing weights",)  # a site's query rows, as tools/diagnose.py labels them
+
     def __init__(self, cfg):
         super().__init__()
         self.L, self.S = 2 * cfg.n_layer, self.block_size(cfg)
@@ -323,6 +325,8 @@ class RDAttnRes(AttnRes):
     """Section 4, Role-Decoupled AttnRes: Block AttnRes whose attention sublayers read the Q/K input with
     w[j] and the V input with w_v[i] (layer i's). rd_mode: "decoupled" (the method), "tied" (w_V = w_QK:
     Block AttnRes), "average" (the routes' mean as one input), "frozen_v" (w_v stays 0: uniform values)."""
+
+    route_names = ("QK route", "V route")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -393,6 +397,8 @@ class DualAttnRes(nn.Module):
         v_proj[m]                              (sep_v only) d x d value projection, identity-init
     A block is K = dar_block_size transformer layers (2K sublayers; K = 1 is Full DAR). The alpha and
     beta inits break the symmetry of two streams that both start as x0 (VARIANTS.md, section 5)."""
+
+    route_names = ("stream 0", "stream 1")
 
     def __init__(self, cfg):
         super().__init__()
@@ -613,6 +619,8 @@ class DenseFormer(nn.Module):
     last; free reals (no softmax, no normalisation). Init alpha_{i,i} = 1, the rest 0: Y_i = X_i,
     exactly the standard residual (the paper's and its code's init)."""
 
+    route_names = ("DWA weights",)
+
     def __init__(self, cfg):
         super().__init__()
         self.k, self.p = cfg.denseformer_dilation or 1, cfg.denseformer_period or 1
@@ -668,6 +676,8 @@ class MUDDFormer(nn.Module):
     reference code's rule); W1[i-1], W2[i-1], a[i-1] hold W1_i, W2_i, a_i (no biases). Init (the
     reference's training code): W1 ~ normal(0, std 1/sqrt(d)), W2 = 0, a_i one-hot on X_i in every
     way, so every Z^c = X_i: the standard residual (W1's gradient starts at 0, behind W2 = 0)."""
+
+    route_names = ("Q way", "K way", "V way", "R way")
 
     def __init__(self, cfg):
         super().__init__()

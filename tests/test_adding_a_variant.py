@@ -2,6 +2,7 @@
 (one row in model.RESIDUALS each), then trained, sampled and diagnosed. If a step of the guide stops
 working, this file fails."""
 
+import itertools
 import math
 
 import pytest
@@ -225,28 +226,29 @@ def test_a_subclass_is_what_its_class_declares_not_what_its_name_says(monkeypatc
         model_config(dict(residual="my_block", rd_mode="tied"))
 
 
-def test_diagnostics_read_the_routes_the_record_holds(monkeypatch):
-    """diagnose names a site's routes by how many the record holds, for any variant: RD-AttnRes' two
-    (QK, V), a third route's three (Q, K, V), each pair's JS divergence, and one route's peak weight."""
+def test_diagnostics_name_the_routes_the_variant_declares(registered, monkeypatch):
+    """diagnose takes a variant's route names from its module (route_names) and compares every pair of
+    them at every site that has them all: the multi-head variant's heads at every site and the readout,
+    RD-AttnRes' QK and V and ThreeRoutes' Q, K and V at the attention sites; one route has no pair."""
     from test_routing import ThreeRoutes
     monkeypatch.setitem(model.RESIDUALS, "three_routes", ThreeRoutes)
-    expected = {"three_routes": ("Q route", "K route", "V route"), "rd_attnres": ("QK route", "V route"),
-                "block_attnres": ("routing weights",)}
-    for residual, names in expected.items():
+    expected = {"multihead": (("head 0", "head 1"), 7), "three_routes": (("Q route", "K route", "V route"), 3),
+                "rd_attnres": (("QK route", "V route"), 3), "block_attnres": (("routing weights",), 0)}
+    for residual, (names, sites) in expected.items():
         net, record = tiny(residual), {}
         with torch.no_grad():
             for i, p in enumerate(net.residual.parameters()):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype))
             net(tokens(), record=record)
-        assert diagnose.recorded_kind([record]) == "routes" and diagnose.route_names([record]) == names
-        if len(names) > 1:
-            short = [n.removesuffix(" route") for n in names]
-            js = diagnose.route_js_per_layer([record], net.cfg.n_layer, short)
-            assert list(js) == [f"{a}||{b}" for i, a in enumerate(short) for b in short[i + 1:]]
-            assert all(len(v) == net.cfg.n_layer and v[0] == 0 and min(v[1:]) > 0 for v in js.values())  # layer 0: x0 alone
+        assert diagnose.recorded_kind([record]) == "routes"
+        assert diagnose.route_names([record], net.residual.route_names) == names
+        js, short = diagnose.route_js([record], names), [n.removesuffix(" route") for n in names]
+        assert list(js) == [f"{a}||{b}" for a, b in itertools.combinations(short, 2)]
+        for per_site in js.values():  # attn.0 routes over x0 alone
+            assert len(per_site) == sites and per_site["attn.0"] == 0 and min(list(per_site.values())[1:]) > 0
 
 
-@pytest.mark.parametrize("residual", ["rezero", "tempered"])
+@pytest.mark.parametrize("residual", ["rezero", "tempered", "multihead"])
 def test_a_new_variant_trains_samples_and_diagnoses(registered, residual, data_dir, tmp_path, capsys):
     summary = run(data_dir, tmp_path, f"--residual={residual}", "--run_name=new", "--max_steps=4")
     assert summary["step"] == 4 and math.isfinite(summary["val_loss"])
@@ -255,5 +257,7 @@ def test_a_new_variant_trains_samples_and_diagnoses(registered, residual, data_d
     assert math.isfinite(found["val_loss"])
     if residual == "tempered":  # it records like Block AttnRes, so it is diagnosed like it
         assert "routing_maps" in found and found["max_weight_mean"] is not None
+    elif residual == "multihead":  # its own routes, compared at every site, the readout's too
+        assert list(found["js_per_site"]) == ["head 0||head 1"] and "readout" in found["js_per_site"]["head 0||head 1"]
     else:  # it records nothing: no routing measures, and no crash
         assert "routing_maps" not in found

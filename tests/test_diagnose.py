@@ -3,6 +3,7 @@ variant family, the command on a checkpoint, and its bad input: one line and exi
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,9 @@ def test_diagnostics_on_every_variant_family():
                 p.add_(torch.randn(p.shape, generator=g))
         loss, records = diagnose.collect(model, batches)
         if kw["residual"] == "rd_attnres":
-            assert diagnose.route_names(records) == ("QK route", "V route")
-            js = diagnose.route_js_per_layer(records, 2, ["QK", "V"])["QK||V"]
-            assert js[0] == 0 and 0 < js[1] < math.log(2)  # layer 0 routes over x0 alone
+            assert diagnose.route_names(records, model.residual.route_names) == ("QK route", "V route")
+            js = diagnose.route_js(records, model.residual.route_names)["QK||V"]
+            assert list(js) == ["attn.0", "attn.1"] and js["attn.0"] == 0 and 0 < js["attn.1"] < math.log(2)
             maps = diagnose.routing_maps(records)
             assert maps["attn.1"].shape == (2, 2)  # sources [x0, partial] by 2 routes
             assert torch.allclose(maps["attn.1"].sum(0), torch.ones(2))
@@ -193,6 +194,33 @@ def test_diagnose_checks_its_output_directory_before_computing(tmp_path, byte_da
     assert (rc, out) == (2, "")
     assert err == (f"error: cannot write the diagnostics into {run}: read-only file system: pass --out with a "
                    "writable directory\n"), err
+
+
+def test_diagnose_says_what_it_wrote_into_the_run_and_draws_a_lone_evaluation(tmp_path, byte_data, capsys,
+                                                                              monkeypatch):
+    """A new user's first diagnose: every file goes into the run's directory (curves.png too, never the
+    current directory) and is named on the last line; a run evaluated once still shows its point."""
+    run = fake_run(tmp_path / "run", byte_data)
+    (run / "log.jsonl").write_text(json.dumps(dict(kind="eval", split="val", step=2, loss=3.5)) + "\n")
+    monkeypatch.chdir(tmp_path)
+    lines, write = [], diagnose.write_figure
+    monkeypatch.setattr(diagnose, "write_figure", lambda path, fig: lines.extend(fig.axes[0].lines) or write(path, fig))
+    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--curves", run, "--tokens", 64, "--batch_size", 2)
+    assert rc == 0, err
+    assert out.splitlines()[-1] == f"wrote {run / 'curves.png'}, {run / 'routing.png'}, {run / 'diagnostics.json'}"
+    assert list(tmp_path.iterdir()) == [run] and (run / "curves.png").is_file()
+    assert list(lines[0].get_xdata()) == [2] and lines[0].get_marker() == "o"
+    rc, out, err = diagnose_cli(capsys, "--curves", run)  # alone: into the run too
+    assert (rc, out) == (0, f"wrote {run / 'curves.png'}\n")
+
+
+def test_diagnose_without_matplotlib_writes_the_numbers_and_names_the_command_for_the_plots(
+        tmp_path, byte_data, capsys, monkeypatch):
+    run = fake_run(tmp_path / "run", byte_data)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--tokens", 64, "--batch_size", 2)
+    assert rc == 0 and "pip install matplotlib" in err
+    assert out.splitlines()[-1] == f"wrote {run / 'diagnostics.json'}" and not (run / "routing.png").exists()
 
 
 def test_diagnose_finds_the_data_of_a_run_from_anywhere_or_is_told_where(tmp_path, byte_data, capsys, monkeypatch):

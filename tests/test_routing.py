@@ -167,6 +167,8 @@ class ThreeRoutes(RDAttnRes):
     pseudo-query of its own (attention reads a 3-tuple as (h_Q, h_K, h_V)). Only its queries change,
     so the fast twin serves it: three query rows per attention site."""
 
+    route_names = ("Q route", "K route", "V route")
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.w_k = nn.Parameter(torch.zeros(cfg.n_layer, cfg.n_embd))

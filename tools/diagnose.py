@@ -1,8 +1,8 @@
 """
 What did a model's depth routing learn? Diagnostics from a checkpoint, on held-out tokens.
 
-    python -m tools.diagnose --ckpt runs/demo                  # routing maps, and per variant:
-        rd_attnres   Jensen-Shannon divergence between the QK and V routes (any two routes of a site), per layer
+    python -m tools.diagnose --ckpt runs/rd                    # routing maps, and per variant:
+        rd_attnres   Jensen-Shannon divergence between the QK and V routes (any two of a site's routes), per site
         dar          linear CKA between the two streams per layer, and each stream's rescue gain
         hc, mhc      the mean residual mixing matrices
         full_attnres, block_attnres, delta_attnres   the mean largest routing weight per site
@@ -10,16 +10,14 @@ What did a model's depth routing learn? Diagnostics from a checkpoint, on held-o
         muddformer   the mean per-token weights per way (Q, K, V, R), on the newest output and on x0
     python -m tools.diagnose --curves runs/sweep/*/seed*/      # validation-loss curves across runs
 
-Writes diagnostics.json and PNG plots into --out (default: the run directory), each file whole or
-not at all (written beside and renamed). Plots need matplotlib (optional: `pip install matplotlib`);
-without it the numbers are still written.
-Data: the validation split of --data_dir, by default the checkpoint's data_dir; a relative one is
-looked for from the current directory, then from the repository's root (where train.py usually runs).
-Exit status: 0 done; 2 with one `error:` line, before any compute (bad flags, an output that cannot be
-written, a missing, corrupt or unfitting checkpoint, its data not found); 130 on Ctrl-C.
+Writes diagnostics.json and PNG plots (with matplotlib) into --out, by default the run directory (curves
+alone: the runs' common directory), each whole or not at all, and prints what it wrote. Data: the
+validation split of --data_dir, by default the checkpoint's (a relative one: from here, then from the
+repository's root). Exit status: 0 done; 2 with one `error:` line, before any compute; 130 on Ctrl-C.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -83,15 +81,15 @@ def routing_maps(records):
     return maps
 
 
-def route_js_per_layer(records, n_layer, names):
-    """{"A||B": per layer} for every pair of routes A, B of the attention sublayers (RD-AttnRes: QK||V):
-    their JS divergence per token, then averaged."""
-    out = {}
-    for i in range(n_layer):
-        a = torch.cat([r[f"attn.{i}"].flatten(start_dim=2) for r in records], -1)  # [n, routes, tokens]
-        for x in range(a.size(1)):
-            for y in range(x + 1, a.size(1)):
-                out.setdefault(f"{names[x]}||{names[y]}", []).append(js_divergence(a[:, x], a[:, y], dim=0).mean().item())
+def route_js(records, names):
+    """{"A||B": {site: JS}} for every pair of the named routes (RD-AttnRes: QK||V), at every site that has
+    them all: their JS divergence per token, then averaged."""
+    out, names = {}, [name.removesuffix(" route") for name in names]
+    for site in site_keys(records[0]):
+        if records[0][site].dim() == 4 and records[0][site].size(1) == len(names):
+            a = torch.cat([r[site].flatten(start_dim=2) for r in records], -1)  # [n, routes, tokens]
+            for x, y in itertools.combinations(range(len(names)), 2):
+                out.setdefault(f"{names[x]}||{names[y]}", {})[site] = js_divergence(a[:, x], a[:, y]).mean().item()
     return out
 
 
@@ -173,15 +171,9 @@ def mixing_matrices(records):
 # --- plots (optional matplotlib) ----------------------------------------------------------------------
 
 def recorded_kind(records):
-    """What a model's routing record holds, read from the record itself (so a new variant is diagnosed
-    by what it records, not by its name):
-        "routes"       the AttnRes family, every site: [n, B, T] for one route, [n, R, B, T] for a site's
-                       R routes (RD-AttnRes' attention sites: QK and V); route_names(records) names them
-        "two_targets"  DAR: per site [2 targets, n, B, T], with "<site>/alpha" and the states "state.j"
-        "ways"         MUDDFormer: the mixes of the layer outputs [4 ways, n, B, T], at attention sites only
-        "dwa"          DenseFormer: the static weights "dwa.i"
-        "mixing"       HC, mHC: "<site>/pre", "<site>/res", "<site>/post" and the states
-        None           nothing routed is recorded (standard, or a variant that records nothing)"""
+    """What a routing record holds, read from its layout (docs/model.md, "What a record holds"), not from
+    the variant's name: "routes" (AttnRes family), "two_targets" (DAR), "ways" (MUDDFormer), "dwa"
+    (DenseFormer), "mixing" (HC, mHC), or None."""
     keys = set(records[0]) if records else set()
     if any(k.endswith("/alpha") for k in keys):
         return "two_targets"
@@ -201,23 +193,19 @@ def site_keys(record):
     return [k for k in record if "/" not in k and not k.startswith("state.")]
 
 
-def route_names(records):
-    """The names of the routes a record holds, a heatmap each: DAR's streams, MUDDFormer's ways, the
-    DWA matrix; for a "routes" record, by their number R (the largest at any site), as attention reads
-    R inputs: one h; (h_QK, h_V); (h_Q, h_K, h_V); else route 0, 1, .."""
-    kind = recorded_kind(records)
-    if kind != "routes":
-        return {"two_targets": ("stream 0", "stream 1"), "ways": ("Q way", "K way", "V way", "R way"),
-                "dwa": ("DWA weights",)}.get(kind, ("routing weights",))
+def route_names(records, declared=("routing weights",)):
+    """The routes' names, a heatmap each: the variant's own (its module's route_names) where they name
+    every row of the sites with the most rows; else route 0, 1, .. (one row: routing weights)."""
+    if recorded_kind(records) != "routes":
+        return tuple(declared)  # DAR's streams, MUDDFormer's ways, the DWA matrix
     R = max((records[0][k].size(1) for k in site_keys(records[0]) if records[0][k].dim() == 4), default=1)
-    return {1: ("routing weights",), 2: ("QK route", "V route"), 3: ("Q route", "K route", "V route")}.get(
-        R, tuple(f"route {r}" for r in range(R)))
+    return tuple(declared) if len(declared) == R else ("routing weights",) if R == 1 else tuple(
+        f"route {r}" for r in range(R))
 
 
 def plot_routing_maps(maps, path, title, kind, names):
-    """One heatmap per route (route_names): rows are sites in depth order, columns are sources (0 =
-    embedding); a site of one route (RD-AttnRes' MLP sites, MUDDFormer's readout) appears in each.
-    DenseFormer and MUDDFormer weights are free reals, not a softmax: a diverging colour scale centred on 0."""
+    """One heatmap per route (route_names), a row per site, a column per source (0 = embedding); a site of one
+    route appears in each. Free reals (DenseFormer, MUDDFormer): a diverging colour scale centred on 0."""
     plt = pyplot()
     if plt is None:
         return None
@@ -258,7 +246,8 @@ def plot_curves(groups, path):
         curves = [dict(val_curve(run)) for run in runs]
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         style = ("-", "--", ":")[i // 10 % 3]  # the colour cycle repeats after 10 lines; the style does not
-        ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], style, label=f"{label} ({len(runs)})")
+        ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], style, label=f"{label} ({len(runs)})",
+                marker="o" if len(steps) == 1 else None)  # one evaluation: a point, not an invisible line
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token)")
     ax.legend(fontsize=7)
@@ -322,7 +311,8 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
                eval_batches(data_dir, "val", batch_size, cfg.block_size, tokens)]
     loss, records = collect(model, batches)
     out = dict(checkpoint=str(ckpt_path), data_dir=data_dir, residual=cfg.residual, step=ckpt["step"], val_loss=loss)
-    n, kind, names, maps = cfg.n_layer, recorded_kind(records), route_names(records), None
+    n, kind, maps = cfg.n_layer, recorded_kind(records), None
+    names = route_names(records, getattr(model.residual, "route_names", ("routing weights",)))
     if kind in ("routes", "two_targets", "ways"):
         maps = routing_maps(records)
         out["routing_maps"] = {k: v.tolist() for k, v in maps.items()}
@@ -330,8 +320,8 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
         peak = max_weight_per_site(records)
         out["max_weight_per_site"], out["max_weight_mean"] = peak, statistics.fmean(peak.values()) if peak else None
     elif kind == "routes":
-        out["js_per_layer"] = route_js_per_layer(records, n, [name.removesuffix(" route") for name in names])
-        out["js_mean"] = {pair: statistics.fmean(js) for pair, js in out["js_per_layer"].items()}
+        out["js_per_site"] = route_js(records, names)
+        out["js_mean"] = {pair: statistics.fmean(js.values()) for pair, js in out["js_per_site"].items()}
     elif kind == "dwa":  # NaN (j not in S(i)) as null in the JSON
         maps = dwa_weights(records, n, cfg.denseformer_dilation or 1)
         out["dwa_weights"] = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in maps.items()}
@@ -360,8 +350,8 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
 
 def summary(d):
     lines = [f"{d['residual']} at step {d['step']}: val loss {d['val_loss']:.4f} (ppl {perplexity(d['val_loss']):.2f})"]
-    for pair, js in d.get("js_per_layer", {}).items():
-        lines.append(f"JS({pair.replace('||', ' || ')}) per layer: " + " ".join(f"{x:.3f}" for x in js)
+    for pair, js in d.get("js_per_site", {}).items():
+        lines.append(f"JS({pair.replace('||', ' || ')}) per site: " + " ".join(f"{k} {x:.3f}" for k, x in js.items())
                      + f"  mean {d['js_mean'][pair]:.3f} (max ln 2 = 0.693)")
     if "cka_per_layer" in d:
         lines.append("stream CKA per layer: " + " ".join(f"{x:.3f}" for x in d["cka_per_layer"]))
@@ -435,10 +425,11 @@ def curve_labels(runs):
 
 
 def curves_path(args):
-    """Where --curves writes its plot: --out, or curves.png in --out with --ckpt, or ./curves.png."""
+    """Where --curves writes its plot: with --ckpt, curves.png beside the diagnostics; else --out, or
+    curves.png in the runs' common directory (one run: its own)."""
     if args.ckpt:
-        return os.path.join(args.out, "curves.png") if args.out else "curves.png"
-    return args.out or "curves.png"
+        return os.path.join(args.out or default_out(args.ckpt), "curves.png")
+    return args.out or os.path.join(os.path.commonpath([os.path.abspath(run) for run in args.curves]), "curves.png")
 
 
 def main(argv=None):
@@ -460,13 +451,18 @@ def run(argv):
     if not args.ckpt and not args.curves:
         p.error("give --ckpt or --curves")
     check_args(args)
+    wrote = []
     if args.curves:
         try:
-            print("wrote", plot_curves(curve_labels(args.curves), curves_path(args)))
+            wrote.append(plot_curves(curve_labels(args.curves), curves_path(args)))
         except OSError as e:
             raise UserError(os_error_message(e, curves_path(args))) from None
     if args.ckpt:
-        print(summary(diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)))
+        out = diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)
+        print(summary(out))
+        wrote += [out.get("routing_plot"), os.path.join(args.out or default_out(args.ckpt), "diagnostics.json")]
+    if any(wrote):  # a plot without matplotlib: None
+        print("wrote " + ", ".join(path for path in wrote if path))
     return 0
 
 
