@@ -1,11 +1,8 @@
 """
-A decoder-only GPT with depth-routing residual connections.
-
-Every residual variant answers two questions for sublayer j (attention or MLP, L = 2 * n_layer of
-them): what is its input h_j, and where does its output y_j = F_j(PreNorm_j(h_j)) go? The sublayers
-never change; GPT.forward's loop asks the variant's stream: h_j = stream.read(j), stream.write(j, y_j).
-VARIANTS.md is the math (section numbers below); this file is that math in plain autograd, and GPT runs
-it whatever depth_impl says. model_fast.make_model(cfg) gives the fast twins, tested equal in float64.
+A decoder-only GPT with depth-routing residual connections: VARIANTS.md is the math (section numbers below),
+this file that math in plain autograd. A variant answers, for sublayer j (attention or MLP, L = 2 * n_layer):
+what is its input h_j, and where does its output y_j = F_j(PreNorm_j(h_j)) go? GPT's loop asks its stream:
+h_j = stream.read(j), stream.write(j, y_j). model_fast.make_model(cfg) runs fast twins, tested equal.
 """
 
 import hashlib
@@ -46,7 +43,6 @@ class GPTConfig:
     activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (memory only)
 
 
-# ----------------------------------------------------------------------------------------------
 # The transformer: RMSNorm pre-norms without gains, rotary attention with QK-norm, ReLU^2 MLP.
 
 
@@ -65,7 +61,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         d = cfg.n_embd
         self.n_head, self.head_dim = cfg.n_head, d // cfg.n_head
-        self.norm_project = norm_project  # FastGPT's linear(norm(h)) (model_fast.norm_project), or None
+        self.norm_project = norm_project  # FastGPT's linear(norm(h)) (model_fast.norm_project, the same numbers)
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
@@ -82,19 +78,15 @@ class CausalSelfAttention(nn.Module):
         v = (self.c_v(x_q) if h_v is h_q else self.normed(self.c_v, h_v)).view(B, T, self.n_head, self.head_dim)
         q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)  # QK-norm, then RoPE
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        mask, causal = None, True
+        mask = None
         if cache is not None:
-            pos = cache.pos
-            k, v = cache.update(layer, k, v)
+            pos, (k, v) = cache.pos, cache.update(layer, k, v)
             if pos > 0:  # queries at pos..pos+T-1 see keys 0..their own position
-                causal = False
                 mask = torch.arange(pos + T, device=q.device) <= torch.arange(pos, pos + T, device=q.device)[:, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    def normed(self, linear, h):
-        """linear(norm(h)) for a K or V input of its own (model_fast.norm_project: the same numbers,
-        saving h, which the routing keeps anyway, instead of norm(h))."""
+    def normed(self, linear, h):  # linear(norm(h)) for a K or V input of its own
         if self.norm_project is not None and torch.is_grad_enabled() and h.requires_grad:
             return self.norm_project(h, linear.weight)
         return linear(norm(h))
@@ -118,96 +110,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
 
-class GPT(nn.Module):
-    norm_project = None  # FastGPT's (model_fast.py)
-
-    def __init__(self, cfg, seed=0):
-        super().__init__()
-        self.cfg = cfg
-        # (not with activation checkpointing, which recomputes the sublayer anyway)
-        norm_project = None if cfg.activation_checkpointing else self.norm_project
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg, norm_project) for _ in range(cfg.n_layer))
-        self.residual = make_residual(cfg)  # the variant: its parameters, and a stream per forward pass
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
-        cos, sin = rotary_tables(cfg)  # [T, 1, hd/2], on the CPU; on the meta device too for a meta model
-        self.register_buffer("cos", cos.to(self.wte.weight.device), persistent=False)
-        self.register_buffer("sin", sin.to(self.wte.weight.device), persistent=False)
-        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: distributed.sharded_model), values come later
-            self.init_weights(seed)
-
-    def forward(self, idx, targets=None, kv_cache=None, record=None):
-        """idx [B, T] token ids -> (logits, loss; None without targets). kv_cache: a sample.KVCache
-        (incremental decoding). record: a dict the plain streams fill with each site's routing weights
-        and states, for diagnostics (docs/model.md, "What a record holds")."""
-        B, T = idx.shape
-        pos = kv_cache.pos if kv_cache is not None else 0
-        if pos + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {pos + T} positions exceeds block_size={self.cfg.block_size}")
-        cos, sin = self.cos[pos:pos + T].to(self.wte.weight.dtype), self.sin[pos:pos + T].to(self.wte.weight.dtype)
-        x0 = self.wte(idx)
-        # F_j(PreNorm_j(h_j)) is checkpointed, not the routing: its sources are read by later sites anyway
-        ckpt = self.cfg.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
-        sublayer, amp = checkpointed if ckpt else call, autocast_of(x0)  # amp: the caller's autocast, if any
-        with float32_routing(x0):  # the dtype rule: every depth mix with autocast off; the sublayers in amp
-            stream = self.start_stream(x0, record)
-            for i, block in enumerate(self.blocks):
-                stream.write(2 * i, sublayer(amp, block.attn, stream.read(2 * i), cos, sin, i, kv_cache))
-                stream.write(2 * i + 1, sublayer(amp, block.mlp, stream.read(2 * i + 1)))
-            h = stream.readout()
-        if kv_cache is not None:
-            kv_cache.pos += T
-        logits = self.lm_head(norm(h))
-        logits = logits.to(compute_dtype(logits))  # float32 loss (float64 in tests)
-        if self.cfg.logit_softcap > 0:
-            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
-
-    def start_stream(self, x0, record=None):
-        """The variant's stream for one forward pass (FastGPT: its fast twin, where it has one)."""
-        return self.residual.start(x0, record)
-
-    def param_groups(self, weight_decay):
-        """AdamW groups: matrices decay; depth-routing parameters (pseudo-queries, gates) never do."""
-        residual = {id(p) for p in self.residual.parameters()}
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if p.requires_grad:
-                (no_decay if id(p) in residual or p.dim() < 2 else decay).append(p)
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-    def num_params(self, trainable_only=False):
-        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
-
-    def flops_per_token(self):
-        """Training FLOPs per token: 6 per matmul weight, plus attention's 12 * layers * d * T."""
-        c = self.cfg
-        n_matmul = self.num_params() - self.wte.weight.numel() * (not c.tie_embeddings)
-        return 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.block_size
-
-    @torch.no_grad()
-    def init_weights(self, seed):
-        """Every parameter set to its initial value for this seed: InitialWeights states each one's."""
-        init = InitialWeights(self.cfg, seed)
-        for name, p in self.named_parameters():
-            p.copy_(init(name, p.shape))
-
-    @torch.no_grad()
-    def init_buffers(self):
-        """The rotary tables again (a model built on the meta device, then given storage, has none yet)."""
-        cos, sin = rotary_tables(self.cfg)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-
-
-# ----------------------------------------------------------------------------------------------
-# Depth attention (section 0), the AttnRes family's one primitive, and the dtype rule of every depth
-# mix: float32 (float64 models: float64) under bf16 autocast too (GPT.forward runs the streams so).
+# Depth attention (section 0), and the dtype rule: every depth mix in float32 (float64 models: float64).
 
 
 def compute_dtype(t):
@@ -226,9 +129,8 @@ def autocast_of(t):
 
 
 def depth_attention(w, keys, values=None):
-    """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r over sources k_r, v_r [..., d] (values: the keys if
-    None), in the compute dtype with autocast off; h in the values' dtype. No temperature, no 1/sqrt(d),
-    no gain in the key norm (w.(g*k) = (w*g).k). Returns h [..., d] and the weights a [n, ...]."""
+    """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r over sources k_r, v_r [..., d] (values: the keys if None), in
+    the compute dtype, autocast off; no temperature, no 1/sqrt(d), no key gain. Returns h and a [n, ...]."""
     values = keys if values is None else values
     dt = compute_dtype(keys[0])
     with float32_routing(w):
@@ -238,17 +140,14 @@ def depth_attention(w, keys, values=None):
     return h.to(values[0].dtype), a
 
 
-# ----------------------------------------------------------------------------------------------
-# Residual variants: a module holds the parameters and starts, per forward pass, a stream with
-# read(j) -> h_j, write(j, y_j) and readout() -> the final state. The streams are the math.
+# Residual variants: a module holds the parameters and starts, per forward pass, a stream: read(j), write(j, y), readout().
 
 
 def site_name(j, L=None):
     return "readout" if j == L else f"{'attn' if j % 2 == 0 else 'mlp'}.{j // 2}"
 
 
-def note(record, key, value):
-    """Diagnostics: keep value (detached) under key when forward was given a record."""
+def note(record, key, value):  # diagnostics: keep value (detached) under key when forward was given a record
     if record is not None:
         record[key] = value.detach()
 
@@ -285,15 +184,12 @@ class AttnRes(nn.Module):
     (FullAttnRes: S = 1). w[j] is sublayer j's pseudo-query and w[L] the readout's (w[0] is inert:
     sublayer 0 sees x0 alone), zero at init: uniform routing, what makes these variants train stably."""
 
-    route_names = ("routing weights",)  # a site's query rows, as tools/diagnose.py labels them
+    S = None  # sublayers per block: attnres_block_size, unless a subclass fixes it (FullAttnRes: 1)
 
     def __init__(self, cfg):
         super().__init__()
-        self.L, self.S = 2 * cfg.n_layer, self.block_size(cfg)
+        self.L, self.S = 2 * cfg.n_layer, self.S or cfg.attnres_block_size
         self.w = nn.Parameter(torch.zeros(self.L + 1, cfg.n_embd))
-
-    def block_size(self, cfg):
-        return cfg.attnres_block_size
 
     @torch.no_grad()
     def reset_parameters(self, rng):
@@ -314,8 +210,7 @@ class AttnRes(nn.Module):
 class FullAttnRes(AttnRes):
     """Section 2: every sublayer output is a source of its own (S = 1)."""
 
-    def block_size(self, cfg):
-        return 1
+    S = 1
 
 
 RD_MODES = ("decoupled", "tied", "average", "frozen_v")
@@ -326,7 +221,7 @@ class RDAttnRes(AttnRes):
     w[j] and the V input with w_v[i] (layer i's). rd_mode: "decoupled" (the method), "tied" (w_V = w_QK:
     Block AttnRes), "average" (the routes' mean as one input), "frozen_v" (w_v stays 0: uniform values)."""
 
-    route_names = ("QK route", "V route")
+    route_names = ("QK route", "V route")  # a site's query rows, as tools/diagnose.py labels them
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -352,8 +247,7 @@ class RDAttnRes(AttnRes):
 
 
 class AttnResStream:
-    """Eq. 1-6: sublayer j attends over the completed blocks b_0 = x0, b_1, .. and the open block's
-    partial sum (Full AttnRes: S = 1, every output is a block), once per query row of the site."""
+    """Eq. 1-6: site j attends over the completed blocks b_0 = x0, b_1, .. and the open partial sum, once per query row."""
 
     def __init__(self, mod, x0, record=None):
         self.mod, self.record = mod, record
@@ -395,10 +289,7 @@ class DualAttnRes(nn.Module):
         rho_j   = sigmoid(theta_rho[j])        doubly-stochastic transport in a block, init 0.982
         beta_jm = 2 sigmoid(theta_beta[j, m])  gated write, init 1 into stream j mod 2, 0.24 the other
         v_proj[m]                              (sep_v only) d x d value projection, identity-init
-    A block is K = dar_block_size transformer layers (2K sublayers; K = 1 is Full DAR). The alpha and
-    beta inits break the symmetry of two streams that both start as x0 (VARIANTS.md, section 5)."""
-
-    route_names = ("stream 0", "stream 1")
+    Blocks of K = dar_block_size layers (2K sublayers; K = 1: Full DAR); the inits break the symmetry (section 5)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -441,10 +332,8 @@ def transport(P, rho, beta, y):
 
 
 class DARStream:
-    """Two streams, each with its own completed blocks and its partial state P_m. Every state holds
-    both streams in one tensor [2, B, T, d], stream m at index m. Target stream m retrieves with its
-    own query; its keys and values come from the streams DAR_STREAMS names (cross: keys from the
-    opposite stream, values from its own blocks)."""
+    """Two streams, each with its completed blocks and partial state P_m, both in one tensor [2, B, T, d];
+    target m retrieves with its own query over the key and value streams DAR_STREAMS names."""
 
     def __init__(self, mod, x0, record=None):
         self.mod, self.record = mod, record
@@ -486,9 +375,7 @@ class DARStream:
         return self.fuse(self.mod.L, self.retrieve(self.mod.L))
 
 
-# ----------------------------------------------------------------------------------------------
-# Hyper-Connections (section 6): n parallel residual streams H [B, T, n, d], each starting as x0,
-# mixed by per-token matrices; summed before the final norm.
+# Hyper-Connections (section 6): n residual streams H [B, T, n, d] from x0, mixed per token, summed at the end.
 
 
 class HyperConnections(nn.Module):
@@ -523,10 +410,9 @@ class HyperConnections(nn.Module):
 
     def coefficients(self, j, H):
         """(pre [B, T, n], res [B, T, n_target, n_source], post [B, T, n]) for sublayer j."""
-        n = self.n
         dyn = norm(H) @ self.W[j].to(H.dtype)  # [B, T, n, n + 2], row k from stream k
         pre = self.Am[j] + self.s_alpha[j] * torch.tanh(dyn[..., 0])
-        res = self.Ar[j] + self.s_alpha[j] * torch.tanh(dyn[..., 1:n + 1])  # [B, T, k, i]
+        res = self.Ar[j] + self.s_alpha[j] * torch.tanh(dyn[..., 1:self.n + 1])  # [B, T, k, i]
         post = self.B[j] + self.s_beta[j] * torch.tanh(dyn[..., -1])
         return pre, res.transpose(-1, -2), post
 
@@ -537,8 +423,8 @@ class ManifoldHC(nn.Module):
         H_pre = sigmoid(a_pre z_pre + b_pre),  H_post = 2 sigmoid(a_post z_post + b_post),
         H_res = SinkhornKnopp(exp(a_res z_res + b_res))  (doubly stochastic, 20 iterations)
         h = sum_i H_pre_i H_i;  H_i <- sum_k H_res[i, k] H_k + H_post_i y
-    Init [our reading; why: VARIANTS.md, section 6]: phi ~ normal(0, 0.02), a = 0.01, b_pre = +3 at
-    stream j mod n and -3 elsewhere, b_post = 0, b_res = 2 I (H_res near the identity)."""
+    Init [our reading; section 6]: phi ~ normal(0, 0.02), a = 0.01, b_pre = +3 at stream j mod n, -3 elsewhere,
+    b_post = 0, b_res = 2 I."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -592,9 +478,8 @@ class MultiStream:
 
     def read(self, j):
         pre, self.res, self.post = self.mod.coefficients(j, self.H)
-        if self.record is not None:
-            for name, value in (("pre", pre), ("res", self.res), ("post", self.post)):
-                note(self.record, f"{site_name(j)}/{name}", value)
+        for name, value in (("pre", pre), ("res", self.res), ("post", self.post)):
+            note(self.record, f"{site_name(j)}/{name}", value)
         return torch.einsum("btn,btnd->btd", pre, self.H)
 
     def write(self, j, y):
@@ -605,21 +490,16 @@ class MultiStream:
         return self.H.sum(-2)
 
 
-# ----------------------------------------------------------------------------------------------
-# Section 7. DenseFormer and MUDDFormer connect whole layers, as their papers do: each layer reads a
-# mix of the layer outputs X_0 = x0, X_1, .., X_D (X_i: the state after layer i, D = n_layer).
+# Section 7. DenseFormer and MUDDFormer mix whole layers' outputs X_0 = x0, X_1, .., X_D (D = n_layer), as their papers.
 
 
 class DenseFormer(nn.Module):
-    """DenseFormer (Pagliardini et al., arXiv 2402.02622), section 7.1. After layer i (i = 1..D),
-    a depth-weighted average (DWA) every p-th layer, over the outputs of every k-th layer:
+    """DenseFormer (Pagliardini et al., arXiv 2402.02622), section 7.1: after every p-th layer i (i = 1..D), a
+    depth-weighted average (DWA) over the outputs of every k-th layer:
         Y_i = sum_{j in S(i)} alpha_{i,j} X_j  if p | i, else Y_i = X_i;   S(i) = {0 <= j <= i: j = i mod k}
     Layer i+1 reads Y_i: its attention reads Y_i, its MLP m = Y_i + attn, and X_{i+1} = m + MLP(norm(m)).
-    The readout is Y_D. alpha["i"] holds alpha_{i,j} for j in S(i), oldest first, the current output
-    last; free reals (no softmax, no normalisation). Init alpha_{i,i} = 1, the rest 0: Y_i = X_i,
-    exactly the standard residual (the paper's and its code's init)."""
-
-    route_names = ("DWA weights",)
+    The readout is Y_D. alpha["i"]: alpha_{i,j} over S(i), oldest first, free reals; init alpha_{i,i} = 1,
+    the rest 0: Y_i = X_i, exactly the standard residual (the paper's and its code's init)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -661,23 +541,14 @@ class DenseStream:
         return self.Y
 
 
-def round64(x):
-    """The MUDDFormer code's hidden-size rule: the next multiple of 64 strictly above x (64 -> 128)."""
-    return (x // 64 + 1) * 64
-
-
 class MUDDFormer(nn.Module):
     """MUDDFormer (Xiao et al., arXiv 2502.12170), section 7.2: multiway dynamic dense connections.
     After layer i (i = 1..D), per token, over the sources X_0..X_i:
         A_i = W2_i GELU(W1_i RMSNorm(X_i)) + a_i   [C_i, i+1]  (C_i = 4 ways Q, K, V, R; C_D = 1)
         Z_i^c = sum_j A_i[c, j] X_j
     Layer i+1: attn = Attn(Z_i^Q, Z_i^K, Z_i^V), m = Z_i^R + attn, X_{i+1} = m + MLP(norm(m)); the
-    readout is Z_D. Hidden width round64(C_i (i+1) e_i), e_i = 1 and 4 after the last layer (the
-    reference code's rule); W1[i-1], W2[i-1], a[i-1] hold W1_i, W2_i, a_i (no biases). Init (the
-    reference's training code): W1 ~ normal(0, std 1/sqrt(d)), W2 = 0, a_i one-hot on X_i in every
-    way, so every Z^c = X_i: the standard residual (W1's gradient starts at 0, behind W2 = 0)."""
-
-    route_names = ("Q way", "K way", "V way", "R way")
+    readout is Z_D. Hidden width round64(C_i (i+1) e_i), e_i = 1, 4 after the last layer; W1[i-1] holds W1_i
+    (no biases). Init (the reference's): W1 ~ normal(0, 1/sqrt(d)), W2 = 0, a_i one-hot on X_i: standard."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -685,7 +556,7 @@ class MUDDFormer(nn.Module):
         ways = [4] * (D - 1) + [1]  # C_i: Q, K, V, R; one way after the last layer
         expand = [1] * (D - 1) + [4]  # e_i
         n = range(2, D + 2)  # sources after layer i = 1..D: i + 1
-        hidden = [round64(C * n_i * e) for C, n_i, e in zip(ways, n, expand)]
+        hidden = [(C * n_i * e // 64 + 1) * 64 for C, n_i, e in zip(ways, n, expand)]  # round64: 64 -> 128
         self.W1 = nn.ParameterList(nn.Parameter(torch.zeros(d, H)) for H in hidden)
         self.W2 = nn.ParameterList(nn.Parameter(torch.zeros(H, C * n_i)) for H, C, n_i in zip(hidden, ways, n))
         self.a = nn.ParameterList(nn.Parameter(torch.zeros(C, n_i)) for C, n_i in zip(ways, n))
@@ -732,9 +603,8 @@ class MuddStream:
 
 
 class DeltaAttnRes(nn.Module):
-    """Delta Attention Residuals (Luo, Cai, Hu, arXiv 2605.18855), section 7.3: the standard stream
-    h~ stays; each sublayer's input adds depth attention over the completed blocks (S = delta_block_size
-    sublayers each; S = 1: every earlier output):
+    """Delta Attention Residuals (Luo, Cai, Hu, arXiv 2605.18855), section 7.3: the standard stream h~ stays; each
+    input adds depth attention over the completed blocks (S = delta_block_size sublayers; S = 1: every output):
         h_j = h~_j + depth_attention([x0, b_1, .., b_m], w_j),   h~_{j+1} = h~_j + y_j
     The routed h_j is never written back; the readout is h~_L. w is zero-init; w_0 is inert (x0 alone)."""
 
@@ -771,8 +641,7 @@ class DeltaStream:
         return self.h
 
 
-# Every residual variant: its name (the `residual` key) and the module that implements it. This table
-# is the one list of variants: a config accepts exactly its names, and a new variant is one more row.
+# The one list of variants: name (the `residual` key) -> module. A config accepts exactly its names.
 RESIDUALS = {
     "standard": StandardResidual,
     "full_attnres": FullAttnRes,
@@ -793,8 +662,87 @@ def make_residual(cfg):
     return RESIDUALS[cfg.residual](cfg)
 
 
-# ----------------------------------------------------------------------------------------------
-# What the model needs besides: activation checkpointing, rotary tables, the initial weights.
+# The model: the sublayers in order on a variant's stream; then what it needs besides (activation
+# checkpointing, rotary tables, the initial weights).
+
+
+class GPT(nn.Module):
+    norm_project = None  # FastGPT's (model_fast.py)
+
+    def __init__(self, cfg, seed=0):
+        super().__init__()
+        self.cfg = cfg
+        norm_project = None if cfg.activation_checkpointing else self.norm_project  # (which recomputes the sublayer)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg, norm_project) for _ in range(cfg.n_layer))
+        self.residual = make_residual(cfg)  # the variant: its parameters, and a stream per forward pass
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        for name, table in zip(("cos", "sin"), rotary_tables(cfg)):  # [T, 1, hd/2]; on the meta device for a meta model
+            self.register_buffer(name, table.to(self.wte.weight.device), persistent=False)
+        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: distributed.sharded_model), values come later
+            self.init_weights(seed)
+
+    def forward(self, idx, targets=None, kv_cache=None, record=None):
+        """idx [B, T] -> (logits, loss or None). kv_cache: a sample.KVCache; record: a dict the plain streams
+        fill for diagnostics (docs/model.md, "What a record holds")."""
+        B, T = idx.shape
+        pos = kv_cache.pos if kv_cache is not None else 0
+        if pos + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {pos + T} positions exceeds block_size={self.cfg.block_size}")
+        cos, sin = self.cos[pos:pos + T].to(self.wte.weight.dtype), self.sin[pos:pos + T].to(self.wte.weight.dtype)
+        x0 = self.wte(idx)
+        # F_j(PreNorm_j(h_j)) is checkpointed, not the routing: its sources are read by later sites anyway
+        ckpt = self.cfg.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
+        sublayer, amp = checkpointed if ckpt else call, autocast_of(x0)  # amp: the caller's autocast, if any
+        with float32_routing(x0):  # the dtype rule: every depth mix with autocast off; the sublayers in amp
+            stream = self.start_stream(x0, record)
+            for i, block in enumerate(self.blocks):
+                stream.write(2 * i, sublayer(amp, block.attn, stream.read(2 * i), cos, sin, i, kv_cache))
+                stream.write(2 * i + 1, sublayer(amp, block.mlp, stream.read(2 * i + 1)))
+            h = stream.readout()
+        if kv_cache is not None:
+            kv_cache.pos += T
+        logits = self.lm_head(norm(h))
+        logits = logits.to(compute_dtype(logits))  # float32 loss (float64 in tests)
+        if self.cfg.logit_softcap > 0:
+            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def start_stream(self, x0, record=None):
+        """The variant's stream for one forward pass (FastGPT: its fast twin, where it has one)."""
+        return self.residual.start(x0, record)
+
+    def param_groups(self, weight_decay):
+        """AdamW groups: matrices decay; depth-routing parameters (pseudo-queries, gates) never do."""
+        residual, decay, no_decay = {id(p) for p in self.residual.parameters()}, [], []
+        for p in (p for p in self.parameters() if p.requires_grad):
+            (no_decay if id(p) in residual or p.dim() < 2 else decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def num_params(self, trainable_only=False):
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def flops_per_token(self):
+        """Training FLOPs per token: 6 per matmul weight, plus attention's 12 * layers * d * T."""
+        c = self.cfg
+        n_matmul = self.num_params() - self.wte.weight.numel() * (not c.tie_embeddings)
+        return 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.block_size
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Every parameter set to its initial value for this seed: InitialWeights states each one's."""
+        init = InitialWeights(self.cfg, seed)
+        for name, p in self.named_parameters():
+            p.copy_(init(name, p.shape))
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """The rotary tables again (a model built on the meta device, then given storage, has none yet)."""
+        for buffer, table in zip((self.cos, self.sin), rotary_tables(self.cfg)):
+            buffer.copy_(table)
 
 
 def call(amp, f, *args):  # f(*args) under autocast amp
@@ -815,17 +763,10 @@ def rotary_tables(cfg):
 
 
 class InitialWeights:
-    """Every parameter's initial value by name, without a model: init(name, shape), a float32 CPU
-    tensor (a model built on the meta device, depthres.distributed.sharded_model, takes its shards of the same). Each
-    weight draws from a generator seeded by (seed, name): two variants built with one seed share every
-    common weight bit for bit (section 8):
-        wte, c_q, c_k, c_v, c_fc, lm_head   normal(0, 0.02)                    (GPT-2)
-        attn.c_proj, mlp.c_proj             normal(0, 0.02 / sqrt(2 n_layer))  (GPT-2's scaled residual init)
-        residual.*                          the variant's own: its reset_parameters (pseudo-queries zero),
-                                            run on a CPU copy of the residual module alone (its routing
-                                            parameters: small), made once
-    A residual weight drawn at random (mHC's phi, MUDDFormer's W1) seeds its generator with its first
-    name, "router.<name>", so that every seed keeps drawing the same weights."""
+    """Every parameter's initial value by name, without a model: init(name, shape), a float32 CPU tensor, drawn
+    from a generator seeded by (seed, name), so variants built with one seed share every common weight (section
+    8): GPT-2's normal(0, 0.02), c_proj's 0.02 / sqrt(2 n_layer); residual.*: the module's reset_parameters on a
+    CPU copy, its random draws seeded by "router.<name>" (their first name), so every seed keeps its weights."""
 
     def __init__(self, cfg, seed):
         self.cfg, self.seed, self._residual = cfg, seed, None
@@ -854,6 +795,5 @@ class InitialWeights:
 
 
 def stable_seed(seed, name):
-    """A stable 63-bit seed for (seed, name), the same in every process and machine (Python's hash() is
-    salted per process): one parameter's initial weights here, one sample's random stream in sample.py."""
+    """A 63-bit seed for (seed, name), the same in every process and machine (Python's hash() is salted)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1

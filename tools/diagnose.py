@@ -193,14 +193,17 @@ def site_keys(record):
     return [k for k in record if "/" not in k and not k.startswith("state.")]
 
 
-def route_names(records, declared=("routing weights",)):
-    """The routes' names, a heatmap each: the variant's own (its module's route_names) where they name
-    every row of the sites with the most rows; else route 0, 1, .. (one row: routing weights)."""
-    if recorded_kind(records) != "routes":
-        return tuple(declared)  # DAR's streams, MUDDFormer's ways, the DWA matrix
-    R = max((records[0][k].size(1) for k in site_keys(records[0]) if records[0][k].dim() == 4), default=1)
-    return tuple(declared) if len(declared) == R else ("routing weights",) if R == 1 else tuple(
-        f"route {r}" for r in range(R))
+def route_names(records, declared=None):
+    """The routes' names, a heatmap each: the variant's own (its module's route_names) where they name every
+    route; else by the record's layout (DAR's streams, MUDDFormer's ways, the DWA matrix; route 0, 1, ..)."""
+    kind = recorded_kind(records)
+    if kind == "routes":
+        R = max((records[0][k].size(1) for k in site_keys(records[0]) if records[0][k].dim() == 4), default=1)
+        names = ("routing weights",) if R == 1 else tuple(f"route {r}" for r in range(R))
+    else:
+        names = {"two_targets": ("stream 0", "stream 1"), "ways": ("Q way", "K way", "V way", "R way"),
+                 "dwa": ("DWA weights",)}.get(kind, ("routing weights",))
+    return tuple(declared) if declared is not None and len(declared) == len(names) else names
 
 
 def plot_routing_maps(maps, path, title, kind, names):
@@ -312,7 +315,7 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
     loss, records = collect(model, batches)
     out = dict(checkpoint=str(ckpt_path), data_dir=data_dir, residual=cfg.residual, step=ckpt["step"], val_loss=loss)
     n, kind, maps = cfg.n_layer, recorded_kind(records), None
-    names = route_names(records, getattr(model.residual, "route_names", ("routing weights",)))
+    names = route_names(records, getattr(model.residual, "route_names", None))
     if kind in ("routes", "two_targets", "ways"):
         maps = routing_maps(records)
         out["routing_maps"] = {k: v.tolist() for k, v in maps.items()}
