@@ -723,7 +723,7 @@ def plain_stream_note(cls):
     """One line, once per class, when a stream that could have a fast twin runs plain."""
     why = twin_of(cls)[1]
     if why:
-        print(f"note: {cls.__qualname__} runs as the plain stream on depth_impl='two_phase', without the fast "
+        print(f"note: {cls.__module__}.{cls.__qualname__} runs as the plain stream on depth_impl='two_phase', without the fast "
               f"path's speed and memory: {why}; write its twin and register it in model_fast.TWINS", file=sys.stderr)
 
 
