@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
+from data import get_tokenizer
 from depthres import UserError, cli
 from depthres.checkpoint import load_model
 from depthres.config import need
-from depthres.token_data import get_tokenizer
 from model import stable_seed
 
 DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from data import get_tokenizer
 from depthres import checkpoint
-from depthres.token_data import get_tokenizer
 from model import GPT, RD_MODES, RESIDUALS, GPTConfig, stable_seed
 from model_fast import make_model
 from sample import SampleWriter, Window, filter_logits, generate, main, sample_logits
