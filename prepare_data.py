@@ -30,6 +30,7 @@ from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from data import (
     DATA_DIR,
@@ -39,6 +40,7 @@ from data import (
     TOKENIZERS,
     check_tokenizer,
     get_tokenizer,
+    load_meta,
     write_shard,
 )
 from depthres import UserError, cli
@@ -90,7 +92,7 @@ def texts(dataset, name, data_files, source_split, text_column, streaming):
                 raise UserError(f"source {where} document {i}: column {text_column!r} is {kind}, not text (its "
                                 f"columns: {', '.join(row)}): pass --text_column")
             yield text or ""
-    except (UserError, GeneratorExit):
+    except UserError:
         raise
     except Exception as e:
         cause = e
@@ -140,19 +142,21 @@ class SplitWriter:
 
     def __init__(self, out_dir, split, tokenizer, shard_tokens):
         self.out_dir, self.split, self.tok, self.shard_tokens = out_dir, split, tokenizer, shard_tokens
-        self.held, self.files, self.docs, self.tokens = [], [], 0, 0
+        self.held, self.fill, self.files, self.docs, self.tokens = [], 0, [], 0, 0
         self.counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
 
     def add(self, ids):
         self.docs += len(ids) > 0
         self.tokens += len(ids)
         self.held.append(ids)
-        while sum(map(len, self.held)) >= self.shard_tokens:
+        self.fill += len(ids)
+        while self.fill >= self.shard_tokens:
             self.flush(self.shard_tokens)
 
     def flush(self, n=None):
         ids = np.concatenate(self.held) if self.held else np.zeros(0, np.uint16)
         shard, self.held = ids[:n], [ids[len(ids) if n is None else n:]]
+        self.fill = len(self.held[0])
         if len(shard):
             for i in range(0, len(shard), 1 << 22):  # bincount makes an int64 copy: a slice at a time
                 self.counts += np.bincount(shard[i:i + (1 << 22)], minlength=len(self.counts))
@@ -182,9 +186,9 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             shard_tokens=10**8, num_proc=1, overwrite=False):
     """Tokenize a source into shards and meta.json under out_dir (replaced only with overwrite); the meta dict."""
     tok = get_tokenizer(tokenizer)
-    if val_fraction + test_fraction >= 1:
-        raise UserError(f"--val_fraction {val_fraction} + --test_fraction {test_fraction} leaves nothing for the "
-                        "train split: keep their sum below 1")
+    if not (val_fraction >= 0 and test_fraction >= 0 and val_fraction + test_fraction < 1):
+        raise UserError(f"--val_fraction {val_fraction} and --test_fraction {test_fraction}: each must be >= 0 and "
+                        "their sum below 1, to leave documents for train")
     if dataset is None and data_files is None:
         data_files = [str(DEFAULT_CORPUS)]
     if dataset is None or dataset in BUILDERS.values():  # local files
@@ -200,31 +204,26 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
                 "tokenizer": tok.name, "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
                 "eot": tok.eot, "val_fraction": val_fraction, "test_fraction": test_fraction,
                 "shard_tokens": shard_tokens}
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out_dir {out_dir} is a file, not a directory")
-    old = None
-    if (out_dir / "meta.json").is_file():
-        try:
-            old = json.loads((out_dir / "meta.json").read_text())
-        except ValueError:
-            old = {}
-    if old and not overwrite and all(old.get(k) == v for k, v in settings.items()):
-        print(f"{out_dir} is already prepared from this source with these settings (--overwrite rebuilds it)")
-        return old
-    if old is not None and not overwrite:
+    prepared = (out_dir / "meta.json").is_file()
+    if prepared and not overwrite:
+        old = load_meta(out_dir)
+        if all(old.get(k) == v for k, v in settings.items()):
+            print(f"{out_dir} is already prepared from this source with these settings (--overwrite rebuilds it)")
+            return old
         raise UserError(f"{out_dir} holds data prepared otherwise: pass --overwrite to replace it, or choose "
                         "another --out_dir")
-    if old is None and out_dir.is_dir() and any(out_dir.iterdir()):
-        raise UserError(f"{out_dir} holds files but no preparation (meta.json): choose another --out_dir")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")  # hidden beside out_dir, on its file system
+    if not prepared and out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"--out_dir {out_dir} is a file, or holds files but no preparation (meta.json): choose "
+                        "another --out_dir")
+    real = out_dir.resolve()  # (a link to a directory elsewhere: the new data goes there)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    tmp = real.with_name(f".{real.name}.{os.getpid()}.tmp")  # hidden beside out_dir, on its file system
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         t0 = time.time()
         writers = {s: SplitWriter(tmp, s, tok, shard_tokens) for s in SPLITS}
         source = texts(dataset, name, data_files, source_split, text_column, streaming)
-        from tqdm import tqdm
         for split, ids in tqdm(encoded(units(source, val_fraction, test_fraction), tok.name, num_proc),
                                unit="docs", desc="tokenizing", disable=None):  # no bar unless stderr is a terminal
             writers[split].add(ids)
@@ -242,7 +241,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             f.write(json.dumps(meta, indent=2) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        replace_dir(tmp, out_dir)
+        replace_dir(tmp, real)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # what a failure left (after the rename: nothing)
     for s, info in splits.items():
@@ -265,13 +264,6 @@ def _count(text):
     return int(value)
 
 
-def _fraction(text):
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
-    return value
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_argument_group("source (default: the embedded Shakespeare corpus)")
@@ -287,8 +279,8 @@ def main(argv=None):
     out = parser.add_argument_group("output")
     out.add_argument("--tokenizer", default="gpt2", choices=sorted(TOKENIZERS))
     out.add_argument("--out_dir", help="default: data/<source name>[_<tokenizer> unless gpt2]")
-    out.add_argument("--val_fraction", type=_fraction, default=0.05, help="fraction of documents for val")
-    out.add_argument("--test_fraction", type=_fraction, default=0.05, help="fraction of documents for test")
+    out.add_argument("--val_fraction", type=float, default=0.05, help="fraction of documents for val")
+    out.add_argument("--test_fraction", type=float, default=0.05, help="fraction of documents for test")
     out.add_argument("--shard_tokens", type=_count, default=10**8, help="tokens per shard (1e8 style accepted)")
     out.add_argument("--num_proc", type=_count, default=1, help="tokenizer processes")
     out.add_argument("--overwrite", action="store_true", help="replace what out_dir holds")
