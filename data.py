@@ -166,16 +166,22 @@ def load_meta(data_dir):
     try:
         meta = json.loads(path.read_text())
         _need(meta["format_version"] == FORMAT_VERSION, f"format version {meta['format_version']!r}")
+        _need(meta["tokenizer"] in TOKENIZERS, f"tokenizer {meta['tokenizer']!r} is not one of {', '.join(TOKENIZERS)}")
         tok = get_tokenizer(meta["tokenizer"])
         _need(meta["vocab_size"] == tok.vocab_size, f"vocab_size {meta['vocab_size']!r} is not the {tok.name} "
               f"tokenizer's {tok.vocab_size}")
-        _need(all(s in meta["splits"] for s in ("train", "val")), "splits lacks train or val")
+        _need(isinstance(meta["splits"], dict), f"splits is a JSON {type(meta['splits']).__name__}, not an object")
+        for split in ("train", "val"):
+            _need(split in meta["splits"], f"splits lacks {split!r}: prepare_data.py writes train, val and test")
         for split, info in meta["splits"].items():
             names = isinstance(info["files"], list) and all(Path(f).name == f for f in info["files"])
-            _need(names, f"split {split!r}: files is not a list of file names")
+            _need(names, f"split {split!r}: files {info['files']!r} is not a list of file names")
             _need(isinstance(info["tokens"], int), f"split {split!r}: tokens is not a count")
+        baseline = meta.get("unigram_baseline_nats")  # train.py prints it
+        _need(baseline is None or type(baseline) in (int, float), f"unigram_baseline_nats {baseline!r} is not a number")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{path} is not a valid meta.json ({type(e).__name__}: {e}): {redo}") from None
+        why = f"lacks {e.args[0]}" if isinstance(e, KeyError) else f"is not valid ({type(e).__name__}: {e})"
+        raise UserError(f"{path} {why}: {redo}") from None
     check_tokenizer(data_dir, meta["tokenizer"])
     return meta
 
