@@ -70,11 +70,16 @@ def local_files(patterns):
         if not matches:
             raise UserError(f"source file {pattern} not found: check the path (a hub dataset goes in --dataset)")
         files += [str(Path(f).resolve()) for f in matches]
+    return files
+
+
+def builder_of(files):
+    """json, parquet or text: the builder that reads local files, told by their extension."""
     builders = {BUILDERS.get(Path(f.removesuffix(".gz")).suffix) for f in files}
     if None in builders or len(builders) > 1:
         raise UserError(f"source files {', '.join(files)}: pass files of one format, told by the extension "
-                        f"({', '.join(BUILDERS)}, optionally .gz)")
-    return files, builders.pop()
+                        f"({', '.join(BUILDERS)}, optionally .gz), or say it with --dataset json, parquet or text")
+    return builders.pop()
 
 
 def texts(dataset, name, data_files, source_split, text_column, streaming):
@@ -192,8 +197,8 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     if dataset is None and data_files is None:
         data_files = [str(DEFAULT_CORPUS)]
     if dataset is None or dataset in BUILDERS.values():  # local files
-        data_files, builder = local_files(data_files or [])
-        dataset, stem = dataset or builder, Path(data_files[0]).name.split(".")[0]
+        data_files = local_files(data_files or [])
+        dataset, stem = dataset or builder_of(data_files), Path(data_files[0]).name.split(".")[0]
     else:
         stem = dataset.split("/")[-1] + (f"-{name}" if name else "")
     out_dir = Path(out_dir or DATA_DIR / (stem if tok.name == "gpt2" else f"{stem}_{tok.name}"))

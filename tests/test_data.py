@@ -162,6 +162,20 @@ def test_parquet_source_streaming_or_not(tmp_path, data_dir):
         assert shards == {k: v for k, v in files_of(data_dir).items() if k != "meta.json"}
 
 
+def test_a_hub_dataset_is_read_through_load_dataset(tmp_path, monkeypatch, data_dir):
+    """The hub path, offline: load_dataset (faked) gets the name, config, split and streaming, rows in order."""
+    import datasets
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append((a, kw)) or
+                        [{"id": i, "text": t} for i, t in enumerate(DOCS)])
+    out = tmp_path / "hub"
+    assert main(["--dataset", "someone/corpus", "--name", "small", "--out_dir", str(out), "--tokenizer", "byte",
+                 "--shard_tokens", "1e3", "--val_fraction", "0.2", "--test_fraction", "0.1"]) == 0
+    assert calls == [(("someone/corpus", "small"), dict(data_files=None, split="train", streaming=True))]
+    assert {k: v for k, v in files_of(out).items() if k != "meta.json"} == \
+        {k: v for k, v in files_of(data_dir).items() if k != "meta.json"}
+
+
 def test_rerun_is_up_to_date_or_refused(tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
