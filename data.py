@@ -113,7 +113,7 @@ def write_shard(path, tokens, tokenizer):
 def open_shard(path, fingerprint=None):
     """The tokens of a shard, memory-mapped (uint16), after checking its header and size; `fingerprint`:
     the tokenizer it must come from."""
-    redo = f"re-create it with `python prepare_data.py --overwrite --out_dir {Path(path).parent}`"
+    redo = f"re-create it with `{prepare_command(Path(path).parent)} --overwrite`"
     if not Path(path).is_file():
         raise UserError(f"shard {path} is missing or not a file: {redo}")
     with open(path, "rb") as f:
