@@ -31,6 +31,7 @@ import torch
 import torch.distributed as torch_dist
 
 import depthres
+from data import TokenLoader, load_meta
 from depthres.config import build_model_config, parse_config, usage
 from depthres.distributed import ddp, gradient_sync, sharded_model, whole
 from depthres.run import (
@@ -46,7 +47,6 @@ from depthres.run import (
     write_checkpoint,
 )
 from depthres.runlog import log_eval, log_train
-from depthres.token_data import TokenLoader, load_meta
 from model_fast import compile_model, make_model
 
 # ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
+from data import check_data, eval_batches
 from depthres import Stopped, UserError
 from depthres.checkpoint import (
     CKPT_FORMAT,
@@ -64,7 +65,6 @@ from depthres.runlog import (
     run_provenance,
     start_wandb,
 )
-from depthres.token_data import check_data, eval_batches
 from model import GPT, GPTConfig
 from model_fast import make_model
 

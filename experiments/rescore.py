@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
+from data import get_tokenizer, load_meta
 from depthres import EXIT_ERROR, UserError, cli, os_error_message
 from depthres.checkpoint import load_model, locate, whole_checkpoint
 from depthres.distributed import Dist
 from depthres.files import check_writable, write_file
 from depthres.run import evaluate
-from depthres.token_data import get_tokenizer, load_meta
 from experiments.rundirs import run_dir
 from experiments.sweep import load_sweep
 from tools.diagnose import find_data_dir

@@ -8,9 +8,9 @@ import re
 import pytest
 
 import train
+from data import load_meta
 from depthres import UserError, config
 from depthres.checkpoint import load_checkpoint
-from depthres.token_data import load_meta
 
 from runs import CONFIG, run
 
@@ -33,7 +33,7 @@ def truncate(name):
 
 
 def test_bad_data_is_found_before_step_1(data_dir, tmp_path, monkeypatch):
-    from depthres.token_data import get_tokenizer, open_shard, write_shard
+    from data import get_tokenizer, open_shard, write_shard
 
     def id_300_in_val(d):
         tokens = open_shard(d / "val_000000.bin").copy()

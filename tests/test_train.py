@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import train
+from data import load_meta
 from depthres import UserError, checkpoint, config, distributed
 from depthres.checkpoint import load_checkpoint
 from depthres.run import DeviceBatches, Run, grad_accum_steps
-from depthres.token_data import load_meta
 from prepare_data import prepare
 
 from runs import CONFIG, RANK1_SIGTERM_IN_STEP_2, ROOT, losses, records, run, steps, two_ranks, untimed
@@ -176,7 +176,7 @@ def test_lr_schedules():
 
 
 def test_batches_read_ahead_checkpoint_the_state_of_the_batches_used(data_dir):
-    from depthres.token_data import TokenLoader
+    from data import TokenLoader
     plain, ahead = (TokenLoader(data_dir, "train", 4, 32, seed=3) for _ in range(2))
     batches = DeviceBatches(ahead, torch.device("cpu"))
     for _ in range(5):

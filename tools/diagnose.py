@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
+from data import eval_batches, load_meta
 from depthres import UserError, cli, files, os_error_message
 from depthres.checkpoint import load_model
 from depthres.config import need
 from depthres.files import pyplot, write_figure, write_file
 from depthres.runlog import ROOT, log_records, perplexity  # ROOT: the repository, where train.py usually runs
-from depthres.token_data import eval_batches, load_meta
 from model import DARStream
 
 # --- the measures ---------------------------------------------------------------------------------

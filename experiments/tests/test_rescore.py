@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from depthres.token_data import load_meta
+from data import load_meta
 from experiments import rescore
 
 from runs import records, run, sharded_copy

@@ -1,0 +1,336 @@
+"""
+Tokens on disk: what prepare_data.py writes and training reads.
+
+    tokenizers  "gpt2" (GPT-2 BPE through tiktoken, from the committed rank file) and "byte"
+    a shard     {split}_NNNNNN.bin: a 64-byte header (HEADER), then the token ids as uint16
+    meta.json   the preparation's settings, vocabulary and splits (each split's files and token counts)
+    reading     TokenData opens a directory once; TokenLoader gives seeded, resumable training batches
+                for any number of ranks; eval_batches a fixed prefix of a split, in order
+"""
+
+import base64
+import hashlib
+import json
+import os
+import struct
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+import torch
+
+from depthres import UserError
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DEFAULT_CORPUS = DATA_DIR / "shakespeare.jsonl.gz"
+GPT2_RANKS = DATA_DIR / "gpt2.tiktoken"
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# the split pattern of the original GPT-2 release (tiktoken's r50k/gpt2 encodings use an equivalent one)
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+SPLITS = ("train", "val", "test")
+SHARD_MAGIC = b"DRTOKENS"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sIIQ16s8s16x")  # magic, version, vocab size, tokens, tokenizer name, fingerprint
+
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+def _fingerprint(*parts):
+    return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255, EOT is 256: for tiny CPU runs and tests."""
+
+    name, vocab_size, eot = "byte", 257, 256
+
+    def __init__(self):
+        self.fingerprint = _fingerprint(self.name, self.vocab_size, self.eot)
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode_bytes(self, ids):
+        return b"".join(b"<|endoftext|>" if i == self.eot else bytes([i]) for i in ids)
+
+    def decode(self, ids):
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+class GPT2Tokenizer:
+    """GPT-2 BPE through tiktoken, built offline from the committed rank file."""
+
+    name, vocab_size, eot = "gpt2", 50257, 50256
+
+    def __init__(self, ranks_path=GPT2_RANKS):
+        raw = Path(ranks_path).read_bytes()
+        sha = hashlib.sha256(raw).hexdigest()
+        if sha != GPT2_RANKS_SHA256:
+            raise UserError(f"{ranks_path} has sha256 {sha}, not the GPT-2 vocabulary's: restore it with git")
+        ranks = {base64.b64decode(token): int(rank) for token, rank in map(bytes.split, raw.splitlines())}
+        self.enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens={"<|endoftext|>": self.eot})
+        self.fingerprint = _fingerprint(self.name, self.vocab_size, self.eot, sha)
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)  # "<|endoftext|>" inside a text is plain text
+
+    def decode_bytes(self, ids):
+        return self.enc.decode_bytes(ids)
+
+    def decode(self, ids):
+        return self.enc.decode(ids)
+
+
+TOKENIZERS = {"gpt2": GPT2Tokenizer, "byte": ByteTokenizer}
+
+
+@cache
+def get_tokenizer(name):
+    """The tokenizer called `name` ("gpt2" or "byte")."""
+    if name not in TOKENIZERS:
+        raise UserError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)}")
+    return TOKENIZERS[name]()
+
+
+# -----------------------------------------------------------------------------
+# shards and meta.json
+
+def write_shard(path, tokens, tokenizer):
+    """Write `tokens` (ids of `tokenizer`) as one shard at `path`, flushed to disk."""
+    tokens = np.asarray(tokens, dtype=np.uint16)
+    header = HEADER.pack(SHARD_MAGIC, FORMAT_VERSION, tokenizer.vocab_size, len(tokens),
+                         tokenizer.name.encode(), bytes.fromhex(tokenizer.fingerprint))
+    with open(path, "wb") as f:
+        f.writelines([header, memoryview(tokens)])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def open_shard(path, fingerprint=None):
+    """The tokens of a shard, memory-mapped (uint16), after checking its header and size; `fingerprint`:
+    the tokenizer it must come from."""
+    redo = f"re-create it with `{prepare_command(Path(path).parent)} --overwrite`"
+    if not Path(path).is_file():
+        raise UserError(f"shard {path} is missing or not a file: {redo}")
+    with open(path, "rb") as f:
+        raw, size = f.read(HEADER.size), os.fstat(f.fileno()).st_size
+    if len(raw) < HEADER.size or raw[:8] != SHARD_MAGIC:
+        raise UserError(f"{path} is not a token shard: {redo}")
+    _, version, _, count, name, fp = HEADER.unpack(raw)
+    if version != FORMAT_VERSION or size != HEADER.size + 2 * count or count == 0:
+        raise UserError(f"{path} is truncated or corrupt (format {version}, {count} tokens in its header, "
+                        f"{size} bytes): {redo}")
+    if fingerprint is not None and fp.hex() != fingerprint:
+        raise UserError(f"{path} was written by tokenizer {name.rstrip(bytes(1)).decode()!r}, not the one its "
+                        f"meta.json names: {redo}")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER.size, shape=(count,))
+
+
+def implied_tokenizer(data_dir):
+    """The tokenizer a directory's name promises (prepare_data.py's default names end in _byte, ...), or None."""
+    return next((t for t in TOKENIZERS if Path(data_dir).name.endswith(f"_{t}")), None)
+
+
+def prepare_command(data_dir):
+    """The command that prepares the data a config names: the embedded corpus, or a corpus of the user's."""
+    tok = implied_tokenizer(data_dir) or "gpt2"
+    flag = f" --tokenizer {tok}" if tok != "gpt2" else ""
+    if Path(data_dir).resolve() == DATA_DIR / ("shakespeare" + (f"_{tok}" if flag else "")):
+        return f"python prepare_data.py{flag}"
+    return f"python prepare_data.py --data_files YOUR_FILES{flag} --out_dir {data_dir}"
+
+
+def check_tokenizer(data_dir, tokenizer):
+    """UserError if the directory's name promises another tokenizer than `tokenizer`."""
+    implied = implied_tokenizer(data_dir)
+    if implied not in (None, tokenizer):
+        raise UserError(f"{data_dir} is named for the {implied} tokenizer but holds (or would hold) {tokenizer} "
+                        f"tokens: prepare it with `{prepare_command(data_dir)} --overwrite`, or rename it")
+
+
+def _need(ok, what):
+    if not ok:
+        raise ValueError(what)
+
+
+def load_meta(data_dir):
+    """The meta.json of a prepared data directory, checked for what readers use."""
+    path = Path(data_dir) / "meta.json"
+    if not path.is_file():
+        raise UserError(f"{path} not found: prepare the data first, with `{prepare_command(data_dir)}`")
+    redo = f"re-create it with `{prepare_command(data_dir)} --overwrite`"
+    try:
+        meta = json.loads(path.read_text())
+        _need(meta["format_version"] == FORMAT_VERSION, f"format version {meta['format_version']!r}")
+        _need(meta["tokenizer"] in TOKENIZERS, f"tokenizer {meta['tokenizer']!r} is not one of {', '.join(TOKENIZERS)}")
+        tok = get_tokenizer(meta["tokenizer"])
+        _need(meta["vocab_size"] == tok.vocab_size, f"vocab_size {meta['vocab_size']!r} is not the {tok.name} "
+              f"tokenizer's {tok.vocab_size}")
+        _need(isinstance(meta["splits"], dict), f"splits is a JSON {type(meta['splits']).__name__}, not an object")
+        for split in ("train", "val"):
+            _need(split in meta["splits"], f"splits lacks {split!r}: prepare_data.py writes train, val and test")
+        for split, info in meta["splits"].items():
+            names = isinstance(info["files"], list) and all(Path(f).name == f for f in info["files"])
+            _need(names, f"split {split!r}: files {info['files']!r} is not a list of file names")
+            _need(isinstance(info["tokens"], int), f"split {split!r}: tokens is not a count")
+        baseline = meta.get("unigram_baseline_nats")  # train.py prints it
+        _need(baseline is None or type(baseline) in (int, float), f"unigram_baseline_nats {baseline!r} is not a number")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        why = f"lacks {e.args[0]}" if isinstance(e, KeyError) else f"is not valid ({type(e).__name__}: {e})"
+        raise UserError(f"{path} {why}: {redo}") from None
+    check_tokenizer(data_dir, meta["tokenizer"])
+    return meta
+
+
+class TokenData:
+    """A prepared directory opened once: meta.json and every split's shards, memory-mapped now. What a run
+    opened is what it reads: prepare_data.py replaces a directory by renaming a new one into its place, and
+    the maps keep the files they opened."""
+
+    def __init__(self, data_dir):
+        self.dir, self.meta = Path(data_dir), load_meta(data_dir)
+        self.splits = {}
+        for split, info in self.meta["splits"].items():
+            shards = [open_shard(self.dir / f, self.meta["tokenizer_fingerprint"]) for f in info["files"]]
+            if sum(map(len, shards)) != info["tokens"]:
+                raise UserError(f"split {split!r} of {data_dir} holds {sum(map(len, shards)):,} tokens in its shards, "
+                                f"but its meta.json says {info['tokens']:,}: re-create it with "
+                                f"`{prepare_command(data_dir)} --overwrite`")
+            self.splits[split] = shards
+
+    def shards(self, split):
+        """The memory-mapped shards of a split that holds tokens."""
+        if split not in self.splits:
+            raise UserError(f"{self.dir} has no split {split!r}: use one of {', '.join(self.splits)}")
+        if not self.splits[split]:
+            raise UserError(f"split {split!r} of {self.dir} is empty: prepare the data with a larger "
+                            f"--{split}_fraction")
+        return self.splits[split]
+
+
+def opened(data):
+    """`data` as TokenData: opened now when it is a directory's path."""
+    return data if isinstance(data, TokenData) else TokenData(data)
+
+
+def check_data(data, meta, seq_len):
+    """Open every split a run uses (train, val, and test when it has tokens), checking each shard's header
+    and size: a split too short for seq_len is an error before the run starts."""
+    data = opened(data)
+    for split in ["train", "val"] + (["test"] if meta["splits"].get("test", {}).get("tokens") else []):
+        tokens = sum(map(len, data.shards(split)))
+        if split != "train" and tokens - 1 < seq_len:
+            raise UserError(f"split {split!r} of {data.dir} has {tokens} tokens, too few for one evaluation "
+                            f"sequence of seq_len + 1 = {seq_len + 1}: use seq_len <= {tokens - 1}, or prepare "
+                            f"the data with a larger --{split}_fraction")
+    TokenLoader(data, "train", 1, seq_len)  # a training window of seq_len + 1 in some shard
+
+
+# -----------------------------------------------------------------------------
+# batches
+
+class TokenLoader:
+    """Seeded, resumable training batches of a split for any number of ranks.
+
+    Every shard is cut into windows of seq_len + 1 tokens overlapping by one (x = w[:-1], y = w[1:]).
+    The windows of all epochs form one stream, epoch e a permutation seeded by (seed, e). Each call
+    consumes the next world_size * batch_size windows of the stream and rank r takes the r-th block
+    of batch_size: a step sees the same windows whatever its split into ranks and micro-steps.
+    data: TokenData, or a directory's path (opened now).
+    """
+
+    def __init__(self, data, split, batch_size, seq_len, rank=0, world_size=1, seed=0):
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
+        self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        data = opened(data)
+        self.shards = data.shards(split)
+        per_shard = [(len(s) - 1) // seq_len for s in self.shards]
+        self.starts = np.cumsum([0] + per_shard)  # first window id of each shard
+        self.n_windows = int(self.starts[-1])
+        if self.n_windows == 0:
+            raise UserError(f"split {split!r} of {data.dir} has no shard of seq_len + 1 = {seq_len + 1} tokens: "
+                            "use a shorter seq_len or a larger corpus")
+        self.epoch = self.pos = 0
+        self._perms = {}
+
+    def _perm(self, epoch):
+        if epoch not in self._perms:
+            self._perms = {e: p for e, p in self._perms.items() if e >= self.epoch}
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        return self._perms[epoch]
+
+    def _take(self, start, count):
+        """Window ids at positions start .. start + count - 1 of the stream."""
+        ids = []
+        while count:
+            epoch, pos = divmod(start, self.n_windows)
+            n = min(count, self.n_windows - pos)
+            ids.append(self._perm(epoch)[pos:pos + n])
+            start += n
+            count -= n
+        return np.concatenate(ids)
+
+    def next_batch(self):
+        """(x, y): int64 CPU tensors [batch_size, seq_len], y is x shifted by one token."""
+        B, T = self.batch_size, self.seq_len
+        start = self.epoch * self.n_windows + self.pos
+        ids = self._take(start + self.rank * B, B)
+        self.epoch, self.pos = divmod(start + self.world_size * B, self.n_windows)
+        shard = np.searchsorted(self.starts, ids, side="right") - 1
+        offset = (ids - self.starts[shard]) * T
+        buf = np.stack([self.shards[s][o:o + T + 1] for s, o in zip(shard, offset)]).astype(np.int64)
+        return torch.from_numpy(buf[:, :-1].copy()), torch.from_numpy(buf[:, 1:].copy())
+
+    def state_dict(self):
+        return {"split": self.split, "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "n_windows": self.n_windows, "epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        mine = self.state_dict()
+        for key in ("split", "seed", "batch_size", "seq_len", "n_windows"):
+            if state.get(key) != mine[key]:
+                raise UserError(f"loader state does not fit: {key} is {state.get(key)!r} in the saved state but "
+                                f"{mine[key]!r} here; resume with the same data, seed, batch_size and seq_len")
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+def eval_batches(data, split, batch_size, seq_len, max_tokens, rank=0, world_size=1):
+    """(x, y) batches over the first max_tokens targets of a split (None: all), in order.
+
+    The split is cut into n = min(max_tokens, tokens - 1) // seq_len windows, the same for every
+    world_size; rank r gets windows r, r + world_size, ... (when n is not a multiple of world_size,
+    the first ranks get one window more: sum losses and token counts over ranks, then divide).
+    data: TokenData, or a directory's path (opened now).
+    """
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
+    shards = opened(data).shards(split)
+    total = sum(len(s) for s in shards)
+    n = (total - 1 if max_tokens is None else min(max_tokens, total - 1)) // seq_len
+    if n == 0 and max_tokens is not None and max_tokens < seq_len:
+        raise UserError(f"max_tokens={max_tokens} is less than one window of seq_len={seq_len} targets: "
+                        f"raise max_tokens to at least {seq_len}")
+    if n == 0:
+        raise UserError(f"split {split!r} has {total} tokens, too few for one window of seq_len + 1 = "
+                        f"{seq_len + 1}: use seq_len <= {total - 1}, or prepare a larger {split} split")
+    parts, left = [], n * seq_len + 1
+    for s in shards:
+        parts.append(np.asarray(s[:left]))
+        left -= len(parts[-1])
+        if left == 0:
+            break
+    tokens = np.concatenate(parts).astype(np.int64)
+    x, y = tokens[:-1].reshape(n, seq_len), tokens[1:].reshape(n, seq_len)
+    mine = np.arange(rank, n, world_size)
+
+    def batches():
+        for i in range(0, len(mine), batch_size):
+            idx = mine[i:i + batch_size]
+            yield torch.from_numpy(x[idx]), torch.from_numpy(y[idx])
+    return batches()
