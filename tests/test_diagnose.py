@@ -69,11 +69,17 @@ def test_diagnostics_on_every_variant_family():
             assert maps["attn.1"].shape == (2, 2)  # sources [x0, partial] by 2 routes
             assert torch.allclose(maps["attn.1"].sum(0), torch.ones(2))
         elif kw["residual"] == "dar":
-            assert all(0 < c < 1 for c in diagnose.dar_cka_per_layer(records, 2))
+            cka = diagnose.stream_cka(records, 2)
+            state = lambda key, m: torch.cat([r[key][m].flatten(0, 1) for r in records])  # noqa: E731 [2, B, T, d]
+            assert cka[0][1] == pytest.approx(diagnose.linear_cka(state("state.1", 0), state("state.3", 1)))
+            assert all(0 < c < 1 for row in cka for c in row)
             gains = diagnose.dar_rescue_gains(model, batches, loss)
             assert len(gains) == 2 and "start" not in vars(model.residual)  # the ablation undone
             assert all(g[2] != 0 for g in gains)  # ablating both streams changes the loss
         else:
+            cka = diagnose.stream_cka(records, 2)  # mHC-2's two streams, H [B, T, n, d]
+            state = lambda key, m: torch.cat([r[key][..., m, :].flatten(0, 1) for r in records])  # noqa: E731
+            assert cka[1][0] == pytest.approx(diagnose.linear_cka(state("state.3", 0), state("state.1", 1)))
             mix = diagnose.mixing_matrices(records)
             assert mix["mlp.1"].shape == (2, 2)
             assert torch.allclose(mix["mlp.1"].sum(-2), torch.ones(2), atol=1e-5)  # Sinkhorn ends on columns: float32, 4 u

@@ -3,8 +3,8 @@ What did a model's depth routing learn? Diagnostics from a checkpoint, on held-o
 
     python -m tools.diagnose --ckpt runs/rd                    # routing maps, and per variant:
         rd_attnres   Jensen-Shannon divergence between the QK and V routes (any two of a site's routes), per site
-        dar          linear CKA between the two streams per layer, and each stream's rescue gain
-        hc, mhc      the mean residual mixing matrices
+        dar          linear CKA between the two streams at every pair of depths, and each stream's rescue gain
+        hc, mhc      the mean residual mixing matrices, and CKA between streams 0 and 1 as for dar
         full_attnres, block_attnres, delta_attnres   the mean largest routing weight per site
         denseformer  the DWA weight matrix (static: no tokens needed)
         muddformer   the mean per-token weights per way (Q, K, V, R), on the newest output and on x0
@@ -93,13 +93,16 @@ def route_js(records, names):
     return out
 
 
-def dar_cka_per_layer(records, n_layer):
-    """CKA between the two streams' states after each layer (section 5)."""
-    out = []
-    for i in range(n_layer):
-        s = torch.cat([r[f"state.{2 * i + 1}"].flatten(1, 2) for r in records], 1)  # [2, tokens, d]
-        out.append(linear_cka(s[0], s[1]))
-    return out
+def stream_cka(records, n_layer):
+    """Linear CKA between stream 0's state after layer i and stream 1's after layer j, [n_layer][n_layer]
+    (the diagonal: matched depths); DAR's states are [2, B, T, d], HC's and mHC's H [B, T, n, d]."""
+    def streams(i):
+        s = [r[f"state.{2 * i + 1}"] for r in records]
+        s = [x if recorded_kind(records) == "two_targets" else x.movedim(-2, 0) for x in s]
+        return torch.cat([x[:2].flatten(1, 2) for x in s], 1)  # [2, tokens, d]
+
+    s = [streams(i) for i in range(n_layer)]
+    return [[linear_cka(s[i][0], s[j][1]) for j in range(n_layer)] for i in range(n_layer)]
 
 
 class AblatedDARStream(DARStream):
@@ -313,7 +316,8 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
     batches = [(x.to(device), y.to(device)) for x, y in
                eval_batches(data_dir, "val", batch_size, cfg.block_size, tokens)]
     loss, records = collect(model, batches)
-    out = dict(checkpoint=str(ckpt_path), data_dir=data_dir, residual=cfg.residual, step=ckpt["step"], val_loss=loss)
+    out = dict(checkpoint=str(ckpt_path), data_dir=data_dir, residual=cfg.residual, step=ckpt["step"], tokens=tokens,
+               val_loss=loss)
     n, kind, maps = cfg.n_layer, recorded_kind(records), None
     names = route_names(records, getattr(model.residual, "route_names", None))
     if kind in ("routes", "two_targets", "ways"):
@@ -330,11 +334,13 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
         out["dwa_weights"] = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in maps.items()}
     elif kind == "ways":
         out["mudd_ways"] = mudd_way_summary(maps)
-    elif kind == "two_targets":
-        out["cka_per_layer"] = dar_cka_per_layer(records, n)
+    if kind in ("two_targets", "mixing"):  # two streams or more: their similarity across depths
+        out["cka_matrix"] = stream_cka(records, n)
+        out["cka_per_layer"] = [out["cka_matrix"][i][i] for i in range(n)]
+    if kind == "two_targets":
         out["rescue_gain_per_layer"] = [dict(stream0=g0, stream1=g1, d_none=dn)
                                         for g0, g1, dn in dar_rescue_gains(model, batches, loss)]
-    elif kind == "mixing":
+    if kind == "mixing":
         out["mixing_matrices"] = {k: v.tolist() for k, v in mixing_matrices(records).items()}
 
     out_dir = out_dir or default_out(ckpt_path)
