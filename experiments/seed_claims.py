@@ -5,6 +5,7 @@ experiments/configs/seed_claims_mechanism.py, from each run's final checkpoint (
 
     python -m experiments.seed_claims experiments/configs/seed_claims_mechanism.py               # diagnose, then report
     python -m experiments.seed_claims experiments/configs/seed_claims_mechanism.py --table_only  # from stored diagnostics
+    python -m experiments.seed_claims experiments/configs/seed_claims_mechanism.py --root /path/to/frozen/clone
 
 Each run's diagnostics.json is written into its run directory once (computed again only if it was computed
 on other tokens); the report (mechanism.md, mechanism.json, cka.png, rescue.png) goes to --out.
@@ -46,10 +47,10 @@ def figures(diag):
     return out
 
 
-def read_diagnostics(design, name, seed, compute):
+def read_diagnostics(design, name, seed, compute, root=ROOT):
     """A run's diagnostics on the declared tokens, computed (compute=True) where missing; None if absent."""
     out_dir, variant = design["runs"][name]
-    d = ROOT / out_dir / variant / f"seed{seed}"
+    d = Path(root) / out_dir / variant / f"seed{seed}"
     path = d / "diagnostics.json"
     if path.is_file():
         diag = json.loads(path.read_text())
@@ -145,6 +146,8 @@ def main(argv=None):
     p.add_argument("design", help="experiments/configs/seed_claims_mechanism.py")
     p.add_argument("--table_only", action="store_true", help="use the stored diagnostics only; compute nothing")
     p.add_argument("--out", default=str(ROOT / "runs/seed_claims_mechanism"), help="where the report goes")
+    p.add_argument("--root", default=str(ROOT), help="where the runs' out_dirs are (default: this checkout; a frozen "
+                                                     "clone's for a study run from one)")
     args = p.parse_args(argv)
     if not Path(args.design).is_file():
         raise UserError(f"no design file {args.design}: pass experiments/configs/seed_claims_mechanism.py")
@@ -152,7 +155,7 @@ def main(argv=None):
     diags = {name: {} for name in design["runs"]}
     for seed in design["seeds"]:
         for name in design["runs"]:
-            if (d := read_diagnostics(design, name, seed, not args.table_only)) is not None:
+            if (d := read_diagnostics(design, name, seed, not args.table_only, args.root)) is not None:
                 diags[name][seed] = d
     missing = [f"{n} seed {s}" for n in design["runs"] for s in design["seeds"] if s not in diags[n]]
     per_run = {n: {s: figures(d) for s, d in runs.items()} for n, runs in diags.items()}
