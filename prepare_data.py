@@ -56,6 +56,7 @@ Ctrl-C; ...`).
 """
 
 import argparse
+import fcntl
 import multiprocessing
 import os
 import re
@@ -70,9 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from depthres import Stopped, UserError, cli, os_error_message
-from depthres.config import TrainConfig
-from depthres.files import lock_dir, sync_dir
+from common import Stopped, UserError, cli, os_error_message
 from depthres.sources import BUILDERS, READ_CHARS, documents, format_of, local_files
 from depthres.token_data import (
     DATA_DIR,
@@ -94,7 +93,7 @@ OUR_FILES = re.compile(r"\.?((train|val|test)_\d{6}\.bin|meta\.json)(\.tmp|\.\d+
 STAGING = ".prepare_data-staging"  # a preparation is built here, beside the one it replaces, then moved in
 MAX_SHARD_TOKENS = 2**30  # a shard is assembled in memory: 2 GiB of uint16 ids
 MAX_SHARDS = 10_000  # per split: more is a --shard_tokens far too small for the corpus (one file a shard)
-WINDOW = TrainConfig.__dataclass_fields__["seq_len"].default + 1  # a training window at train.py's default seq_len
+WINDOW = 256 + 1  # a training window at train.py's default seq_len
 
 # the cutting rule: the module docstring (--help) states it
 CUT_CHARS = 1 << 20
@@ -396,7 +395,11 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(os_error_message(e, out_dir)) from None
-    lock = lock_dir(out_dir, "prepare_data.py run", UserError)
+    lock = os.open(out_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)  # (depthres.files is gone: the data side's
+    try:                                                             # rewrite replaces this file)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"{out_dir} is in use by another prepare_data.py run") from None
     staging, swapping = out_dir / STAGING, False  # swapping: out_dir's previous preparation is being replaced
     kept = f"; {out_dir}'s previous preparation is unchanged" if (out_dir / "meta.json").exists() else ""
     lost = (f"while moving the new preparation into place: {out_dir} holds neither the old one nor the new one; "
@@ -459,7 +462,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             raise Stopped("stopped by Ctrl-C" + (kept or f"; nothing was left in {out_dir}")) from None
         raise
     finally:
-        lock.release()
+        os.close(lock)
 
     dt = time.time() - t0
     total = sum(w.tokens for w in writers.values())
@@ -490,7 +493,6 @@ def _swap_in(staging, out_dir):
             p.unlink()
     for p in sorted(staging.iterdir(), key=lambda p: p.name == "meta.json"):
         os.replace(p, out_dir / p.name)
-    sync_dir(out_dir)
     staging.rmdir()
 
 

@@ -43,9 +43,7 @@ from pathlib import Path
 
 import torch
 
-from depthres import UserError, cli
-from depthres.checkpoint import load_model
-from depthres.config import need
+from common import UserError, cli, load_model, need
 from depthres.token_data import get_tokenizer
 from model import stable_seed
 

@@ -16,7 +16,7 @@ import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
-from depthres import UserError
+from common import UserError
 
 READ_CHARS = 1 << 16  # a .txt file is read in blocks of this many characters
 

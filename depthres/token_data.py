@@ -24,8 +24,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from depthres import UserError
-from depthres.files import write_atomic, write_file
+from common import UserError, write_atomic
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -128,7 +127,7 @@ def write_shard(path, tokens, tokenizer):
     tokens = np.asarray(tokens, dtype=np.uint16)
     header = HEADER.pack(SHARD_MAGIC, FORMAT_VERSION, tokenizer.vocab_size, len(tokens),
                          tokenizer.name.encode(), bytes.fromhex(tokenizer.fingerprint))
-    write_atomic(path, lambda f: f.writelines([header, memoryview(tokens)]), UserError)
+    write_atomic(path, lambda f: f.writelines([header, memoryview(tokens)]))
 
 
 def read_header(path):
@@ -172,7 +171,7 @@ def open_shard(path, fingerprint=None):
 
 def write_meta(out_dir, meta):
     """Write a preparation's meta.json (atomically): the last file of a preparation."""
-    write_file(Path(out_dir) / "meta.json", json.dumps(meta, indent=2) + "\n", UserError)
+    write_atomic(Path(out_dir) / "meta.json", json.dumps(meta, indent=2) + "\n")
 
 
 # -----------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Tests of prepare_data.py: shards, splits, tokenizers, loaders and bad input."""
 
-import errno
 import json
 import os
 import random
@@ -15,8 +14,8 @@ import pytest
 import torch
 
 import prepare_data
-from depthres import UserError, token_data
-from depthres.files import write_atomic
+from common import UserError
+from depthres import token_data
 from depthres.token_data import (
     SPLITS,
     GPT2Tokenizer,
@@ -456,36 +455,6 @@ def test_a_file_given_twice_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_two_preparations_into_one_directory_one_is_refused(tmp_path, capsys):
-    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    out = tmp_path / "out"
-    out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from depthres.files import lock_dir; "
-                               "lock_dir(sys.argv[1], 'prepare_data.py run'); print('locked', flush=True); "
-                               "time.sleep(60)", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "locked\n"
-        assert prep(src, out) == 2
-        assert f"{out} is in use by another prepare_data.py run (pid {holder.pid})" in capsys.readouterr().err
-        assert [p.name for p in out.iterdir()] == [".lock"]
-    finally:
-        holder.kill()
-        holder.wait()
-    assert prep(src, out) == 0  # the lock went with the process that held it
-
-
-def test_a_link_planted_as_the_data_lock_is_refused_not_followed(tmp_path, capsys):
-    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    outside = tmp_path / "outside.txt"
-    outside.write_text("a user's file\n")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / ".lock").symlink_to(outside)
-    assert prep(src, out) == 2
-    assert "it is a symbolic link" in capsys.readouterr().err
-    assert outside.read_text() == "a user's file\n"
-
-
 # -----------------------------------------------------------------------------
 # reliability, round two: no source destroyed, no useless preparation, the old one kept until the new fits
 
@@ -526,34 +495,6 @@ def test_an_empty_train_split_is_refused(tmp_path, capsys):
                 "--test_fraction", 0) == 2
     assert "the train split is empty: all 1 documents went to val or test" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-
-
-def test_overwrite_without_room_keeps_the_previous_preparation(tmp_path, monkeypatch, capsys):
-    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    out = tmp_path / "out"
-    assert prep(src, out, "--shard_tokens", 500) == 0
-    before = files_of(out)
-    real, calls = prepare_data.write_shard, []
-
-    def no_space(f):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def disk_full_at_the_third_shard(path, tokens, tokenizer):
-        calls.append(path)
-        if len(calls) == 3:  # the write fails as on a full disk
-            write_atomic(path, no_space, UserError)
-        return real(path, tokens, tokenizer)
-    monkeypatch.setattr(prepare_data, "write_shard", disk_full_at_the_third_shard)
-    assert prep(src, out, "--shard_tokens", 400, "--overwrite") == 2
-    err = capsys.readouterr().err.splitlines()[-1]
-    assert err == f"error: no space left on device writing {calls[2]}; {out}'s previous preparation is unchanged"
-    assert calls[2].parent == out / prepare_data.STAGING  # the new one was built beside the old one
-    assert files_of(out) == before  # the old preparation, whole, and no staging directory
-    monkeypatch.undo()
-    assert prep(src, out, "--shard_tokens", 400, "--overwrite") == 0  # with room: replaced
-    assert load_meta(out)["shard_tokens"] == 400 and prepare_data.STAGING not in files_of(out)
-    assert set(files_of(out)) == {".lock", "meta.json", *load_meta(out)["splits"]["train"]["files"],
-                                  *load_meta(out)["splits"]["val"]["files"], *load_meta(out)["splits"]["test"]["files"]}
 
 
 def test_a_directory_of_the_users_in_out_dir_is_left_alone(tmp_path):

@@ -3,7 +3,7 @@ The GPU check: one command on a machine with CUDA GPUs (`make gpu-check`), one s
 exit status when a check fails. Three parts, each in its own processes:
 
   bench   bench.py at 12 layers, width 768, context 1024, bf16, compiled: tokens/s, saved-activation
-          and CUDA step-peak ratios of every variant against `standard`, and the standard model's MFU
+          and CUDA step-peak ratios of every variant against `standard`
   train   torchrun --standalone on every GPU (NCCL): a small Block AttnRes config trained straight
           through; the same run stopped by SIGTERM part way (it must finish its step, checkpoint and
           exit non-zero), then resumed. The first resumed step's loss must equal the uninterrupted
@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-from depthres import UserError, cli
-from depthres.runlog import ROOT, log_records
+from common import ROOT, UserError, cli, log_records
 
 BENCH = ["--n_layer", "12", "--n_embd", "768", "--n_head", "6", "--seq_len", "1024", "--batch_size", "8",
          "--dtype", "bf16", "--compile", "--repeats", "5", "--warmup", "2", "--routing_blocks", "4:4,8:4,16:4"]
@@ -65,10 +64,8 @@ def check_bench(args, out):
     stdout, _ = run(cmd, timeout=args.timeout)
     print(stdout, flush=True)
     rows = json.loads((out / "bench.json").read_text())["steps"]
-    summary = [f"{r['variant']}: {r['speed_ratio']:.3f} tokens/s, {r['memory_ratio']:.3f} saved activations"
-               + (f", {r['peak_ratio']:.3f} CUDA peak" if r.get("peak_ratio") is not None else "") for r in rows]
-    mfu = next((r["mfu"] for r in rows if "mfu" in r), None)
-    return summary + ([f"standard MFU {100 * mfu:.1f}%"] if mfu is not None else [])
+    return [f"{r['variant']}: {r['speed_ratio']:.3f} tokens/s, {r['memory_ratio']:.3f} saved activations"
+            + (f", {r['peak_ratio']:.3f} CUDA peak" if r.get("peak_ratio") is not None else "") for r in rows]
 
 
 def torchrun(args, data_dir, out, name, *extra):
@@ -137,7 +134,7 @@ def prepare(args, work):
 
 
 def main(argv=None):
-    """The command line; its exit status (depthres.cli; 1: a check failed, the summary says which)."""
+    """The command line; its exit status (1: a check failed, the summary says which)."""
     return cli(check, argv)
 
 
