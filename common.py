@@ -4,6 +4,7 @@ job, the run log's records and load_model (a checkpoint's model, for sample.py, 
 import json
 import os
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -64,27 +65,25 @@ def write_atomic(path, data):
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")  # this writer's alone
     try:
         with open(tmp, "wb") as f:
-            data(f) if callable(data) else f.write(data.encode() if isinstance(data, str) else data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise
 
 
 def log_records(run_dir):
     """The JSON records of a run's log.jsonl (a torn line skipped; none without the file)."""
-    try:
-        lines = (Path(run_dir) / "log.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        try:
+    path, records = Path(run_dir) / "log.jsonl", []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        with suppress(ValueError):
             records.append(json.loads(line))
-        except ValueError:
-            pass
     return [r for r in records if isinstance(r, dict)]
 
 
@@ -108,17 +107,18 @@ def any_rank(value, device="cpu"):
     return t.item()
 
 
-def on_rank0(fn, group=None):
-    """fn() on rank 0, its result on every rank; its UserError raised on every rank, so all stop with one line."""
+def on_rank0(fn):
+    """fn() on rank 0, its result on every rank (a collective); its UserError or OSError raised on every rank, so all
+    stop with one line."""
     result = error = None
     if rank() == 0:
         try:
             result = fn()
-        except UserError as e:
-            error = str(e)
+        except (UserError, OSError) as e:
+            error = str(e) if isinstance(e, UserError) else os_error_message(e)
     if world_size() > 1:
         box = [(result, error)]
-        dist.broadcast_object_list(box, src=0, group=group)
+        dist.broadcast_object_list(box, src=0)
         result, error = box[0]
     if error is not None:
         raise UserError(error)

@@ -23,6 +23,7 @@ import math
 import os
 import random
 import re
+import resource
 import runpy
 import signal
 import sys
@@ -236,8 +237,12 @@ def open_data(tc):
 
 def usage():
     """--help: the docstring, then every key with its type, default and meaning (model keys: GPTConfig's comments)."""
-    notes = dict(re.findall(r"^\s+(\w+): [^=]+=[^#\n]*#\s*(.*)$", inspect.getsource(GPTConfig), re.M))
+    notes = {"n_layer": "transformer layers (two sublayers each)", "n_embd": "model width", "mlp_ratio": "MLP width / "
+             "n_embd", "rope_base": "rotary embeddings' base"}
+    notes |= dict(re.findall(r"^\s+(\w+): [^=]+=[^#\n]*#\s*(.*)$", inspect.getsource(GPTConfig), re.M))
     notes["residual"] = "one of " + ", ".join(RESIDUALS) + " (VARIANTS.md)"
+    for name, choices in (("rd_mode", RD_MODES), ("dar_routing", DAR_STREAMS)):
+        notes[name] = notes.get(name, "") + f"; one of {', '.join(choices)}"
     lines = [__doc__.strip(), "", "training keys:"]
     lines += [f"  {f.name:<14} {type_name(TRAIN_TYPES[f.name]):<6} {f.default!r:<18} {f.metadata['help']}"
               for f in fields(TrainConfig)]
@@ -252,18 +257,16 @@ def usage():
 
 
 def setup_ranks(tc):
-    """(rank, world_size, device, the group that carries objects) from torchrun's environment."""
+    """(rank, world_size, device) from torchrun's environment."""
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
     need(not cuda or torch.cuda.is_available(), "device=cuda, but CUDA is not available")
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    objects = None
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
-        objects = dist.new_group(backend="gloo") if cuda else None  # objects go through host memory
-    return rank, world, device, objects
+    return rank, world, device
 
 
 def sharded_model(mc, seed, world, device):
@@ -390,7 +393,7 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
 
 
 def read_run_dir(tc, run_dir, mc, tokenizer):
-    """The checkpoint a resume continues, checked against this run; None for a fresh run (refused over a run)."""
+    """The checkpoint a resume continues, checked against this run; None for a fresh run, refused over a run."""
     path = run_dir / "ckpt.pt"
     held = [n for n in ("ckpt.pt", "log.jsonl", "summary.json") if (run_dir / n).exists()]
     if tc.resume and path.exists():
@@ -433,13 +436,12 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(path, model, optimizer, state, master):
+def save_checkpoint(path, model, optimizer, state):
     """One file for one process, DDP and FSDP alike: the whole weights and AdamW state gathered on rank 0 (a
-    collective), written there to a temporary name and renamed."""
+    collective), written there to a temporary name and renamed; a failed write stops every rank."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                   cpu_offload=True))
-    if master:
-        write_atomic(path, lambda f: torch.save({**state, "model": model_sd, "optimizer": optim_sd}, f))
+    on_rank0(lambda: write_atomic(path, lambda f: torch.save({**state, "model": model_sd, "optimizer": optim_sd}, f)))
 
 
 def load_checkpoint(ckpt, model, optimizer, world):
@@ -522,25 +524,25 @@ def main(argv=None):
     tc, model_settings = parse_config(argv)
     meta = open_data(tc)
     mc = build_model_config(model_settings, tc, meta)
-    rank, world, device, objects = setup_ranks(tc)
+    rank, world, device = setup_ranks(tc)
     master, max_steps, run_dir = rank == 0, tc.steps, Path(tc.out_dir) / tc.run_name
-    per_micro = tc.batch_size * tc.seq_len * world
-    need(tc.batch_tokens % per_micro == 0, f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * "
-         f"seq_len * world_size = {per_micro} (e.g. batch_tokens={max(1, round(tc.batch_tokens / per_micro)) * per_micro})")
-    accum, sharded = tc.batch_tokens // per_micro, tc.fsdp and world > 1
     lock = ckpt = None
     try:
-        if tc.wandb_log and master:
-            try:
-                import wandb  # noqa: F401
-            except ImportError:
-                raise UserError("wandb_log=true needs the wandb package: pip install wandb (or drop wandb_log)") from None
+        per_micro = tc.batch_size * tc.seq_len * world
+        need(tc.batch_tokens % per_micro == 0, f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * "
+             f"seq_len * world_size = {per_micro} (e.g. batch_tokens={max(1, round(tc.batch_tokens / per_micro)) * per_micro})")
+        accum, sharded = tc.batch_tokens // per_micro, tc.fsdp and world > 1
 
         def claim():  # rank 0 reads the checkpoint: the others get its small part, the weights come at loading
             nonlocal lock, ckpt
+            if tc.wandb_log:
+                try:
+                    import wandb  # noqa: F401
+                except ImportError:
+                    raise UserError("wandb_log=true needs the wandb package: pip install wandb (or drop wandb_log)") from None
             lock, ckpt = claim_run_dir(tc, run_dir, mc, meta["tokenizer"])
             return ckpt and {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
-        small = on_rank0(claim, objects)
+        small = on_rank0(claim)
         return run(tc, mc, meta, rank, world, device, accum, sharded, max_steps, run_dir, ckpt if master else small,
                    argv[0])
     finally:
@@ -580,9 +582,10 @@ def run(tc, mc, meta, rank, world, device, accum, sharded, max_steps, run_dir, c
     log = Log(run_dir / "log.jsonl", master)
     resolved = {"config_file": config_file, "train": asdict(tc), "model": asdict(mc), "tokenizer": meta["tokenizer"],
                 "world_size": world, "grad_accum": accum, "max_steps": max_steps}
-    if master:
-        kept = [r for r in log_records(run_dir) if r.get("step", math.inf) < step or
-                (r.get("step") == step and r.get("split") != "test")] if ckpt else []
+
+    def start():  # rank 0; what it cannot write stops every rank
+        kept = [r for r in log_records(run_dir) if r.get("step", math.inf) < step or (r.get("step") == step and
+                r.get("split") != "test" and r.get("kind") != "resume")] if ckpt else []  # a resume's records: once
         for name in ("summary.json", "scores.json") + (() if ckpt else ("ckpt.pt",)):
             (run_dir / name).unlink(missing_ok=True)
         write_atomic(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
@@ -594,6 +597,7 @@ def run(tc, mc, meta, rank, world, device, accum, sharded, max_steps, run_dir, c
                                          group=tc.wandb_group or None, tags=[t for t in tc.wandb_tags.split(",") if t] or None)
             except Exception as e:
                 raise UserError(f"wandb_log=true, but W&B did not start: {str(e).strip().splitlines()[0]}") from None
+    on_rank0(start)
     log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters | {meta['tokenizer']} tokens, {world} x "
         f"{device.type}{' (FSDP)' if sharded else ' (DDP)' if world > 1 else ''} | {max_steps} steps of {tc.batch_tokens}"
         f" tokens ({accum} micro-steps of {tc.batch_size}x{tc.seq_len} per rank) | run dir {run_dir}")
@@ -628,7 +632,7 @@ def run(tc, mc, meta, rank, world, device, accum, sharded, max_steps, run_dir, c
         nonlocal saved
         state = {"model_config": asdict(mc), "train_config": asdict(tc), "tokenizer": meta["tokenizer"], "step": step,
                  "loader": loader.state_dict(), "rng": rng_state(device), "world_size": world, "val_loss": val_loss}
-        save_checkpoint(run_dir / "ckpt.pt", raw_model, optimizer, state, master)
+        save_checkpoint(run_dir / "ckpt.pt", raw_model, optimizer, state)
         saved = (step, val_loss)
 
     def stop(signum):
@@ -688,14 +692,12 @@ def run(tc, mc, meta, rank, world, device, accum, sharded, max_steps, run_dir, c
         if log.tracker is not None:
             log.tracker.finish(exit_code=0 if clean else 1)
 
-    # the summary
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peaks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(peaks, torch.tensor([peak], device=device)) if world > 1 else peaks[0].fill_(peak)
+    # the summary; peak memory: CUDA's allocated tensors, or the process' resident set (Linux: KiB)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks = [torch.tensor([peak], device=device) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(peaks, peaks[0].clone())
     peaks = [int(p) for p in peaks]
     seconds = time.perf_counter() - t_start
     summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
