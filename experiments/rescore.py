@@ -15,7 +15,7 @@ of its checkpoint's step, its --tokens and the data asked for is skipped unless 
 Before any compute: the data must hold the tokens the run's model reads (its tokenizer's name and
 fingerprint, and no id beyond the model's vocabulary: as tools/diagnose.py checks), and the run
 directory must take a file; one that does not is an `error:` line, and its scores are printed, not saved.
-The numbers are those train.py's evaluation computes (the same function, depthres.run.evaluate: the
+The numbers are those train.py's evaluation computes (the same function, train.evaluate: the
 same windows of seq_len, the same batches, float64 sums), so with --tokens set to the run's eval_tokens
 they equal its logged losses bit for bit. On a CUDA machine the model runs there, under bfloat16
 autocast as train.py evaluates; elsewhere on the CPU in float32. A sweep scores each run it finishes
