@@ -26,6 +26,7 @@ import re
 import resource
 import runpy
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -702,7 +703,7 @@ def run(tc, mc, meta, rank, world, device, accum, sharded, max_steps, run_dir, c
     seconds = time.perf_counter() - t_start
     summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
                "params": raw_model.num_params(), "seconds": seconds,
-               "tokens_per_s": sorted(speeds)[len(speeds) // 2] if speeds else None,
+               "tokens_per_s": statistics.median(speeds) if speeds else None,  # over the log intervals
                "peak_memory_bytes": max(peaks), "peak_memory_bytes_per_rank": peaks}
     if master:
         write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
