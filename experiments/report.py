@@ -440,7 +440,7 @@ def diverged_table(diverged):
 # --- provenance ----------------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
-PROVENANCE = ("started_utc", "finished_utc", "commits", "torch", "hosts")  # a run's summary.json (written by train.py before issue 53)
+PROVENANCE = ("started_utc", "finished_utc", "commits", "torch", "hosts")  # summary.json (train.py before issue 53)
 
 
 def _utc(text):
