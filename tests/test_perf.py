@@ -159,7 +159,8 @@ def run_bench(tmp_path, variants, *extra):
                        "--warmup", "1", "--out", str(tmp_path / "bench.json"), *extra])
 
 
-def test_benchmark_runs_and_reports_ratios(tmp_path, capsys):
+def test_benchmark_runs_and_reports_ratios(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (9.0, 9.0, 9.0))  # a machine busier than its cores
     results, routing = run_bench(tmp_path, "block_attnres,rd_attnres:rd_mode=tied,dar:dar_block_size=1,"
                                  "standard:activation_checkpointing=true", "--routing_blocks", "3:2")
     assert [r["variant"] for r in results] == ["standard", "block_attnres", "rd_attnres:rd_mode=tied",
@@ -173,7 +174,9 @@ def test_benchmark_runs_and_reports_ratios(tmp_path, capsys):
         (i, p) for i in ("TwoPhaseRouter", "ReferenceRouter") for p in ("forward", "forward+backward")}
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["steps"][1]["variant"] == "block_attnres" and saved["bandwidth_bytes_per_s"] > 0
-    assert "| `block_attnres` |" in capsys.readouterr().out
+    assert saved["load"]["load_1min"] == 9.0 and saved["load"]["cores"] >= 1  # recorded beside the figures
+    out, err = capsys.readouterr()
+    assert "| `block_attnres` |" in out and "busier than its cores" in err
 
 
 @pytest.mark.slow
