@@ -127,6 +127,7 @@ TRAIN_TYPES = typing.get_type_hints(TrainConfig)
 MODEL_TYPES = typing.get_type_hints(GPTConfig)
 # model keys that change how the model computes, not what: a resume may change them
 EXECUTION_KEYS = ("depth_impl", "depth_chunk", "activation_checkpointing")
+CKPT_FORMAT = "depthres-ckpt-3"  # one file of torch.distributed.checkpoint's full state dicts (issue 53)
 # a flag of one family of variants: the class its residual must be (or subclass)
 FLAG_OWNERS = {"rd_mode": RDAttnRes, "dar_routing": DualAttnRes, "denseformer_dilation": DenseFormer,
                "denseformer_period": DenseFormer, "delta_block_size": DeltaAttnRes}
@@ -403,6 +404,8 @@ def read_run_dir(tc, run_dir, mc, tokenizer):
         except Exception as e:  # (torch's message may advise weights_only=False, which is unsafe: not quoted)
             raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__}): it is truncated or not "
                             "train.py's; start over with --overwrite=true") from None
+        need(isinstance(ckpt, dict) and ckpt.get("format") == CKPT_FORMAT, f"{path} is not a checkpoint of this "
+             f"train.py (format {CKPT_FORMAT}): resume it with the version that wrote it, or start over with --overwrite=true")
         need(ckpt["tokenizer"] == tokenizer, f"{path} was trained on {ckpt['tokenizer']} tokens, but "
              f"{tc.data_dir} holds {tokenizer} tokens")
         differ = [f"{k}: {v!r} there, {getattr(mc, k)!r} here" for k, v in ckpt["model_config"].items()
@@ -631,8 +634,9 @@ def run(tc, mc, meta, rank, world, device, accum, sharded, max_steps, run_dir, c
 
     def checkpoint(val_loss):
         nonlocal saved
-        state = {"model_config": asdict(mc), "train_config": asdict(tc), "tokenizer": meta["tokenizer"], "step": step,
-                 "loader": loader.state_dict(), "rng": rng_state(device), "world_size": world, "val_loss": val_loss}
+        state = {"format": CKPT_FORMAT, "model_config": asdict(mc), "train_config": asdict(tc), "step": step,
+                 "tokenizer": meta["tokenizer"], "loader": loader.state_dict(), "rng": rng_state(device),
+                 "world_size": world, "val_loss": val_loss}
         save_checkpoint(run_dir / "ckpt.pt", raw_model, optimizer, state)
         saved = (step, val_loss)
 

@@ -85,6 +85,9 @@ def test_no_checkpoint_runs_code_in_any_reader(data_dir, tmp_path, capsys):
         load_model(d)
     assert sample.main(["--ckpt", str(d)]) == 2 and "not a readable checkpoint" in capsys.readouterr().err
     assert not marker.exists()
+    torch.save({"format": "depthres-ckpt-2", "step": 1}, d / "ckpt.pt")  # an older train.py's
+    with pytest.raises(UserError, match="not a checkpoint of this train.py"):
+        run(data_dir, tmp_path, "--run_name=bad", "--resume=true")
 
 
 def test_a_failed_write_leaves_the_previous_file(tmp_path):
