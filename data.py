@@ -20,7 +20,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from depthres import UserError
+from common import UserError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_CORPUS = DATA_DIR / "shakespeare.jsonl.gz"
@@ -139,8 +139,9 @@ def prepare_command(data_dir):
     """The command that prepares the data a config names: the embedded corpus, or a corpus of the user's."""
     tok = implied_tokenizer(data_dir) or "gpt2"
     flag = f" --tokenizer {tok}" if tok != "gpt2" else ""
-    if Path(data_dir).resolve() == DATA_DIR / ("shakespeare" + (f"_{tok}" if flag else "")):
-        return f"python prepare_data.py{flag}"
+    if Path(data_dir).name == "shakespeare" + (f"_{tok}" if flag else ""):  # the embedded corpus, the default source
+        out = "" if Path(data_dir).resolve() == DATA_DIR / Path(data_dir).name else f" --out_dir {data_dir}"
+        return f"python prepare_data.py{flag}{out}"
     return f"python prepare_data.py --data_files YOUR_FILES{flag} --out_dir {data_dir}"
 
 

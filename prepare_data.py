@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from common import UserError, cli
 from data import (
     DATA_DIR,
     DEFAULT_CORPUS,
@@ -43,7 +44,6 @@ from data import (
     load_meta,
     write_shard,
 )
-from depthres import UserError, cli
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}  # by file extension
 SPLIT_RULE = "document i by frac((i + 1) / golden ratio); a lone document by position: train, val, test"

@@ -18,10 +18,8 @@ from pathlib import Path
 
 import torch
 
+from common import UserError, cli, load_model, need
 from data import get_tokenizer
-from depthres import UserError, cli
-from depthres.checkpoint import load_model
-from depthres.config import need
 from model import stable_seed
 
 DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)

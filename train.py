@@ -6,126 +6,289 @@ Train a GPT with a depth-routing residual, on CPU, one GPU, or many through torc
     torchrun --standalone --nproc_per_node=8 train.py configs/rd_s.py
     python train.py configs/demo.py --resume=true                    # continue runs/demo exactly
     python train.py configs/demo.py --overwrite=true                 # start runs/demo over
-    python train.py --help                                           # every key, its type and default
+    python train.py --help                                           # every key, its type, default and meaning
 
-A config is a Python file that assigns keys (`residual = "block_attnres"`); `--key=value` overrides
-it. The keys are depthres.config.TrainConfig's fields and model.GPTConfig's; --help lists them all.
-Batch: batch_tokens tokens per optimizer step, in micro-batches of batch_size x seq_len per rank,
-accumulated over batch_tokens / (batch_size * seq_len * world_size) micro-steps.
-Pairing (VARIANTS.md section 8): `seed` fixes the initial weights, `data_seed` the order of the
-batches, so runs that differ only in `residual` start from the same shared weights and see the same
-batches, whatever their number of ranks.
-The run directory out_dir/run_name receives config.json, log.jsonl (one JSON record per logged step and
-per evaluation), ckpt.pt and, once the run has finished, summary.json (depthres/run.py, which holds the
-run's machinery). The first SIGINT or SIGTERM stops the run after the current step, with a checkpoint.
+A config is a Python file that assigns keys; --key=value overrides it. `seed` fixes the initial weights and
+`data_seed` the order of the batches, so runs that differ only in `residual` are paired (VARIANTS.md section 8).
+out_dir/run_name receives config.json, log.jsonl, ckpt.pt and summary.json (docs/training.md). The first SIGINT or
+SIGTERM stops the run after the current step, with a checkpoint.
 """
 
+import difflib
+import fcntl
+import gc
+import inspect
+import json
 import math
+import os
 import random
+import re
+import resource
+import runpy
+import signal
+import statistics
 import sys
+import threading
 import time
-from dataclasses import asdict
+import typing
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as torch_dist
-
-import depthres
-from data import TokenLoader, load_meta
-from depthres.config import build_model_config, parse_config, usage
-from depthres.distributed import ddp, gradient_sync, sharded_model, whole
-from depthres.run import (
-    DeviceBatches,
-    GracefulStop,
-    Run,
-    evaluate,
-    failures,
-    open_run,
-    restore,
-    start_log,
-    summarize,
-    write_checkpoint,
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
-from depthres.runlog import log_eval, log_train
+from torch.nn.parallel import DistributedDataParallel
+
+from common import Stopped, UserError, any_rank, cli, log_records, need, on_rank0, write_atomic
+from data import TokenData, TokenLoader, check_data, eval_batches
+from model import DAR_STREAMS, RD_MODES, RESIDUALS, DeltaAttnRes, DenseFormer, DualAttnRes, GPTConfig, InitialWeights, RDAttnRes
 from model_fast import compile_model, make_model
 
 # ----------------------------------------------------------------------------------------------
-# The loop: one optimizer step, then the steps of a run with their logs, evaluations and checkpoints.
+# Config: the training keys (TrainConfig), the model keys (model.GPTConfig), a config file, --key=value.
 
 
-def train_step(run, lr, stop=None):
-    """One optimizer step over run.accum micro-batches per rank. Returns (loss averaged over the whole
-    batch, gradient norm before clipping, the signal number `stop` holds or 0), the same on every
-    rank, read from the device in one synchronisation; the update is applied only when the step is
-    healthy (a finite loss of at most run.max_loss, a finite norm)."""
-    model, optimizer, dist, accum = run.train_model, run.optimizer, run.dist, run.accum
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    total = torch.zeros((), device=dist.device)
-    for micro in range(accum):
-        x, y = run.batches.next_batch()
-        with gradient_sync(model, micro == accum - 1):  # gradients are all-reduced on the last one only
-            with run.autocast:
-                _, loss = model(x, y)
-            (loss / accum).backward()
-        total += loss.detach()
-    signum = torch.full((), float(stop.signum or 0) if stop else 0.0, device=dist.device)
-    if dist.world_size > 1:
-        torch_dist.all_reduce(total)
-        torch_dist.all_reduce(signum, op=torch_dist.ReduceOp.MAX)  # a signal to any rank stops them all
-    norm = whole(torch.nn.utils.clip_grad_norm_(model.parameters(), run.tc.grad_clip or math.inf))  # FSDP: all shards
-    total, norm, signum = torch.stack([total, norm.float(), signum]).tolist()  # the step's one sync
-    loss = total / (accum * dist.world_size)
-    if run.healthy(loss, norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss, norm, int(signum)
+def key(default, help):
+    return field(default=default, metadata={"help": help})
 
 
-def train_loop(run):
-    """The training loop, evaluations and checkpoints of one run; returns its summary."""
-    tc = run.tc
-    progress = start_log(run)
-    val_loss = None
-    with failures(run), GracefulStop(verbose=run.dist.master) as signals:
-        while run.step < run.max_steps:
-            lr = lr_at(run.step, tc, run.max_steps)
-            t0 = time.perf_counter()
-            loss, norm, signum = train_step(run, lr, signals)
-            run.step += 1
-            progress.stepped(run.step, time.perf_counter() - t0)
-            run.check("loss", loss, norm)  # a diverged step stops the run, before any update
-            last = run.step == run.max_steps
-            if run.step % tc.log_interval == 0 or last:
-                log_train(run.log, progress, run.step, loss, lr, norm)
-            if run.step % tc.eval_interval == 0 or last:
-                val_loss = evaluation(run, "val", progress)
-            stopping = signum and not last
-            if (tc.ckpt_interval and run.step % tc.ckpt_interval == 0) or last or stopping:
-                save(run)
-            if stopping:
-                run.stop(signum)
+@dataclass
+class TrainConfig:
+    data_dir: str = key("data/shakespeare", "prepared data (prepare_data.py); its meta.json names the tokenizer")
+    out_dir: str = key("runs", "runs live in out_dir/run_name")
+    run_name: str = key("", "default: the config file's name")
+    resume: bool = key(False, "continue the run directory's checkpoint (a run without one starts from step 0)")
+    overwrite: bool = key(False, "start afresh in a run directory that holds a run, deleting that run")
+    seed: int = key(0, "model init (make_model(cfg, seed)); also torch's global seed")
+    data_seed: int = key(0, "order of the training batches")
+    batch_tokens: int = key(8192, "tokens per optimizer step, all ranks together")
+    batch_size: int = key(8, "sequences per micro-batch on each rank")
+    seq_len: int = key(256, "tokens per sequence; the model's block_size follows it unless set")
+    max_steps: int = key(0, "optimizer steps; 0: max_tokens // batch_tokens")
+    max_tokens: int = key(0, "token budget, used when max_steps is 0")
+    lr: float = key(3e-3, "peak learning rate")
+    min_lr: float = key(3e-4, "learning rate at the end of the schedule")
+    lr_schedule: str = key("cosine", "cosine: warmup, cosine to min_lr | wsd: warmup, constant, linear decay to min_lr")
+    warmup_steps: int = key(100, "linear warmup from lr / warmup_steps to lr")
+    decay_frac: float = key(0.2, "wsd: fraction of max_steps spent decaying")
+    weight_decay: float = key(0.1, "AdamW, on matrices only (model.param_groups)")
+    beta1: float = key(0.9, "AdamW")
+    beta2: float = key(0.95, "AdamW")
+    eps: float = key(1e-8, "AdamW")
+    grad_clip: float = key(1.0, "max global gradient norm; 0: off")
+    eval_interval: int = key(250, "steps between validation evaluations (and one at the end)")
+    eval_tokens: int = key(65536, "tokens per evaluation: a fixed prefix of the split, shared among ranks")
+    log_interval: int = key(10, "steps between log lines")
+    ckpt_interval: int = key(1000, "steps between checkpoints, each after a finite evaluation (and one at the end); "
+                                   "0: only at the end")
+    device: str = key("auto", "auto (cuda if available) | cpu | cuda; with torchrun, rank r uses cuda:LOCAL_RANK")
+    compile: bool = key(False, "torch.compile the model")
+    fsdp: bool = key(False, "with torchrun: shard parameters, gradients and AdamW state over the ranks (FSDP2) "
+                            "instead of replicating them (DDP)")
+    wandb_log: bool = key(False, "log the config and every train/eval record to W&B (rank 0; pip install wandb)")
+    wandb_project: str = key("depth-routing", "W&B project")
+    wandb_run_name: str = key("", "W&B run name; default: run_name")
+    wandb_group: str = key("", "W&B group (sweep.py: the sweep's name)")
+    wandb_tags: str = key("", "comma-separated W&B tags (sweep.py: the variant and seed<s>)")
 
-        # the last step is checkpointed; a signal from here on stops the run before what comes next
-        if val_loss is None:  # resumed at the last step: its final evaluations are redone
-            val_loss = evaluation(run, "val", progress)
-        test_loss = None
-        if run.has_test:
-            run.stop_if_signalled(signals)
-            test_loss = evaluation(run, "test", progress)
-        run.stop_if_signalled(signals)
-        return summarize(run, val_loss, test_loss, progress)
+    def __post_init__(self):
+        for name in ("seed", "data_seed"):
+            need(0 <= getattr(self, name) < 2**32, f"{name} must be in [0, 2**32), got {getattr(self, name)}")
+        for name in ("batch_tokens", "batch_size", "seq_len", "eval_interval", "eval_tokens", "log_interval"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "max_tokens", "warmup_steps", "ckpt_interval", "weight_decay", "grad_clip", "eps"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(self.max_steps > 0 or self.max_tokens >= self.batch_tokens,
+             f"set max_steps, or max_tokens of at least batch_tokens={self.batch_tokens}")
+        need(0 <= self.min_lr <= self.lr and math.isfinite(self.lr) and self.lr > 0,
+             f"need 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
+        need(self.eval_tokens >= self.seq_len, f"eval_tokens={self.eval_tokens} is less than seq_len={self.seq_len}")
+        need(self.lr_schedule in ("cosine", "wsd"), f"lr_schedule must be cosine or wsd, got {self.lr_schedule!r}")
+        need(0 <= self.decay_frac <= 1, f"decay_frac must be in [0, 1], got {self.decay_frac}")
+        need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+        need(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(not (self.overwrite and self.resume), "resume=true continues the run that overwrite=true would delete")
+        need(self.run_name not in (".", "..") and not set(self.run_name) & set("/\\"),
+             f"run_name must be a plain directory name inside out_dir, got {self.run_name!r}: put the path in out_dir")
+
+    @property
+    def steps(self):
+        return self.max_steps or self.max_tokens // self.batch_tokens
 
 
-def evaluation(run, split, progress):
-    """The split's loss over its first eval_tokens tokens at this step, logged; past run.max_loss it is a
-    divergence. Under FSDP the ranks run their forwards in lockstep."""
-    tc = run.tc
-    loss, tokens = evaluate(run.model, tc.data_dir, split, tc.batch_size, tc.seq_len, tc.eval_tokens, run.dist,
-                            run.autocast, lockstep=run.sharded)
-    run.check(f"{split} loss", loss)
-    log_eval(run.log, split, run.step, loss, tokens, progress)
-    return loss
+TRAIN_TYPES = typing.get_type_hints(TrainConfig)
+MODEL_TYPES = typing.get_type_hints(GPTConfig)
+# model keys that change how the model computes, not what: a resume may change them
+EXECUTION_KEYS = ("depth_impl", "depth_chunk", "activation_checkpointing")
+CKPT_FORMAT = "depthres-ckpt-3"  # one file of torch.distributed.checkpoint's full state dicts (issue 53)
+# a flag of one family of variants: the class its residual must be (or subclass)
+FLAG_OWNERS = {"rd_mode": RDAttnRes, "dar_routing": DualAttnRes, "denseformer_dilation": DenseFormer,
+               "denseformer_period": DenseFormer, "delta_block_size": DeltaAttnRes}
+
+
+def type_name(typ):
+    return " | ".join("None" if t is type(None) else t.__name__ for t in typing.get_args(typ)) or typ.__name__
+
+
+def convert(name, value, typ):
+    """`value` (a command-line string or a config file's value) as type `typ`, or a UserError."""
+    if type(None) in typing.get_args(typ):
+        if value is None or str(value).lower() in ("none", "null"):
+            return None
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    word = value.lower() if isinstance(value, str) else value
+    if typ is bool and word in ("true", "1", 1, "false", "0", 0):
+        return word in ("true", "1", 1)
+    if typ is str and isinstance(value, str):
+        return value
+    if typ in (int, float) and not isinstance(value, bool):
+        try:
+            number = float(value)
+            if typ is float and math.isfinite(number):
+                return number
+            if typ is int and number.is_integer():
+                return int(value) if isinstance(value, int) or str(value).strip().lstrip("+-").isdigit() else int(number)
+        except (TypeError, ValueError):
+            pass
+    raise UserError(f"{name} expects {'true/false/1/0' if typ is bool else type_name(typ)}, got {value!r}")
+
+
+def check_key(name, where):
+    if name in TRAIN_TYPES or name in MODEL_TYPES:
+        return name
+    close = difflib.get_close_matches(name, [*TRAIN_TYPES, *MODEL_TYPES], n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise UserError(f"unknown key {name!r} in {where}{hint} (python train.py --help lists every key)")
+
+
+def parse_config(argv):
+    """[CONFIG, --key=value, ...] -> (TrainConfig, the model keys that were set)."""
+    need(argv and not argv[0].startswith("-"), "usage: python train.py CONFIG [--key=value ...]  (--help: the keys)")
+    path = argv[0]
+    need(Path(path).is_file(), f"config file {path} not found")
+    try:
+        names = runpy.run_path(path)
+    except (Exception, SystemExit) as e:  # (a file that calls sys.exit, too)
+        raise UserError(f"config file {path}: {type(e).__name__}: {e}") from None
+    settings = {check_key(k, path): v for k, v in names.items()
+                if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
+    for arg in argv[1:]:
+        need(arg.startswith("--") and "=" in arg, f"expected --key=value, got {arg!r}")
+        name, value = arg[2:].split("=", 1)
+        settings[check_key(name, "the command line")] = value
+    settings = {k: convert(k, v, TRAIN_TYPES.get(k) or MODEL_TYPES[k]) for k, v in settings.items()}
+    train = {k: v for k, v in settings.items() if k in TRAIN_TYPES}
+    train["run_name"] = train.get("run_name") or Path(path).stem
+    return TrainConfig(**train), {k: v for k, v in settings.items() if k in MODEL_TYPES}
+
+
+def model_config(settings):
+    """model.GPTConfig(**settings), each value checked: a bad one is one UserError line."""
+    c = GPTConfig(**settings)
+    need(c.residual in RESIDUALS, f"unknown residual {c.residual!r}; choose one of {', '.join(RESIDUALS)}")
+    for name, owner in FLAG_OWNERS.items():
+        owners = " or ".join(repr(r) for r, cls in RESIDUALS.items() if issubclass(cls, owner))
+        need(getattr(c, name) is None or issubclass(RESIDUALS[c.residual], owner),
+             f"{name}={getattr(c, name)!r} only applies to residual={owners} (got residual={c.residual!r}); drop {name}")
+    for name, choices in (("rd_mode", RD_MODES), ("dar_routing", tuple(DAR_STREAMS)),
+                          ("depth_impl", ("two_phase", "reference"))):
+        value = getattr(c, name)
+        need(value is None or value in choices, f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "mlp_hidden", "hc_streams",
+                 "dar_block_size", "attnres_block_size", "delta_block_size", "depth_chunk"):
+        need(getattr(c, name) is None or getattr(c, name) >= 1, f"{name} must be >= 1, got {getattr(c, name)}")
+    for name in ("denseformer_dilation", "denseformer_period"):
+        need(getattr(c, name) is None or 1 <= getattr(c, name) <= c.n_layer,
+             f"{name} counts transformer layers: between 1 and n_layer={c.n_layer}, got {getattr(c, name)}")
+    need(c.n_embd % c.n_head == 0, f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
+    need(c.n_embd // c.n_head % 2 == 0, f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even (rotary)")
+    need(c.logit_softcap >= 0 and c.rope_base > 0, "logit_softcap must be >= 0 and rope_base > 0")
+    return c
+
+
+def build_model_config(model_settings, tc, meta):
+    """GPTConfig of the keys set; vocab_size defaults to the data's padded to a multiple of 64, block_size to seq_len."""
+    kv = {"vocab_size": 64 * math.ceil(meta["vocab_size"] / 64), "block_size": tc.seq_len, **model_settings}
+    need(kv["vocab_size"] >= meta["vocab_size"], f"vocab_size={kv['vocab_size']} is smaller than the "
+         f"{meta['tokenizer']} tokenizer's {meta['vocab_size']} in {tc.data_dir}")
+    need(kv["block_size"] >= tc.seq_len, f"block_size={kv['block_size']} is shorter than seq_len={tc.seq_len}")
+    return model_config(kv)
+
+
+def usage():
+    """--help: the docstring, then every key with its type, default and meaning (model keys: GPTConfig's comments)."""
+    notes = {"n_layer": "transformer layers (two sublayers each)", "n_embd": "model width", "mlp_ratio": "MLP width / "
+             "n_embd", "rope_base": "rotary embeddings' base"}
+    notes |= dict(re.findall(r"^\s+(\w+): [^=]+=[^#\n]*#\s*(.*)$", inspect.getsource(GPTConfig), re.M))
+    notes["residual"] = "one of " + ", ".join(RESIDUALS) + " (VARIANTS.md)"
+    for name, choices in (("rd_mode", RD_MODES), ("dar_routing", DAR_STREAMS)):
+        notes[name] = notes.get(name, "") + f"; one of {', '.join(choices)}"
+    lines = [__doc__.strip(), "", "training keys:"]
+    lines += [f"  {f.name:<14} {type_name(TRAIN_TYPES[f.name]):<6} {f.default!r:<18} {f.metadata['help']}"
+              for f in fields(TrainConfig)]
+    lines += ["", "model keys (model.GPTConfig; vocab_size defaults to the data's, padded to a multiple of 64):"]
+    lines += [f"  {f.name:<24} {type_name(MODEL_TYPES[f.name]):<11} {f.default!r:<12} {notes.get(f.name, '')}"
+              for f in fields(GPTConfig)]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranks and the model: DDP, or FSDP2 (fully_shard) from the meta device.
+
+
+def setup_ranks(tc):
+    """(rank, world_size, device) from torchrun's environment."""
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
+    need(not cuda or torch.cuda.is_available(), "device=cuda, but CUDA is not available")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return rank, world, device
+
+
+def sharded_model(mc, seed, world, device):
+    """A GPT sharded over the ranks (FSDP2), each rank holding its shards of model.InitialWeights' values: bit for
+    bit what one process initialises. Sublayers are units (GPT.forward calls block.attn and block.mlp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.device("meta"):
+        model = make_model(mc, seed=seed)
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.blocks:
+        fully_shard(block.attn, mesh=mesh)
+        fully_shard(block.mlp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    model.init_buffers()
+    values = InitialWeights(mc, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # every rank makes the whole tensor and keeps its shard
+            p.copy_(distribute_tensor(values(name, p.shape).to(device), p.device_mesh, p.placements, src_data_rank=None))
+    return model
+
+
+def gradient_sync(model, on):
+    """A context for one micro-step's backward: gradients stay local (accumulating) unless `on`."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(on)
+        return nullcontext()
+    return model.no_sync() if isinstance(model, DistributedDataParallel) and not on else nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop: lr_at, train_step, evaluate.
 
 
 def lr_at(it, tc, max_steps):
@@ -141,75 +304,405 @@ def lr_at(it, tc, max_steps):
     return tc.lr + (tc.min_lr - tc.lr) * (it + 1 - decay_start) / (max_steps - decay_start)
 
 
+def train_step(model, optimizer, loader, accum, lr, tc, device, autocast, max_loss, signals=None):
+    """One optimizer step over `accum` micro-batches per rank. Returns (the loss averaged over the whole batch, the
+    gradient norm before clipping, the largest signal number any rank's `signals` got), read in one sync; the
+    update is applied only when the loss is finite and at most max_loss and the norm finite."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    total = torch.zeros((), device=device)
+    for micro in range(accum):
+        x, y = loader.next_batch()
+        if device.type == "cuda":
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        with gradient_sync(model, micro == accum - 1):  # gradients are all-reduced on the last one only
+            with autocast():
+                _, loss = model(x, y)
+            (loss / accum).backward()
+        total += loss.detach()
+    stop = torch.full((), float(signals.signum if signals else 0), device=device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.all_reduce(total)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal to any rank stops them all
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or math.inf)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: over all shards
+    total, norm, stop = torch.stack([total, norm.float(), stop]).tolist()  # the step's one sync
+    loss = total / (accum * world)
+    if math.isfinite(loss) and loss <= max_loss and math.isfinite(norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, norm, int(stop)
+
+
+@torch.no_grad()
+def evaluate(model, data, split, batch_size, seq_len, max_tokens=None, device="cpu", autocast=None, lockstep=False):
+    """(mean loss over the first max_tokens targets of a split (None: all), summed in float64 over all ranks, tokens).
+    lockstep (FSDP, whose forwards gather from every rank): every rank runs as many batches as the busiest one."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+    batches = eval_batches(data, split, batch_size, seq_len, max_tokens, rank, world)
+    while True:
+        batch = next(batches, None)
+        if not (any_rank(batch is not None, device) if lockstep else batch is not None):
+            break
+        x, y = batch or (torch.zeros(1, seq_len, dtype=torch.long),) * 2  # idle: a forward, nothing counted
+        with autocast or nullcontext():
+            _, loss = model(x.to(device), y.to(device))
+        if batch is not None:
+            sums[0] += loss.double() * y.numel()
+            sums[1] += y.numel()
+    if world > 1:
+        dist.all_reduce(sums)
+    loss_sum, tokens = sums.tolist()
+    return loss_sum / tokens, int(tokens)
+
+
 # ----------------------------------------------------------------------------------------------
-# Model, optimizer and data; the checkpoint.
+# The run directory: its lock, its checkpoint, its log.
 
 
-def build(tc, mc, dist, ckpt):
-    """The training loader, the model (sharded with fsdp=true) and its optimizer, restored from `ckpt`
-    when resuming; and the step. FSDP builds the model on the meta device and gives each rank its shards
-    (distributed.sharded_model): no rank holds the whole model. A whole checkpoint: each rank keeps its shard.
-    A sharded checkpoint (ckpt["sharded"]): each rank reads its part, whatever the number of ranks."""
-    random.seed(tc.seed)
-    np.random.seed(tc.seed)
-    torch.manual_seed(tc.seed)  # CUDA too
-    loader = TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, dist.rank, dist.world_size, seed=tc.data_seed)
-    weights = ckpt["model"] if ckpt is not None and "sharded" not in ckpt else None
-    if tc.fsdp and dist.world_size > 1:
-        model = sharded_model(mc, tc.seed, dist, weights, init=ckpt is None)
-    else:
-        model = make_model(mc, seed=tc.seed).to(dist.device)
-        if weights is not None:
-            model.load_state_dict(weights)
-    optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                                  eps=tc.eps, fused=dist.device.type == "cuda")  # over the (sharded) parameters
-    if ckpt is None:
-        return model, optimizer, loader, 0
-    restore(ckpt, model, optimizer, loader, dist)
-    return model, optimizer, loader, ckpt["step"]
+def claim_run_dir(tc, run_dir, mc, tokenizer):
+    """Rank 0: lock the run directory for this run's life (one flock; a second process on a live run is refused)
+    and read it. Returns (the lock's fd, the checkpoint or None)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"{run_dir} is in use by another run") from None
+    try:
+        return fd, read_run_dir(tc, run_dir, mc, tokenizer)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
-def wrap(raw_model, tc, dist):
-    """(the model for evaluation: compiled if asked; the model for training: that one in DDP when
-    distributed without FSDP, which shards the model itself)"""
-    model = compile_model(raw_model) if tc.compile else raw_model
-    return model, ddp(model, dist) if dist.world_size > 1 and not tc.fsdp else model
+def read_run_dir(tc, run_dir, mc, tokenizer):
+    """The checkpoint a resume continues, checked against this run; None for a fresh run, refused over a run."""
+    path = run_dir / "ckpt.pt"
+    held = [n for n in ("ckpt.pt", "log.jsonl", "summary.json") if (run_dir / n).exists()]
+    if tc.resume and path.exists():
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # (torch's message may advise weights_only=False, which is unsafe: not quoted)
+            raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__}): it is truncated or not "
+                            "train.py's; start over with --overwrite=true") from None
+        need(isinstance(ckpt, dict) and ckpt.get("format") == CKPT_FORMAT, f"{path} is not a checkpoint of this "
+             f"train.py (format {CKPT_FORMAT}): resume it with the version that wrote it, or start over with --overwrite=true")
+        need(ckpt["tokenizer"] == tokenizer, f"{path} was trained on {ckpt['tokenizer']} tokens, but "
+             f"{tc.data_dir} holds {tokenizer} tokens")
+        differ = [f"{k}: {v!r} there, {getattr(mc, k)!r} here" for k, v in ckpt["model_config"].items()
+                  if k not in EXECUTION_KEYS and getattr(mc, k) != v]
+        differ += [f"{k}: {ckpt['train_config'][k]!r} there, {getattr(tc, k)!r} here"
+                   for k in ("seed", "data_seed", "batch_tokens") if ckpt["train_config"][k] != getattr(tc, k)]
+        need(not differ, f"{path} holds another run ({'; '.join(differ)}): resume with its config, or choose "
+             "another run_name")
+        need(ckpt["step"] <= tc.steps, f"{path} is at step {ckpt['step']}, past this run's last step {tc.steps}")
+        return ckpt
+    if tc.resume:
+        print(f"note: {run_dir} holds no checkpoint yet: starting the run from step 0", file=sys.stderr)
+    elif held and not tc.overwrite:
+        raise UserError(f"{run_dir} already holds a run ({', '.join(held)}): continue it with --resume=true, or "
+                        "start over with --overwrite=true")
+    return None
 
 
-def save(run):
-    """A checkpoint of the run at its step: the configs, where the data loader is, and (written with
-    them) the weights, AdamW state and random generators, so that a resume continues bit for bit."""
-    write_checkpoint(run, {"model_config": asdict(run.mc), "tokenizer": run.meta["tokenizer"], "step": run.step,
-                           "train_config": asdict(run.tc), "loader": run.batches.state_dict(),
-                           "world_size": run.dist.world_size})
+def rng_state(device):
+    name, keys, pos, has_gauss, gauss = np.random.get_state()  # (a list: torch.load's weights_only takes no array)
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state()}
+    return {**state, "cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else state
+
+
+def set_rng_state(state, device):
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save_checkpoint(path, model, optimizer, state):
+    """One file for one process, DDP and FSDP alike: the whole weights and AdamW state gathered on rank 0 (a
+    collective), written there to a temporary name and renamed; a failed write stops every rank."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                  cpu_offload=True))
+    on_rank0(lambda: write_atomic(path, lambda f: torch.save({**state, "model": model_sd, "optimizer": optim_sd}, f)))
+
+
+def load_checkpoint(ckpt, model, optimizer, world):
+    """Rank 0's checkpoint (other ranks: without the weights) into the (sharded) model and its AdamW, which keeps
+    this run's settings (weight_decay, betas, eps): a checkpoint gives the moments and step counts."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world > 1)
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    set_model_state_dict(model, ckpt.get("model", {}), options=options)
+    set_optimizer_state_dict(model, optimizer, ckpt.get("optimizer", {}), options=options)
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+
+
+class Log:
+    """Log lines on stdout and JSON records appended to log.jsonl (and W&B), on rank 0 only."""
+
+    def __init__(self, path, enabled, tracker=None):
+        self.path, self.enabled, self.tracker = path, enabled, tracker
+
+    def __call__(self, line, record=None):
+        if not self.enabled:
+            return
+        if line is not None:
+            print(line, flush=True)
+        if record is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            metrics = {f"{record.get('split', record['kind'])}/{k}": v for k, v in record.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+            if self.tracker is not None and metrics:
+                self.tracker.log(metrics, step=record["step"])
+
+
+def hms(seconds):
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def perplexity(loss):
+    return math.exp(loss) if loss < 709 else math.inf
+
+
+class GracefulStop:
+    """While active, the first SIGINT or SIGTERM asks the run to stop after the current step (`signum`); a second
+    SIGINT stops at once, a second SIGTERM is ignored (torchrun forwards what it gets). Main thread only."""
+
+    def __init__(self, verbose=True):
+        self.verbose, self.signum, self.previous = verbose, 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        if not self.signum:
+            self.signum = signum
+            if self.verbose:  # os.write: print() may be busy in the interrupted code
+                os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
+                            "(Ctrl-C again to stop at once)\n".encode())
+        elif signum == signal.SIGINT:
+            raise Stopped("interrupted; the last checkpoint, if any, is kept (--resume=true continues from it)", signum)
 
 
 # ----------------------------------------------------------------------------------------------
-# The command line.
+# The run, top to bottom.
 
 
 def main(argv=None):
-    """Train as the command line says. Returns a summary dict (rank 0's view)."""
+    """Train as the command line says. Returns the summary (rank 0's view)."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(usage(__doc__))
+        print(usage())
         return None
-    tc, model_settings = parse_config(argv)  # the config file, then --key=value
-    meta = load_meta(tc.data_dir)  # the prepared data: its tokenizer, vocabulary and splits
+    # config: every check before any compute
+    tc, model_settings = parse_config(argv)
+    data = TokenData(tc.data_dir)  # opened once: a later prepare_data.py --overwrite changes nothing for this run
+    check_data(data, data.meta, tc.seq_len)
+    meta = data.meta
     mc = build_model_config(model_settings, tc, meta)
-    with open_run(tc, mc, meta) as (dist, claim, ckpt):  # ranks, every check before any compute, the run directory
-        raw_model, optimizer, loader, step = build(tc, mc, dist, ckpt)
-        model, train_model = wrap(raw_model, tc, dist)
-        run = Run(tc, mc, meta, dist, claim, ckpt, argv[0], raw_model, model, train_model, optimizer,
-                  DeviceBatches(loader, dist.device), step)
-        return train_loop(run)
+    rank, world, device = setup_ranks(tc)
+    master, max_steps, run_dir = rank == 0, tc.steps, Path(tc.out_dir) / tc.run_name
+    lock = ckpt = None
+    try:
+        per_micro = tc.batch_size * tc.seq_len * world
+        need(tc.batch_tokens % per_micro == 0, f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * "
+             f"seq_len * world_size = {per_micro} (e.g. batch_tokens={max(1, round(tc.batch_tokens / per_micro)) * per_micro})")
+        accum, sharded = tc.batch_tokens // per_micro, tc.fsdp and world > 1
+
+        def claim():  # rank 0 reads the checkpoint: the others get its small part, the weights come at loading
+            nonlocal lock, ckpt
+            if tc.wandb_log:
+                try:
+                    import wandb  # noqa: F401
+                except ImportError:
+                    raise UserError("wandb_log=true needs the wandb package: pip install wandb (or drop wandb_log)") from None
+            lock, ckpt = claim_run_dir(tc, run_dir, mc, meta["tokenizer"])
+            return ckpt and {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
+        small = on_rank0(claim)
+        return run(tc, mc, data, rank, world, device, accum, sharded, max_steps, run_dir, ckpt if master else small,
+                   argv[0])
+    finally:
+        if lock is not None:
+            os.close(lock)
+        if world > 1:  # DDP's reducer sits in reference cycles: collected while its group exists (gloo aborts at exit)
+            gc.collect()
+            dist.destroy_process_group()
 
 
-def cli(argv=None):
-    """The command line: exit status 0 done; 2 with one `error:` line; 128 + signal number after a stop
-    (depthres.cli, the exit statuses of every command)."""
-    return depthres.cli(main, argv)
+def run(tc, mc, data, rank, world, device, accum, sharded, max_steps, run_dir, ckpt, config_file):
+    """Model, AdamW, data and the log, then the loop, the evaluations and checkpoints, and the summary."""
+    master, meta = rank == 0, data.meta
+    # model, optimizer, data: the seed fixes the weights, data_seed the batches, on any number of ranks
+    random.seed(tc.seed)
+    np.random.seed(tc.seed)
+    torch.manual_seed(tc.seed)
+    loader = TokenLoader(data, "train", tc.batch_size, tc.seq_len, rank, world, seed=tc.data_seed)
+    raw_model = sharded_model(mc, tc.seed, world, device) if sharded else make_model(mc, seed=tc.seed).to(device)
+    optimizer = torch.optim.AdamW(raw_model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+                                  eps=tc.eps, fused=device.type == "cuda")
+    step = 0
+    if ckpt is not None:
+        load_checkpoint(ckpt, raw_model, optimizer, world)
+        loader.load_state_dict(ckpt["loader"])
+        set_rng_state(ckpt["rng"], device)
+        step = ckpt["step"]
+    model = compile_model(raw_model) if tc.compile else raw_model  # for evaluation
+    train_model = model if world == 1 or sharded else DistributedDataParallel(  # (the rotary tables are constant)
+        model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
+
+    def autocast():  # bfloat16 on CUDA (float32 parameters); none on CPU
+        return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    max_loss = 4 * math.log(mc.vocab_size)  # 4 x a uniform guess's loss: diverged though finite
+
+    # the run directory: config.json, the log this run keeps (records up to its checkpoint), W&B
+    log = Log(run_dir / "log.jsonl", master)
+    resolved = {"config_file": config_file, "train": asdict(tc), "model": asdict(mc), "tokenizer": meta["tokenizer"],
+                "world_size": world, "grad_accum": accum, "max_steps": max_steps}
+
+    def start():  # rank 0; what it cannot write stops every rank
+        kept = [r for r in log_records(run_dir) if r.get("step", math.inf) < step or (r.get("step") == step and
+                r.get("split") != "test" and r.get("kind") != "resume")] if ckpt else []  # a resume's records: once
+        for name in ("summary.json", "scores.json") + (() if ckpt else ("ckpt.pt",)):
+            (run_dir / name).unlink(missing_ok=True)
+        write_atomic(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
+        write_atomic(run_dir / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
+        if tc.wandb_log:
+            import wandb
+            try:
+                log.tracker = wandb.init(project=tc.wandb_project, name=tc.wandb_run_name or tc.run_name, config=resolved,
+                                         group=tc.wandb_group or None, tags=[t for t in tc.wandb_tags.split(",") if t] or None)
+            except Exception as e:
+                raise UserError(f"wandb_log=true, but W&B did not start: {str(e).strip().splitlines()[0]}") from None
+    on_rank0(start)
+    log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters | {meta['tokenizer']} tokens, {world} x "
+        f"{device.type}{' (FSDP)' if sharded else ' (DDP)' if world > 1 else ''} | {max_steps} steps of {tc.batch_tokens}"
+        f" tokens ({accum} micro-steps of {tc.batch_size}x{tc.seq_len} per rank) | run dir {run_dir}")
+    if ckpt is not None:
+        log(f"resumed at step {step} from {run_dir / 'ckpt.pt'}", {"kind": "resume", "step": step})
+
+    saved = (step, ckpt.get("val_loss")) if ckpt else None  # the last checkpoint: (step, its val loss)
+
+    def last_good():
+        return "no checkpoint was written" if saved is None else (f"the checkpoint of step {saved[0]} (val loss "
+                                                                 f"{saved[1]:.4f}, evaluated finite) is kept in {run_dir}")
+
+    def diverged(what, loss, norm=0.0):
+        if not (math.isfinite(loss) and loss <= max_loss and math.isfinite(norm)):
+            error = (f"{what} {loss:.4g} (gradient norm {norm:.4g}) at step {step} is non-finite or above "
+                     f"{max_loss:.1f} nats: training diverged and stopped without saving step {step}; {last_good()}. "
+                     "Try a lower lr or a longer warmup")
+            log(None, {"kind": "diverged", "step": step, "error": error})  # (experiments/sweep.py tabulates it)
+            raise UserError(error)
+
+    def evaluation(split):
+        loss, tokens = evaluate(model, data, split, tc.batch_size, tc.seq_len, tc.eval_tokens, device, autocast(),
+                                lockstep=sharded)
+        diverged(f"{split} loss", loss)
+        elapsed = time.perf_counter() - t_start
+        log(f"step {step}/{max_steps} | {split} loss {loss:.4f} | ppl {perplexity(loss):.1f} | {tokens:,} tokens | "
+            f"{hms(elapsed)} elapsed", {"kind": "eval", "split": split, "step": step, "loss": loss,
+                                        "ppl": perplexity(loss), "tokens": tokens, "elapsed_s": elapsed})
+        return loss
+
+    def checkpoint(val_loss):
+        nonlocal saved
+        state = {"format": CKPT_FORMAT, "model_config": asdict(mc), "train_config": asdict(tc), "step": step,
+                 "tokenizer": meta["tokenizer"], "loader": loader.state_dict(), "rng": rng_state(device),
+                 "world_size": world, "val_loss": val_loss}
+        save_checkpoint(run_dir / "ckpt.pt", raw_model, optimizer, state)
+        saved = (step, val_loss)
+
+    def stop(signum):
+        name = signal.Signals(signum).name
+        log(None, {"kind": "stop", "step": step, "signal": name})
+        raise Stopped(f"stopped by {name} after step {step}; checkpoint written to {run_dir / 'ckpt.pt'}; "
+                      "resume with --resume=true", signum)
+
+    # the loop
+    t_start, first = time.perf_counter(), step
+    step_seconds, logged, speeds, val_loss, evaluated = 0.0, step, [], None, None
+    clean = False
+    try:
+        with GracefulStop(verbose=master) as signals:
+            while step < max_steps:
+                lr = lr_at(step, tc, max_steps)
+                t0 = time.perf_counter()
+                loss, norm, signum = train_step(train_model, optimizer, loader, accum, lr, tc, device, autocast,
+                                                max_loss, signals)
+                step += 1
+                step_seconds += time.perf_counter() - t0
+                diverged("loss", loss, norm)  # a diverged step stopped before its update
+                last = step == max_steps
+                if step % tc.log_interval == 0 or last:
+                    steps_done, logged = step - logged, step
+                    tok_s, elapsed = tc.batch_tokens * steps_done / step_seconds, time.perf_counter() - t_start
+                    speeds.append(tok_s)
+                    eta = elapsed / (step - first) * (max_steps - step)
+                    log(f"step {step}/{max_steps} ({100 * step / max_steps:.1f}%) | loss {loss:.4f} | lr {lr:.2e} | "
+                        f"norm {norm:.2f} | {tok_s:,.0f} tok/s | {1000 * step_seconds / steps_done:.0f} ms/step | "
+                        f"{hms(elapsed)} elapsed, ETA {hms(eta)}",
+                        {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tok_s,
+                         "ms_per_step": 1000 * step_seconds / steps_done, "elapsed_s": elapsed, "eta_s": eta})
+                    step_seconds = 0.0
+                stopping = signum and not last
+                if step % tc.eval_interval == 0 or last or stopping or (tc.ckpt_interval and step % tc.ckpt_interval == 0):
+                    val_loss, evaluated = evaluation("val"), step  # a checkpoint holds weights just evaluated finite
+                if (tc.ckpt_interval and step % tc.ckpt_interval == 0) or last or stopping:
+                    checkpoint(val_loss)
+                if stopping:
+                    stop(signum)
+            # the last step is checkpointed; a signal from here on stops the run before what comes next
+            if evaluated != step:  # resumed at the last step: the val loss is the checkpoint's
+                val_loss = saved[1] if saved and saved[1] is not None else evaluation("val")
+            test_loss = None
+            if meta["splits"].get("test", {}).get("tokens"):
+                if signum := int(any_rank(signals.signum, device)):
+                    stop(signum)
+                test_loss = evaluation("test")
+            if signum := int(any_rank(signals.signum, device)):
+                stop(signum)
+        clean = True
+    except Stopped:
+        clean = True
+        raise
+    finally:
+        if log.tracker is not None:
+            log.tracker.finish(exit_code=0 if clean else 1)
+
+    # the summary; peak memory: CUDA's allocated tensors, or the process' resident set (Linux: KiB)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks = [torch.tensor([peak], device=device) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(peaks, peaks[0].clone())
+    peaks = [int(p) for p in peaks]
+    seconds = time.perf_counter() - t_start
+    summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
+               "params": raw_model.num_params(), "seconds": seconds,
+               "tokens_per_s": statistics.median(speeds) if speeds else None,  # over the log intervals
+               "peak_memory_bytes": max(peaks), "peak_memory_bytes_per_rank": peaks}
+    if master:
+        write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    test = f", test loss {test_loss:.4f}" if test_loss is not None else ""
+    log(f"done: val loss {val_loss:.4f}{test} after {step} steps in {hms(seconds)}; {run_dir} holds the checkpoint, "
+        "log.jsonl and summary.json")
+    return summary
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(cli(main))

@@ -1,6 +1,6 @@
 """The experiments wing: the studies this project runs on its own variants, each run from the repository
 root as `python -m experiments.<name>`, with their design files in experiments/configs/ and their tests in
-experiments/tests/. It imports the core (model.py, depthres/, the users' tools); nothing in the core imports it.
+experiments/tests/. It imports the core (model.py, train.py, common.py, the users' tools); nothing in the core imports it.
 
     sweep           paired multi-seed runs: every variant x every seed, resumable, shared by processes
     rundirs         a sweep's run directories as the reports read them: summary, whole-split scores

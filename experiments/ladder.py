@@ -35,13 +35,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from depthres import UserError, cli
-from depthres.files import pyplot, write_figure, write_file
+from common import UserError, cli, write_atomic
 from experiments.report import PROVENANCE, provenance, provenance_text, save_outputs, strict_json
 from experiments.robust import flops_per_token
 from experiments.rundirs import finished_run, nats, token_unit, whole_split_scores
 from experiments.stats import paired_t, t_quantile
 from experiments.sweep import in_root, load_sweep
+from tools import pyplot, write_figure
 
 
 def slope_fit(log_c, log_l):
@@ -260,8 +260,8 @@ def main(argv=None):
     if out.is_dir() and not result["fit"] and stale.is_file():  # a picture of an older read-off would stand beside this one
         stale.unlink()
     # (an out_dir that is missing or a file: one warning line, as save_outputs says; it wrote nothing, silently)
-    save_outputs(out, {"ladder.md": lambda p: write_file(p, (text + "\n").encode()),
-                       "ladder.json": lambda p: write_file(p, (json.dumps(strict_json(result), indent=1) + "\n").encode()),
+    save_outputs(out, {"ladder.md": lambda p: write_atomic(p, (text + "\n").encode()),
+                       "ladder.json": lambda p: write_atomic(p, (json.dumps(strict_json(result), indent=1) + "\n").encode()),
                        "ladder.png": lambda p: plot(result, p)}, "the read-off above is complete")
     return 0
 

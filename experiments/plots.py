@@ -5,8 +5,8 @@ training. Each reads the report's tests and gaps; None where there is nothing to
 
 import math
 
-from depthres.files import pyplot, write_figure
 from experiments.stats import t_quantile
+from tools import pyplot, write_figure
 
 SHORT = {"val": "val (whole)", "test": "test (whole)", "val_prefix": "val prefix", "test_prefix": "test prefix"}
 

@@ -49,8 +49,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from depthres import UserError
-from depthres.files import write_file
+from common import UserError, write_atomic
 from experiments.plots import SHORT, plot_forest, plot_gaps, undefined
 from experiments.rundirs import collect, collect_diverged, finite, nats, run_dir, token_unit
 from experiments.stats import detectable, gated_holm, holm, paired_t, sign_flip_p, tost
@@ -441,7 +440,7 @@ def diverged_table(diverged):
 # --- provenance ----------------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
-PROVENANCE = ("started_utc", "finished_utc", "commits", "torch", "hosts")  # a run's summary.json (depthres/runlog.py)
+PROVENANCE = ("started_utc", "finished_utc", "commits", "torch", "hosts")  # summary.json (train.py before issue 53)
 
 
 def _utc(text):
@@ -558,7 +557,7 @@ def strict_json(x):
 
 
 def save_output(path, write):
-    """Write one output whole or not at all: write(path) writes it through files.write_atomic (a temporary
+    """Write one output whole or not at all: write(path) writes it through common.write_atomic (a temporary
     name of this process alone, fsync, rename), or returns None when there is nothing to write (a plot
     without matplotlib). Returns None, or why it could not (a read-only or full disk, or a plot that
     failed), so the other outputs still go out."""
@@ -651,9 +650,9 @@ def report(spec, rescore_hint=None):
     if not spec.get("primary"):  # nothing declared: the first ten variants in colour
         highlight[reference] = [v for v in gaps.get(reference, {})][:10]
     outputs = {
-        "results.md": lambda p: write_file(p, text + "\n"),
-        "results.json": lambda p: write_file(p, results_json),
-        "results.csv": lambda p: write_file(p, csv_text.getvalue()),
+        "results.md": lambda p: write_atomic(p, text + "\n"),
+        "results.json": lambda p: write_atomic(p, results_json),
+        "results.csv": lambda p: write_atomic(p, csv_text.getvalue()),
         "curves.png": lambda p: plot_curves({v: d for v, d in finished.items() if d}, p),
         "forest.png": lambda p: plot_forest(ts, score, p),
         "gap_over_training.png": lambda p: plot_gaps({b: (gaps[b], highlight[b]) for b in gaps}, p),

@@ -15,7 +15,7 @@ of its checkpoint's step, its --tokens and the data asked for is skipped unless 
 Before any compute: the data must hold the tokens the run's model reads (its tokenizer's name and
 fingerprint, and no id beyond the model's vocabulary: as tools/diagnose.py checks), and the run
 directory must take a file; one that does not is an `error:` line, and its scores are printed, not saved.
-The numbers are those train.py's evaluation computes (the same function, depthres.run.evaluate: the
+The numbers are those train.py's evaluation computes (the same function, train.evaluate: the
 same windows of seq_len, the same batches, float64 sums), so with --tokens set to the run's eval_tokens
 they equal its logged losses bit for bit. On a CUDA machine the model runs there, under bfloat16
 autocast as train.py evaluates; elsewhere on the CPU in float32. A sweep scores each run it finishes
@@ -33,15 +33,13 @@ from pathlib import Path
 
 import torch
 
+from common import UserError, cli, load_model, os_error_message, write_atomic
 from data import get_tokenizer, load_meta
-from depthres import EXIT_ERROR, UserError, cli, os_error_message
-from depthres.checkpoint import load_model, locate, whole_checkpoint
-from depthres.distributed import Dist
-from depthres.files import check_writable, write_file
-from depthres.run import evaluate
 from experiments.rundirs import run_dir
 from experiments.sweep import load_sweep
+from tools import check_writable
 from tools.diagnose import find_data_dir
+from train import evaluate
 
 
 def run_data(ckpt, data_dir=None):
@@ -85,8 +83,7 @@ def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir
     that the run directory takes a file: if not, its `error:` line is printed then, the run is scored,
     and a UserError with an empty message, said already, carries the scores as its result)."""
     path = Path(path)
-    kind, where = locate(path, prefer_sharded=False)  # an FSDP run's shards are gathered here: no export needed
-    model, ckpt = load_model(path, ckpt=whole_checkpoint(where) if kind == "sharded" else None)
+    model, ckpt = load_model(path)
     data, own = run_data(ckpt, data_dir)
     out = path / "scores.json"
     if not force and up_to_date(out, ckpt, splits, max_tokens, data):
@@ -104,16 +101,22 @@ def rescore(path, splits=("val", "test"), max_tokens=None, force=False, data_dir
     scores = {"step": ckpt["step"], "max_tokens": max_tokens, "data_dir": str(data), "own_data": own,
               "device": device.type, "autocast": "bfloat16" if autocast else None}
     for split in splits:  # train.py's evaluation, on one process
-        loss, tokens = evaluate(model, data, split, tc["batch_size"], tc["seq_len"], max_tokens,
-                                Dist(rank=0, world_size=1, device=device), autocast)
+        loss, tokens = evaluate(model, data, split, tc["batch_size"], tc["seq_len"], max_tokens, device, autocast)
         scores[split] = {"loss": loss, "tokens": tokens}
     if unwritable:
-        raise UserError("", result=scores)
+        raise unsaved("", scores)
     try:
-        write_file(out, json.dumps(scores, indent=2) + "\n", UserError)
-    except UserError as e:
-        raise UserError(f"{e}: the scores above are printed, not saved", result=scores) from None
+        write_atomic(out, json.dumps(scores, indent=2) + "\n")
+    except OSError as e:
+        raise unsaved(f"{os_error_message(e, out)}: the scores above are printed, not saved", scores) from None
     return scores
+
+
+def unsaved(message, scores):
+    """A UserError that carries the scores computed before it (printed, so that nothing computed is lost)."""
+    e = UserError(message)
+    e.result = scores
+    return e
 
 
 def line(r, scores, splits, seconds):
@@ -160,7 +163,7 @@ def run(argv):
                 print(line(r, e.result, splits, time.perf_counter() - t0), flush=True)
             if str(e):  # (empty: said before the scoring)
                 print(f"error: {e if isinstance(e, UserError) else os_error_message(e)}", file=sys.stderr, flush=True)
-            status = EXIT_ERROR
+            status = 2
             continue
         if scores is None:
             print(f"{r}: up to date")

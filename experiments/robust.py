@@ -71,9 +71,7 @@ from pathlib import Path
 
 import torch
 
-from depthres import UserError, cli
-from depthres.config import model_config
-from depthres.files import write_file
+from common import UserError, cli, write_atomic
 from experiments import sweep
 from experiments.multiplier import bootstrap, fit_ladder, inside, multiple
 from experiments.report import PROVENANCE, provenance, save_outputs
@@ -82,6 +80,7 @@ from experiments.robust_report import plot, render, strict
 from experiments.rundirs import finished_run, finite, token_unit, whole_split_scores
 from experiments.stats import holm, paired_t
 from model_fast import make_model
+from train import model_config
 
 # --- the runs ---------------------------------------------------------------------------------------
 
@@ -414,8 +413,8 @@ def report(design):
     text = render(result, design)
     print(text, flush=True)
     result_json = json.dumps(strict(result), indent=1, allow_nan=False) + "\n"
-    save_outputs(design["out_dir"], {"robust.md": lambda p: write_file(p, text),
-                                     "robust.json": lambda p: write_file(p, result_json),
+    save_outputs(design["out_dir"], {"robust.md": lambda p: write_atomic(p, text),
+                                     "robust.json": lambda p: write_atomic(p, result_json),
                                      "loss_vs_flops.png": lambda p: plot(result, design, p)},
                  "the report above is complete")
     return result

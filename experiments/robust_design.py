@@ -7,9 +7,9 @@ import math
 import shlex
 from pathlib import Path
 
-from depthres import UserError
-from depthres.config import parse_config, total_steps
+from common import UserError
 from experiments import sweep
+from train import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 AXES = ("lr", "min_lr", "max_steps", "max_tokens")  # keys the design sets per run; a variant may not
@@ -101,7 +101,7 @@ def load_design(path, out_dir=None):
         tc, _ = parse_config([d["base"], *(f"--{kv}" for kv in shlex.split(d["overrides"]))])
     except ValueError as e:  # UserError, or shlex's unterminated quote
         fail(f"base {d['base']!r} with overrides {d['overrides']!r}: {e}")
-    d["recipe"] = dict(lr=tc.lr, min_lr=tc.min_lr, steps=total_steps(tc), batch_tokens=tc.batch_tokens)
+    d["recipe"] = dict(lr=tc.lr, min_lr=tc.min_lr, steps=tc.steps, batch_tokens=tc.batch_tokens)
     if not any(f"{x:g}" == f"{tc.lr:g}" for x in lrs):
         fail(f"lrs {list(lrs)} must hold the recipe's lr {tc.lr:g} (the shared lr every other stage uses)")
     if d["recipe"]["steps"] not in d["steps"]:

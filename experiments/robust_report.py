@@ -5,11 +5,11 @@ The report of experiments/robust.py: robust.md from the analysis, the loss-vs-FL
 import math
 import statistics
 
-from depthres.files import pyplot, write_figure
 from experiments.multiplier import inverse, predict
 from experiments.report import provenance_text
 from experiments.robust_design import STAGES, steps_name
 from experiments.rundirs import nats
+from tools import pyplot, write_figure
 
 
 def _f(x, fmt, none="-"):

@@ -5,13 +5,40 @@ the record of a divergence). Every reader is forgiving of a torn or foreign file
 an unfinished run, a torn log line is skipped.
 """
 
+import fcntl
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
-from depthres.runlog import log_records
+from common import log_records
 from tools.diagnose import val_curve
+
+
+def try_lock(path):
+    """An fd holding an exclusive flock on `path` (made if missing) for this process' life, or None while a live
+    process holds it: a sweep's claim on a run."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # (a link planted there: refused, not followed)
+    except IsADirectoryError:  # (flock needs only an open file)
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+def locked(path):
+    """Whether a live process holds a flock on `path` (train.py's run directory .lock)."""
+    if not Path(path).is_file():
+        return False
+    fd = try_lock(path)
+    if fd is not None:
+        os.close(fd)
+    return fd is None
 
 
 def run_dir(spec, variant, seed):

@@ -18,11 +18,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from depthres import UserError, cli
-from depthres.files import pyplot, write_figure, write_file
-from depthres.runlog import ROOT
+from common import ROOT, UserError, cli, write_atomic
 from experiments.report import save_outputs, strict_json
 from experiments.stats import holm, paired_t
+from tools import pyplot, write_figure
 
 CLAIMS = {  # test: (what it compares, the sign the papers predict)
     "M1": ("js(rd_attnres) - 0", "+"),
@@ -172,8 +171,8 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = dict(tests=rows, means=means, per_run=per_run, missing=missing, tokens=design["tokens"])
-    save_outputs(out, {"mechanism.md": lambda q: write_file(q, (text + "\n").encode()),
-                       "mechanism.json": lambda q: write_file(q, (json.dumps(strict_json(result), indent=1) + "\n").encode()),
+    save_outputs(out, {"mechanism.md": lambda q: write_atomic(q, (text + "\n").encode()),
+                       "mechanism.json": lambda q: write_atomic(q, (json.dumps(strict_json(result), indent=1) + "\n").encode()),
                        "cka.png": lambda q: plot_cka(per_layer({n: diags[n] for n in ("dar", "dar_self_kv", "mhc2")},
                                                                "cka_matrix"), q),
                        "rescue.png": lambda q: plot_rescue(gains, q)}, "the tables above are complete")

@@ -82,13 +82,12 @@ from collections import Counter
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from depthres import Stopped, UserError, cli, files, os_error_message
-from depthres.checkpoint import EXECUTION_KEYS, holds_checkpoint
-from depthres.config import TrainConfig, build_model_config, control_character, parse_config
-from depthres.runlog import hms
+from common import Stopped, UserError, cli, os_error_message
 from experiments.report import SCORES, report, unequal_twins
-from experiments.rundirs import collect, divergence, read_json, read_summary, run_dir, whole_split_scores
+from experiments.rundirs import collect, divergence, locked, read_json, read_summary, run_dir, try_lock, whole_split_scores
 from model import GPTConfig
+from tools import check_writable as writable
+from train import EXECUTION_KEYS, TrainConfig, build_model_config, hms, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNED_KEYS = ("seed", "data_seed", "run_name", "out_dir", "resume", "overwrite")  # what the sweep sets for every run
@@ -150,7 +149,7 @@ def load_sweep(path, reference=None):
         fail(f"seeds {spec['seeds']} name {', '.join(map(str, twice))} more than once: each seed is one paired run "
              "of every variant, so each may appear once")
     for name in spec["variants"]:
-        if not name or name in (".", "..") or "/" in name or "\\" in name or control_character(name):
+        if not name or name in (".", "..") or "/" in name or "\\" in name or not name.isprintable():
             fail(f"variant name {name!r} is not a plain directory name (no /, \\, .. or control characters): "
                  "it names the directory of the variant's runs")
     spec.setdefault("overrides", "")
@@ -159,7 +158,7 @@ def load_sweep(path, reference=None):
         if not isinstance(spec[key], str):
             fail(f"{key} must be a string, got {type(spec[key]).__name__}")
     for key in ("base", "out_dir"):
-        if control_character(spec[key]):
+        if not spec[key].isprintable():
             fail(f"{key} {spec[key]!r} holds a control character")
     spec["base"], spec["out_dir"] = in_root(spec["base"]), in_root(spec["out_dir"])
     for key in ("reference", "second_reference"):
@@ -329,7 +328,7 @@ def train_command(spec, variant, seed, launcher):
         args += ["--wandb_log=true", f"--wandb_group={Path(spec['out_dir']).name}",
                  f"--wandb_tags={variant},seed{seed}", f"--wandb_run_name={variant}-seed{seed}"]
     args += [f"--{kv}" for kv in overrides(spec, variant)]
-    if holds_checkpoint(d):  # ckpt.pt, or an FSDP run's sharded ckpt/
+    if (d / "ckpt.pt").exists():
         args.append("--resume=true")
     elif d.exists():  # a run that died before its first checkpoint: nothing to resume, start it over
         args.append("--overwrite=true")
@@ -357,17 +356,10 @@ def claim(spec, variant, seed):
     path = d.parent / f".{d.name}.sweep-lock"
     try:
         d.parent.mkdir(parents=True, exist_ok=True)
-        return files.try_lock(path)
+        return try_lock(path)
     except OSError as e:
         fail(f"{os_error_message(e, e.filename or path)}: the sweep claims each run beside its directory before "
              f"it runs it; make {spec['out_dir']} writable, or choose another out_dir")
-
-
-def holder(d):
-    """The pid (a string) of the process that holds a run directory's own lock (train.py's .lock), or
-    None: a run still going on without this sweep (another train.py, a run left by a killed sweep)."""
-    who = files.holder(Path(d) / ".lock")
-    return who and who[0]
 
 
 def check_writable(spec):
@@ -375,7 +367,7 @@ def check_writable(spec):
     out = Path(spec["out_dir"])
     try:
         out.mkdir(parents=True, exist_ok=True)
-        files.check_writable(out)
+        writable(out)
     except OSError as e:
         where = out if e.filename is None or Path(e.filename).parent == out else e.filename  # the probe: out
         fail(f"{os_error_message(e, where)}: the sweep writes its runs under {out}; make it writable, "
@@ -435,8 +427,8 @@ def run_all(spec, launcher):
             if status(spec, variant, seed):  # the other process finished it meanwhile
                 continue
             d = run_dir(spec, variant, seed)
-            if (pid := holder(d)) is not None:
-                print(f"sweep: {variant} seed {seed} is in use by another process (pid {pid}): skipped; run the sweep "
+            if locked(d / ".lock"):  # a run going on without this sweep (another train.py, a killed sweep's)
+                print(f"sweep: {variant} seed {seed} is in use by another process: skipped; run the sweep "
                       "again once it is done", flush=True)
                 busy.append((variant, seed))
                 continue
@@ -451,15 +443,15 @@ def run_all(spec, launcher):
                 print(f"sweep: {variant} seed {seed} diverged at step {record.get('step')}: tabulated as diverged; "
                       "the sweep goes on (delete its directory to run it again)", flush=True)
                 diverged.append((variant, seed))
-            elif returncode != 0 and (pid := holder(d)) is not None:  # taken between the check and the start
-                print(f"sweep: {variant} seed {seed} is in use by another process (pid {pid}): skipped", flush=True)
+            elif returncode != 0 and locked(d / ".lock"):  # taken between the check and the start
+                print(f"sweep: {variant} seed {seed} is in use by another process: skipped", flush=True)
                 busy.append((variant, seed))
                 continue
             elif returncode != 0:
                 raise UserError(f"run {variant} seed {seed} failed; fix it and run the sweep again to resume")
             durations.append(time.monotonic() - start)
         finally:
-            lock.release()
+            os.close(lock)
         states = Counter(status(spec, v, s) for v, s in runs)
         done = states["finished"] + states["diverged"]
         eta = eta_seconds(durations, len(runs) - done)
@@ -475,10 +467,10 @@ def run_all(spec, launcher):
 
 def unscored(spec, variant, seed):
     """Whether a finished run lacks its whole-split scores (and has a checkpoint to score: ckpt.pt, or an FSDP
-    run's sharded one, which experiments/rescore.py gathers)."""
+    run's too)."""
     d = run_dir(spec, variant, seed)
     summary = read_summary(d)
-    return summary is not None and holds_checkpoint(d) and \
+    return summary is not None and (d / "ckpt.pt").exists() and \
         set(whole_split_scores(d, summary.get("step"))) != {"val", "test"}
 
 
@@ -499,7 +491,7 @@ def score_all(spec):
             if unscored(spec, variant, seed):  # not scored by another process meanwhile
                 failed += run_child([sys.executable, "-m", "experiments.rescore", str(run_dir(spec, variant, seed))]) != 0
         finally:
-            lock.release()
+            os.close(lock)
     if failed:
         print(f"sweep: {failed} run(s) could not be scored (the errors above); the report pairs the seeds that have "
               "scores (python -m experiments.rescore RUN_DIR to try again)", flush=True)
@@ -523,7 +515,7 @@ def main(argv=None):
     spec = load_sweep(args.sweep, args.reference)
     for key in ("out_dir", "base"):
         if getattr(args, key):
-            if control_character(getattr(args, key)):
+            if not getattr(args, key).isprintable():
                 fail(f"--{key} {getattr(args, key)!r} holds a control character")
             spec[key] = str(Path(getattr(args, key)).absolute())
     if args.wandb:

@@ -1,8 +1,7 @@
-"""Helpers the training tests share: run train.py in-process, read its log, compare runs."""
+"""Helpers the training tests share: run train.py in-process or as ranks, read its log and checkpoint."""
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -12,13 +11,9 @@ from pathlib import Path
 import torch
 
 import train
-from depthres.checkpoint import MANIFEST, STATE_KEYS, file_digest, load_checkpoint, save_sharded, whole_checkpoint
-from depthres.distributed import Dist
-from model import GPTConfig
-from model_fast import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = str(ROOT / "configs" / "test.py")  # 2 layers of width 32, 6 steps of 256 byte tokens
+CONFIG = str(ROOT / "configs" / "test.py")  # 2 layers of width 32, 6 steps of 256 byte tokens, checkpoints at 3 and 6
 
 
 def run(data_dir, out_dir, *overrides):
@@ -43,6 +38,10 @@ def steps(run_dir, kind="train"):
     return [r["step"] for r in records(run_dir, kind)]
 
 
+def ckpt(run_dir):
+    return torch.load(Path(run_dir) / "ckpt.pt", weights_only=True)
+
+
 def poll(condition, timeout=60):
     deadline = time.time() + timeout
     while not condition():
@@ -50,60 +49,67 @@ def poll(condition, timeout=60):
         time.sleep(0.05)
 
 
-def kill_in_step(n, *signals):
-    """A train_step that sends itself `signals` (KeyboardInterrupt if none) before its n-th step."""
-    real, calls = train.train_step, []
-
-    def step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            if not signals:
-                raise KeyboardInterrupt
-            for s in signals:
-                os.kill(os.getpid(), s)
-        return real(*args, **kwargs)
-    return step
-
-
-def whole(run_dir):
-    """A run's checkpoint as one dict (weights, optimizer), a sharded one gathered (an FSDP run's)."""
-    ckpt = load_checkpoint(run_dir, sharded=True)
-    return whole_checkpoint(ckpt["sharded"]) if "sharded" in ckpt else ckpt
-
-
 def assert_same_run(run_dir, reference):
-    assert losses(run_dir) == losses(reference)  # bit for bit
-    assert untimed(run_dir) == untimed(reference)
-    a, b = whole(reference), whole(run_dir)
-    assert a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert all(torch.equal(x, y) for i in a["optimizer"]["state"] for x, y in
-               zip(a["optimizer"]["state"][i].values(), b["optimizer"]["state"][i].values(), strict=True))
-    assert json.loads((run_dir / "summary.json").read_text())["val_loss"] == \
-        json.loads((reference / "summary.json").read_text())["val_loss"]
+    """Bit for bit: the losses, the evaluations at the reference's steps, the weights and AdamW state."""
+    assert losses(run_dir) == losses(reference)
+    at = {(r["split"], r["step"]) for r in records(reference, "eval")}
+    assert [r for r in untimed(run_dir) if (r["split"], r["step"]) in at] == untimed(reference)
+    a, b = ckpt(reference), ckpt(run_dir)
+    assert a["step"] == b["step"] and a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    flat = [(x, y) for k in a["optimizer"]["state"] for x, y in
+            zip(a["optimizer"]["state"][k].values(), b["optimizer"]["state"][k].values(), strict=True)]
+    assert flat and all(torch.equal(x, y) for x, y in flat)
 
 
-def signal_in_step_2(name):
-    """The code of a train.py that sends itself signal `name` before its second step (two_ranks runs it)."""
+def assert_close_runs(a, b, atol=1e-5):
+    """Two runs that differ only in how the ranks sum their gradients: float32 rounding apart (2 u = 1.2e-7 relative
+    a step, which AdamW turns into weight drifts near lr x that: 1e-5 holds 6 steps with room, far below a step's
+    change at lr = 1e-2)."""
+    ca, cb = ckpt(a), ckpt(b)
+    assert ca["step"] == cb["step"]
+    for name, p in ca["model"].items():
+        torch.testing.assert_close(cb["model"][name], p, atol=atol, rtol=0, msg=name)
+    for (s1, l1), (s2, l2) in zip(losses(a), losses(b), strict=True):
+        assert s1 == s2 and abs(l1 - l2) <= atol
+
+
+def signal_in_step(n, name):
+    """The code of a train.py that sends itself signal `name` (SIGKILL: killed) before its n-th step."""
     return f"""
 import os, signal, sys
 import train
+from common import cli
 real, calls = train.train_step, []
 def step(*args, **kwargs):
     calls.append(1)
-    if len(calls) == 2:
+    if len(calls) == {n}:
         os.kill(os.getpid(), signal.{name})
     return real(*args, **kwargs)
 train.train_step = step
-sys.exit(train.cli(sys.argv[1:]))
+sys.exit(cli(train.main, sys.argv[1:]))
 """
 
 
-RANK1_SIGTERM_IN_STEP_2 = signal_in_step_2("SIGTERM")
+# a train.py killed (kill -9) in the middle of writing its checkpoint at step 6: after the temporary file's first bytes
+KILLED_IN_THE_LAST_SAVE = """
+import os, signal, sys, torch
+import train
+from common import cli
+real = torch.save
+def save(obj, f, *args, **kwargs):
+    if obj["step"] == 6:
+        f.write(b"PK" * 1000)
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+sys.exit(cli(train.main, sys.argv[1:]))
+"""
 
 
 def two_ranks(args_of_rank, code_of_rank=(None, None)):
-    """Run train.py as ranks 0 and 1 of a gloo group (as torchrun would, without its agent);
-    returns each rank's (exit status, stderr)."""
+    """Run train.py as ranks 0 and 1 of a gloo group (as torchrun starts them); each rank's (exit status, stderr)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -122,28 +128,11 @@ def two_ranks(args_of_rank, code_of_rank=(None, None)):
             p.kill()
 
 
-def sharded_copy(run_dir, to, tamper=None):
-    """A copy of a run directory whose ckpt.pt is written as a sharded checkpoint (ckpt/), as one process
-    writes one (DCP without a process group: one shard file) in place of ckpt.pt; tamper(model, optimizer)
-    first, if given."""
-    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(".lock"))
-    ckpt = load_checkpoint(to / "ckpt.pt")
-    model = make_model(GPTConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    optimizer = torch.optim.AdamW(model.param_groups(ckpt["train_config"]["weight_decay"]))
-    optimizer.load_state_dict(ckpt["optimizer"])
-    if tamper is not None:
-        tamper(model, optimizer)
-    save_sharded(to, model, optimizer, {k: ckpt[k] for k in STATE_KEYS}, Dist(0, 1, torch.device("cpu")))
-    return to
-
-
-def replace_in_sharded(ckpt_dir, name, data):
-    """Replace a file of a sharded checkpoint, its manifest entry recomputed as anyone who can write it can."""
-    (ckpt_dir / name).write_bytes(data)
-    manifest = json.loads((ckpt_dir / MANIFEST).read_text())
-    manifest["files"][name] = file_digest(ckpt_dir / name)
-    (ckpt_dir / MANIFEST).write_text(json.dumps(manifest))
+def one_process(code, *args):
+    """Run train.py (or `code` playing it) in a process of its own: (exit status, stderr)."""
+    p = subprocess.run([sys.executable, *(["-c", code] if code else ["train.py"]), *map(str, args)], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stderr
 
 
 class Payload:

@@ -11,11 +11,11 @@ import torch.nn as nn
 
 import model
 import sample
-from depthres.config import model_config
 from model import AttnRes, FullAttnRes, GPTConfig, RDAttnRes, SumStream
 from model_fast import make_model
 from test_equivalence import F64, F64_OP, F64_ZERO, zero_grad_at_init
 from tools import diagnose
+from train import model_config
 
 from runs import run
 

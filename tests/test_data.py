@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import prepare_data
+from common import UserError
 from data import (
     DATA_DIR,
     GPT2_RANKS,
@@ -27,7 +28,6 @@ from data import (
     open_shard,
     prepare_command,
 )
-from depthres import UserError
 from prepare_data import main, split_of
 
 ROOT = Path(__file__).resolve().parent.parent

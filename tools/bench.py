@@ -5,132 +5,50 @@ Benchmark a training step of every residual variant against the standard residua
     python -m tools.bench --device cuda --n_layer 12 --n_embd 768 --n_head 6 --seq_len 1024 \\
         --batch_size 8 --dtype bf16 --compile         # the GPU size of the performance targets
 
-Each variant runs a full training step (forward, backward, AdamW). Repeats are interleaved across
-variants, so a slow moment of the machine hits every variant alike, and each repeat gives each
-variant a speed ratio against `standard` in the same round; the table reports the median ratio and
-the spread (lowest and highest quartile) of those per-round ratios. Memory, on every device: the
-bytes autograd saves for backward in one eager step, each storage counted once ("saved
-activations"); on CUDA also the peak memory a step adds on top of weights and optimizer state
-(which counts gradients, logits and the optimizer's temporaries too).
-
-A second table times the depth routing of one block alone, forward and forward + backward, for the
-two implementations, against its memory-traffic floor over the bandwidth of a plain copy: forward,
-each completed source and each site's partial sum read once and each output written once;
-backward, the same reads again plus each output's gradient, and each source gradient written once.
-
-`--memory` measures, instead, what a process holds (peak resident set), which depends on the allocator,
-the torch build and the machine, so it is a figure here and not a threshold in a test (the tests check the
-mechanisms: a stream's bounded window, FSDP's shards): prepare_data.py on a 4 and a 16 MB corpus, in shards of
-10^5 tokens, whose peak stays where it was (the source is read as a stream), and each rank of a 2-rank DDP and FSDP run of a
-16 x 512 model (FSDP's ranks hold shards: docs/training.md, "the memory rule").
-
-Variants are `residual[:key=value...]`, e.g. `rd_attnres:rd_mode=tied`, `full_attnres:depth_impl=reference`,
-`block_attnres:activation_checkpointing=true` (each sublayer recomputed in backward).
-
-Exit status: 0 done; 2 with one `error:` line before any model is built (a flag, a variant or a key
-that does not parse or build, a device that is not there, an --out that cannot be written). The JSON
-is written whole or not at all, and where it goes is checked before the benchmark runs.
+Repeats are interleaved across variants, so a slow moment of the machine hits every variant alike; the table gives
+the median of each round's speed ratio against `standard` and its quartiles, and the bytes autograd saves for
+backward in one eager step ("saved activations"; on CUDA also the step's peak). A second table times the depth
+routing of one block against its memory-traffic floor (docs/performance.md). Variants are `residual[:key=value...]`,
+e.g. `rd_attnres:rd_mode=tied`. On a machine busier than its cores the ratios are unreliable: bench says so and
+records the load beside its figures (on CPU, run it with OMP_NUM_THREADS=1).
 """
 
 import argparse
-import difflib
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import typing
-from pathlib import Path
 
 import torch
 import torch._dynamo
 
-from depthres import UserError, cli, os_error_message
-from depthres.config import MODEL_TYPES, convert, model_config, need
-from depthres.files import check_writable, write_file
-from depthres.runlog import ROOT
+from common import UserError, cli, need, os_error_message, write_atomic
 from model import depth_attention
 from model_fast import TwoPhaseRouter, compile_model, make_model, rms_inv
+from tools import check_writable
 from tools.diagnose import parse_device
+from train import MODEL_TYPES, check_key, convert, model_config
 
 DEFAULT_VARIANTS = "standard,full_attnres,block_attnres,rd_attnres,dar,hc,mhc,denseformer,muddformer,delta_attnres"
-SHAPE_KEYS = {"vocab_size": "--vocab_size", "block_size": "--seq_len", "n_layer": "--n_layer", "n_head": "--n_head",
-              "n_embd": "--n_embd", "residual": "the variant's name"}  # set for every variant by bench's flags
-KINDS = {int: "an integer", float: "a number", bool: "true or false"}  # what a variant's key=value takes
-
-
-def parse_variant(spec):
-    """The GPTConfig keys of a variant `residual[:key=value...]`, each value read as train.py reads its
-    --key=value (depthres.config.convert); UserError naming what does not parse."""
-    name, *pairs = spec.split(":")
-    kw = dict(residual=name)
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise UserError(f"{pair!r} is not key=value")
-        if key in SHAPE_KEYS:
-            raise UserError(f"{key} is set for every variant by {SHAPE_KEYS[key]}")
-        if key not in MODEL_TYPES:
-            close = difflib.get_close_matches(key, list(MODEL_TYPES), n=1)
-            raise UserError(f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
-        try:
-            kw[key] = convert(key, value, MODEL_TYPES[key])
-        except UserError:  # convert fails only for these types (alone or "| None")
-            typ = MODEL_TYPES[key]
-            kind = next(KINDS[t] for t in (typ, *typing.get_args(typ)) if t in KINDS)
-            raise UserError(f"{key} takes {kind}, not {value!r}") from None
-    return kw
+SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "residual")  # bench's flags set them
 
 
 def variant_config(spec, args):
-    """The GPTConfig of a variant at the benchmark's size; UserError naming the variant if it does not build."""
+    """The GPTConfig of a variant `residual[:key=value...]` at the benchmark's size, or one UserError line."""
+    name, *pairs = spec.split(":")
+    kw = dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+              n_embd=args.n_embd, residual=name)
     try:
-        return model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                                 n_head=args.n_head, n_embd=args.n_embd, **parse_variant(spec)))
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            need(sep, f"{pair!r} is not key=value")
+            need(key not in SHAPE_KEYS, f"{key} is set for every variant by bench's flags")
+            need(check_key(key, "a variant") in MODEL_TYPES, f"{key} is a training key, not a model key")
+            kw[key] = convert(key, value, MODEL_TYPES[key])
+        return model_config(kw)
     except UserError as e:
         raise UserError(f"--variants {spec}: {e}") from None
-
-
-def check_args(args):
-    """Every flag, variant and the output path, before any model is built; returns (device, specs)."""
-    for flag in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "batch_size", "repeats"):
-        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}")
-    need(all(len(b) == 2 and min(b) >= 1 for b in args.routing_blocks),
-         "--routing_blocks: each block is sources:sites, both at least 1 (e.g. 4:4,8:4), got "
-         + ",".join(":".join(map(str, b)) for b in args.routing_blocks))
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = parse_device(args.device, "auto, cpu, cuda or cuda:N")
-    model_config(dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                      n_embd=args.n_embd))
-    specs = args.variants.split(",")
-    if "standard" not in specs:
-        specs.insert(0, "standard")
-    for spec in specs:
-        variant_config(spec, args)
-    check_out(args.out)
-    return device, specs
-
-
-def check_out(path):
-    """That --out can be written, before the benchmark runs."""
-    need(not os.path.isdir(path), f"--out {path} is a directory: pass the JSON file to write")
-    try:
-        check_writable(os.path.dirname(path) or ".")
-    except OSError as e:
-        raise UserError(os_error_message(e, path)) from None
-
-
-def write_report(path, report):
-    try:
-        write_file(path, json.dumps(report, indent=1) + "\n")
-    except OSError as e:  # checked before the benchmark ran: the disk filled, or the directory went away
-        raise UserError(f"{os_error_message(e, path)}; the tables above hold the numbers") from None
-    print(f"\nwrote {path}")
 
 
 # --- the instruments the fast path is measured with (here and in the tests): the router's plain
@@ -200,9 +118,9 @@ def timed(fn, device):
 class Runner:
     """One variant's model, optimizer and a fixed batch."""
 
-    def __init__(self, spec, args, device, dtype):
+    def __init__(self, spec, cfg, args, device, dtype):
         self.spec = spec
-        self.model = make_model(variant_config(spec, args), seed=0).to(device)
+        self.model = make_model(cfg, seed=0).to(device)
         self.step_fn = compile_model(self.model, backend=args.compile_backend) if args.compile else self.model
         self.opt = torch.optim.AdamW(self.model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
         g = torch.Generator().manual_seed(0)
@@ -270,59 +188,6 @@ def bench_block_routing(args, device, bandwidth, reps=10):
     return rows
 
 
-MEMORY_MODEL = ["--n_layer=16", "--n_embd=512", "--n_head=8", "--max_steps=1", "--batch_size=1", "--seq_len=16",
-                "--batch_tokens=32", "--eval_tokens=32"]
-
-
-# The peak resident set of a command (ru_maxrss, KiB on Linux), read by a small launcher process: a child forked
-# from this one would count this process's pages (the corpora it wrote) until its exec
-LAUNCHER = """import os, subprocess, sys
-p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-err = p.stderr.read().decode(errors="replace")
-_, status, usage = os.wait4(p.pid, 0)
-print(usage.ru_maxrss if os.waitstatus_to_exitcode(status) == 0 else "failed: " + err.strip()[-300:])
-"""
-
-
-def peak_rss_bytes(cmd):
-    """Run cmd (a list) from the project root with one thread; its peak resident set in bytes."""
-    out = subprocess.run([sys.executable, "-c", LAUNCHER, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.strip()
-    if not out.isdigit():
-        raise UserError(f"{' '.join(map(str, cmd[1:3]))} {out or 'failed'}")
-    return int(out) * 1024
-
-
-def memory_figures():
-    """{prepare_data: {MB: peak RSS}, ddp/fsdp: [peak RSS of each rank]} (see the module's doc)."""
-    import gzip
-
-    from prepare_data import DEFAULT_CORPUS
-    out = {"prepare_data": {}}
-    with tempfile.TemporaryDirectory() as tmp, gzip.open(DEFAULT_CORPUS, "rt") as f:
-        text = "".join(json.loads(line)["text"] for line in f)
-        for mb in (4, 16):
-            src = Path(tmp) / f"c{mb}.txt"
-            src.write_text((text * (mb * 2**20 // len(text) + 1))[:mb * 2**20])
-            out["prepare_data"][mb] = peak_rss_bytes([sys.executable, "prepare_data.py", "--data_files", src,  # small
-                                                      "--out_dir", Path(tmp) / f"data{mb}", "--tokenizer", "byte",  # shards:
-                                                      "--shard_tokens", "1e5"])  # a shard's mapped pages count too
-        for fsdp in ("false", "true"):
-            run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                   "configs/test.py", f"--data_dir={Path(tmp) / 'data4'}", f"--out_dir={tmp}", f"--run_name={fsdp}",
-                   f"--fsdp={fsdp}", *MEMORY_MODEL]
-            peak_rss_bytes(run)
-            summary = json.loads((Path(tmp) / fsdp / "summary.json").read_text())
-            out["fsdp" if fsdp == "true" else "ddp"] = summary["peak_memory_bytes_per_rank"]
-    print("| what | peak resident set per process, MiB |\n| --- | --- |")
-    for mb, peak in out["prepare_data"].items():
-        print(f"| prepare_data.py, a {mb} MB corpus | {peak / 2**20:.0f} |")
-    for kind in ("ddp", "fsdp"):
-        print(f"| 2 ranks, {kind.upper()}, 16 x 512 model | {', '.join(f'{b / 2**20:.0f}' for b in out[kind])} |")
-    print(f"FSDP's largest rank / DDP's smallest: {max(out['fsdp']) / min(out['ddp']):.2f}")
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated residual[:key=value...]")
@@ -341,25 +206,39 @@ def main(argv=None):
     p.add_argument("--routing_blocks", default=[(4, 4), (8, 4), (16, 4)],
                    type=lambda s: [tuple(int(x) for x in b.split(":")) for b in s.split(",") if b],
                    help="completed sources:sites of the blocks in the routing table; empty: no table")
-    p.add_argument("--memory", action="store_true", help="the process-level memory figures instead (see above)")
     p.add_argument("--out", default="bench.json")
     args = p.parse_args(argv)
-    if args.memory:
-        check_out(args.out)
-        report = memory_figures()
-        write_report(args.out, report)
-        return report
-    device, specs = check_args(args)
+    # every flag, variant and the output path, before any model is built
+    for flag in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "batch_size", "repeats"):
+        need(getattr(args, flag) >= 1, f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    need(args.warmup >= 0, f"--warmup must be at least 0, got {args.warmup}")
+    need(all(len(b) == 2 and min(b) >= 1 for b in args.routing_blocks),
+         "--routing_blocks: each block is sources:sites, both at least 1 (e.g. 4:4,8:4)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else \
+        parse_device(args.device, "auto, cpu, cuda or cuda:N")
+    specs = args.variants.split(",")
+    specs = specs if "standard" in specs else ["standard", *specs]
+    configs = [variant_config(s, args) for s in specs]
+    need(not os.path.isdir(args.out), f"--out {args.out} is a directory: pass the JSON file to write")
+    try:
+        check_writable(os.path.dirname(args.out) or ".")
+    except OSError as e:
+        raise UserError(os_error_message(e, args.out)) from None
     dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
     if args.compile:  # one graph per variant (and per grad mode): never fall back to eager without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(specs) + 2)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                                8 * len(specs))
         torch._dynamo.config.fail_on_recompile_limit_hit = True
+    load, cores, threads = os.getloadavg()[0], os.cpu_count(), torch.get_num_threads()
     print(f"device {device}, {dtype}, compile={args.compile}: {args.n_layer} layers, width {args.n_embd}, "
-          f"{args.batch_size} x {args.seq_len} tokens, vocab {args.vocab_size}")
+          f"{args.batch_size} x {args.seq_len} tokens, vocab {args.vocab_size}; load {load:.1f} on {cores} cores, "
+          f"{threads} torch threads")
+    if device.type == "cpu" and load + threads > cores + 0.5:
+        print(f"warning: this machine is busier than its cores (load {load:.1f} + {threads} threads > {cores} cores): "
+              "the speed ratios are unreliable; run when it is idle, or with OMP_NUM_THREADS=1", file=sys.stderr)
 
-    runners = [Runner(s, args, device, dtype) for s in specs]
+    runners = [Runner(s, c, args, device, dtype) for s, c in zip(specs, configs)]
     for r in runners:
         for _ in range(args.warmup):
             r.step()
@@ -376,19 +255,12 @@ def main(argv=None):
                             speed_ratio_quartiles=(lo, hi), saved_activation_bytes=saved[0],
                             saved_without_parameters_bytes=saved[1], cuda_peak_bytes=peak,
                             step_s=r.times))  # every timed step, in round order: ratios of any two variants
-    base = results[specs.index("standard")]
+    base, cuda = results[specs.index("standard")], device.type == "cuda"
     for row in results:
         row["memory_ratio"] = row["saved_activation_bytes"] / base["saved_activation_bytes"]
         row["activation_ratio"] = row["saved_without_parameters_bytes"] / base["saved_without_parameters_bytes"]
-        if row["cuda_peak_bytes"] is not None:
+        if cuda:
             row["peak_ratio"] = row["cuda_peak_bytes"] / base["cuda_peak_bytes"]
-    cuda = device.type == "cuda"
-    if cuda:
-        from depthres.runlog import peak_flops
-        peak = peak_flops(device)
-        if peak:
-            base["mfu"] = ref.model.flops_per_token() * base["tokens_per_s"] / peak
-            print(f"standard: MFU {100 * base['mfu']:.1f}% of {peak / 1e12:.0f} TFLOP/s bf16")
     print("\n| variant | params | ms/step | tokens/s | vs standard (quartiles) | saved activations MiB | vs standard | "
           "without parameters | vs standard |" + (" CUDA step peak MiB | vs standard |" if cuda else ""))
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if cuda else ""))
@@ -411,9 +283,13 @@ def main(argv=None):
         for r in routing:
             print(f"| {r['sources']} | {r['sites']} | {r['impl']} | {r['pass_']} | {r['ms']:.2f} | {r['floor_ms']:.2f} "
                   f"| {r['of_floor']:.2f} |")
-
-    write_report(args.out, dict(args=vars(args), device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth,
-                                steps=results, routing=routing))
+    report = dict(args=vars(args), device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth,
+                  load=dict(load_1min=load, cores=cores, torch_threads=threads), steps=results, routing=routing)
+    try:
+        write_atomic(args.out, json.dumps(report, indent=1) + "\n")
+    except OSError as e:  # checked before the benchmark ran: the disk filled, or the directory went away
+        raise UserError(f"{os_error_message(e, args.out)}; the tables above hold the numbers") from None
+    print(f"\nwrote {args.out}")
     return results, routing
 
 

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
+import tools as files
+from common import ROOT, UserError, cli, load_model, log_records, need, os_error_message
+from common import write_atomic as write_file
 from data import eval_batches, load_meta
-from depthres import UserError, cli, files, os_error_message
-from depthres.checkpoint import load_model
-from depthres.config import need
-from depthres.files import pyplot, write_figure, write_file
-from depthres.runlog import ROOT, log_records, perplexity  # ROOT: the repository, where train.py usually runs
 from model import DARStream
+from tools import pyplot, write_figure
+from train import perplexity
 
 # --- the measures ---------------------------------------------------------------------------------
 

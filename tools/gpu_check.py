@@ -1,18 +1,13 @@
 """
-The GPU check: one command on a machine with CUDA GPUs (`make gpu-check`), one summary, a non-zero
-exit status when a check fails. Three parts, each in its own processes:
+The GPU check: one command on a machine with CUDA GPUs (`make gpu-check`), one summary, exit status 1 when a check
+fails. bench: tools.bench at 12 layers, width 768, context 1024, bf16, compiled. train: torchrun on every GPU, a
+small Block AttnRes run straight through, the same run stopped by SIGTERM part way (it must checkpoint and exit
+non-zero) and resumed: the first resumed step's loss within 1e-4 of the uninterrupted run's, every later one within
+1e-2 (GPU kernels with atomics are not bit-reproducible). sample: sample.py on that checkpoint, with and without the
+key/value cache.
 
-  bench   bench.py at 12 layers, width 768, context 1024, bf16, compiled: tokens/s, saved-activation
-          and CUDA step-peak ratios of every variant against `standard`, and the standard model's MFU
-  train   torchrun --standalone on every GPU (NCCL): a small Block AttnRes config trained straight
-          through; the same run stopped by SIGTERM part way (it must finish its step, checkpoint and
-          exit non-zero), then resumed. The first resumed step's loss must equal the uninterrupted
-          run's to 1e-4 and every later one to 1e-2 (GPU kernels with atomics, e.g. the embedding's
-          backward, are not bit-reproducible, so later steps may drift apart a little)
-  sample  sample.py on the trained checkpoint: tokens/s with the KV cache and without
-
-    python -m tools.gpu_check                       # on the GPU machine: all of it, in a few minutes
-    python -m tools.gpu_check --toy                 # the same script at toy size on CPU (gloo): what the test runs
+    python -m tools.gpu_check           # on the GPU machine: all of it, in a few minutes
+    python -m tools.gpu_check --toy     # the same at toy size on CPU (gloo): what the test runs
 """
 
 import argparse
@@ -29,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from depthres import UserError, cli
-from depthres.runlog import ROOT, log_records
+from common import ROOT, UserError, cli, log_records
 
 BENCH = ["--n_layer", "12", "--n_embd", "768", "--n_head", "6", "--seq_len", "1024", "--batch_size", "8",
          "--dtype", "bf16", "--compile", "--repeats", "5", "--warmup", "2", "--routing_blocks", "4:4,8:4,16:4"]
@@ -46,7 +40,7 @@ TOY_TRAIN = ["residual=block_attnres", "n_layer=2", "n_embd=32", "n_head=2", "se
 
 
 def run(cmd, timeout, env=None):
-    """Run a command to completion: (its stdout, its stderr), or UserError with the end of its output."""
+    """(stdout, stderr) of a command run to completion, or UserError with the end of its output."""
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise UserError(f"`{' '.join(map(str, cmd))}` exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -58,35 +52,26 @@ def records(run_dir, kind):
 
 
 def check_bench(args, out):
-    """bench.py's table and JSON; the numbers for the summary."""
     cmd = [sys.executable, "-m", "tools.bench", *(TOY_BENCH if args.toy else BENCH), "--out", str(out / "bench.json")]
-    if args.variants:
-        cmd += ["--variants", args.variants]
-    stdout, _ = run(cmd, timeout=args.timeout)
-    print(stdout, flush=True)
-    rows = json.loads((out / "bench.json").read_text())["steps"]
-    summary = [f"{r['variant']}: {r['speed_ratio']:.3f} tokens/s, {r['memory_ratio']:.3f} saved activations"
-               + (f", {r['peak_ratio']:.3f} CUDA peak" if r.get("peak_ratio") is not None else "") for r in rows]
-    mfu = next((r["mfu"] for r in rows if "mfu" in r), None)
-    return summary + ([f"standard MFU {100 * mfu:.1f}%"] if mfu is not None else [])
-
-
-def torchrun(args, data_dir, out, name, *extra):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
-            "train.py", "configs/test.py", f"--data_dir={data_dir}", f"--out_dir={out}", f"--run_name={name}",
-            *[f"--{kv}" for kv in (TOY_TRAIN if args.toy else TRAIN)], f"--batch_tokens={args.batch_tokens}", *extra]
+    print(run(cmd + (["--variants", args.variants] if args.variants else []), timeout=args.timeout)[0], flush=True)
+    return [f"{r['variant']}: {r['speed_ratio']:.3f} tokens/s, {r['memory_ratio']:.3f} saved activations"
+            + (f", {r['peak_ratio']:.3f} CUDA peak" if r.get("peak_ratio") is not None else "")
+            for r in json.loads((out / "bench.json").read_text())["steps"]]
 
 
 def check_train(args, data_dir, out):
     """Straight through; stopped by SIGTERM and resumed; the losses after the stop must agree."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    t0 = time.time()
-    run(torchrun(args, data_dir, out, "straight"), timeout=args.timeout, env=env)
-    straight = {r["step"]: r["loss"] for r in records(out / "straight", "train")}
-    seconds = time.time() - t0
 
-    proc = subprocess.Popen(torchrun(args, data_dir, out, "stopped"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    def torchrun(name, *extra):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+                "train.py", "configs/test.py", f"--data_dir={data_dir}", f"--out_dir={out}", f"--run_name={name}",
+                *[f"--{kv}" for kv in (TOY_TRAIN if args.toy else TRAIN)], f"--batch_tokens={args.batch_tokens}", *extra]
+    t0 = time.time()
+    run(torchrun("straight"), timeout=args.timeout, env=env)
+    straight, seconds = {r["step"]: r["loss"] for r in records(out / "straight", "train")}, time.time() - t0
+    proc = subprocess.Popen(torchrun("stopped"), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     deadline = time.time() + args.timeout
     while not records(out / "stopped", "train") and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)  # until the first logged step: the signal handlers are up, the run has far to go
@@ -96,28 +81,27 @@ def check_train(args, data_dir, out):
     if proc.returncode == 0 or not stop:
         raise UserError(f"SIGTERM did not stop the run with a checkpoint (exit {proc.returncode}):\n{output[-3000:]}")
     at = stop[-1]["step"]
-    run(torchrun(args, data_dir, out, "stopped", "--resume=true"), timeout=args.timeout, env=env)
+    run(torchrun("stopped", "--resume=true"), timeout=args.timeout, env=env)
     resumed = {r["step"]: r["loss"] for r in records(out / "stopped", "train") if r["step"] > at}
     if not resumed or set(resumed) - set(straight):
         raise UserError(f"the resumed run logged steps {sorted(resumed)[:5]}.., the straight one {sorted(straight)[:5]}..")
-    first = min(resumed)
     diffs = {s: abs(resumed[s] - straight[s]) for s in resumed}
-    if diffs[first] > 1e-4 or max(diffs.values()) > 1e-2:
-        raise UserError(f"resumed losses differ from the uninterrupted run's: step {first}: {diffs[first]:.2e}, "
-                        f"worst {max(diffs.values()):.2e}")
+    first, worst = diffs[min(resumed)], max(diffs.values())
+    if first > 1e-4 or worst > 1e-2:
+        raise UserError(f"resumed losses differ from the uninterrupted run's: first {first:.2e}, worst {worst:.2e}")
     summary = json.loads((out / "straight" / "summary.json").read_text())
     return [f"{args.gpus} ranks, {len(straight)} steps in {seconds:.0f}s (with compile), "
             f"{summary['tokens_per_s']:,.0f} tokens/s, val loss {summary['val_loss']:.3f}",
-            f"SIGTERM stopped at step {at}, resumed; first resumed step |dloss| {diffs[first]:.1e}, "
-            f"worst over {len(resumed)} steps {max(diffs.values()):.1e}"]
+            f"SIGTERM stopped at step {at}, resumed; first resumed step |dloss| {first:.1e}, worst over "
+            f"{len(resumed)} steps {worst:.1e}"]
 
 
 def check_sample(args, out):
     speeds = {}
     for label, extra in (("cached", []), ("uncached", ["--no_cache"])):
-        cmd = [sys.executable, "sample.py", "--ckpt", str(out / "straight"), "--max_new_tokens", str(args.new_tokens),
-               "--temperature", "0", *(["--device", "cpu"] if args.toy else []), *extra]
-        _, stderr = run(cmd, timeout=args.timeout)
+        _, stderr = run([sys.executable, "sample.py", "--ckpt", str(out / "straight"), "--max_new_tokens",
+                         str(args.new_tokens), "--temperature", "0", *(["--device", "cpu"] if args.toy else []), *extra],
+                        timeout=args.timeout)
         match = re.search(r"\(([\d.]+) tokens/s", stderr)
         if not match:
             raise UserError(f"sample.py printed no tokens/s line:\n{stderr[-1000:]}")
@@ -136,11 +120,6 @@ def prepare(args, work):
     return work / "data"
 
 
-def main(argv=None):
-    """The command line; its exit status (depthres.cli; 1: a check failed, the summary says which)."""
-    return cli(check, argv)
-
-
 def check(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--toy", action="store_true", help="toy sizes on CPU with gloo: the script's own test")
@@ -150,15 +129,12 @@ def check(argv):
     p.add_argument("--timeout", type=int, default=600, help="seconds any one command may take")
     p.add_argument("--out", default=None, help="keep the runs and bench.json here (default: a temp dir, removed)")
     args = p.parse_args(argv)
-    if not args.toy:
-        if not torch.cuda.is_available():
-            raise UserError("no CUDA GPU here; `python -m tools.gpu_check --toy` runs the check at toy size on CPU")
-        args.gpus = args.gpus or torch.cuda.device_count()
-    args.gpus = args.gpus or 2
+    if not args.toy and not torch.cuda.is_available():
+        raise UserError("no CUDA GPU here; `python -m tools.gpu_check --toy` runs the check at toy size on CPU")
+    args.gpus = args.gpus or (2 if args.toy else torch.cuda.device_count())
     args.new_tokens = args.new_tokens or (32 if args.toy else 256)
     train = dict(kv.split("=") for kv in (TOY_TRAIN if args.toy else TRAIN))
     args.batch_tokens = int(train["batch_size"]) * int(train["seq_len"]) * args.gpus  # one micro-batch per rank
-
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
     results, failed, t0 = {}, [], time.time()
@@ -171,8 +147,7 @@ def check(argv):
             try:
                 results[name] = part()
             except (UserError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as e:
-                results[name] = [f"FAILED: {e}"]
-                failed.append(name)
+                results[name], failed = [f"FAILED: {e}"], failed + [name]
     except UserError as e:
         results["data"], failed = [f"FAILED: {e}"], ["data"]
     finally:
@@ -184,6 +159,11 @@ def check(argv):
             print(f"{name if i == 0 else '':<7} {line}")
     print("all checks passed" if not failed else f"FAILED: {', '.join(failed)}")
     return 1 if failed else 0
+
+
+def main(argv=None):
+    """The command line; its exit status (1: a check failed, the summary says which)."""
+    return cli(check, argv)
 
 
 if __name__ == "__main__":

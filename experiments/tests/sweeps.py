@@ -2,6 +2,7 @@
 them, a run_child that plays train.py, and sweep specs and files."""
 
 import json
+import os
 from pathlib import Path
 
 
@@ -23,16 +24,15 @@ def fake_train(diverging=(), ran=None):
     """A run_child that does what train.py does to its run directory: it holds the directory's lock (a
     second one is 'in use by another run', status 2), and finishes it or, for `diverging` variants,
     leaves its log.jsonl ending on a diverged record (status 2)."""
-    from depthres.files import lock_dir
+    from experiments.rundirs import try_lock
 
     def run(cmd):
         arg = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in cmd if a.startswith("--")}
         d = Path(arg["--out_dir"]) / arg["--run_name"]
         variant, seed = d.parent.name, int(arg["--seed"])
         d.mkdir(parents=True, exist_ok=True)
-        try:
-            lock = lock_dir(d, "run")
-        except RuntimeError:
+        lock = try_lock(d / ".lock")
+        if lock is None:
             return 1
         try:
             if ran is not None:
@@ -43,7 +43,7 @@ def fake_train(diverging=(), ran=None):
             finished_run(d, 3.0 + 0.01 * len(variant) + 0.001 * seed)
             return 0
         finally:
-            lock.release()
+            os.close(lock)
     return run
 
 

@@ -9,11 +9,11 @@ import statistics
 import pytest
 import torch
 
-from depthres import UserError
-from depthres.config import build_model_config, parse_config, total_steps
+from common import UserError
 from experiments import ladder, sweep
 from experiments.stats import paired_t
 from model_fast import make_model
+from train import build_model_config, parse_config
 
 from sweeps import finished_run
 
@@ -50,7 +50,7 @@ def test_the_gpu_ladder_s_rung_is_the_family_s_standard_run():
         with torch.device("meta"):
             m = make_model(mc)
         fpt[name], params[name] = m.flops_per_token(), m.num_params()
-        tokens = total_steps(tc) * tc.batch_tokens
+        tokens = tc.steps * tc.batch_tokens
     assert round(params["w320"] / 1e6) == 52 and round(params["w1024"] / 1e6) == 304  # 52M-304M, 5.9x, as stated
     assert [round(f / 1e6) for f in fpt.values()] == [277, 455, 669, 1062, 1718]  # MFLOP per token, as stated
     hours = {n: f * tokens * 3 / (989e12 * 0.4) / 3600 for n, f in fpt.items()}  # 3 seeds at 40% MFU on an H100

@@ -432,7 +432,7 @@ def git(repo, *args, when="2026-01-01T10:00:00+00:00"):
 
 
 def recorded(d, start, commits, finish="2026-01-01T12:00:00+00:00"):
-    """A finished run's summary.json with the provenance train.py writes (depthres/runlog.run_provenance)."""
+    """A finished run's summary.json with the provenance train.py wrote before issue 53."""
     summary = json.loads((d / "summary.json").read_text())
     summary.update(started_utc=start, finished_utc=finish, commits=commits, torch=["2.13.0"], hosts=["box"])
     (d / "summary.json").write_text(json.dumps(summary))

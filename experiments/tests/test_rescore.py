@@ -4,11 +4,12 @@ asked for the same tokens, and whole splits score every window of the split."""
 import json
 
 import pytest
+import torch
 
 from data import load_meta
 from experiments import rescore
 
-from runs import records, run, sharded_copy
+from runs import records, run
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +72,13 @@ def test_a_run_that_starts_over_or_continues_drops_its_scores(finished, data_dir
 
 def test_a_checkpoint_that_does_not_fit_this_model_py_is_one_line_in_every_reader(finished, tmp_path, capsys):
     """sample.py, tools/diagnose.py and experiments/rescore.py read a checkpoint through one function
-    (depthres.checkpoint.load_model), with one error for a model this model.py cannot load."""
+    (common.load_model), with one error for a model this model.py cannot load."""
     import sample
-    from depthres.checkpoint import load_checkpoint, save_checkpoint
     from tools import diagnose
-    ckpt = load_checkpoint(finished)
+    ckpt = torch.load(finished / "ckpt.pt", weights_only=True)
     ckpt["model_config"]["n_embd"] = 64  # its weights are of width 32
     (tmp_path / "bad").mkdir()
-    save_checkpoint(tmp_path / "bad" / "ckpt.pt", {k: v for k, v in ckpt.items() if k != "checksum"})
+    torch.save(ckpt, tmp_path / "bad" / "ckpt.pt")
     for main in (rescore.main, lambda args: sample.main(["--ckpt", *args]), lambda args: diagnose.main(["--ckpt", *args])):
         assert main([str(tmp_path / "bad")]) == 2
         err = capsys.readouterr().err
@@ -160,15 +160,3 @@ def test_a_read_only_run_directory_is_said_first_and_the_scores_still_print(copy
     out, err = capsys.readouterr()
     assert out.startswith(f"{copy}: step 6, val ") and "(64 tokens)" in out and err == ""
     assert not (copy / "scores.json").exists()
-
-
-def test_an_fsdp_run_s_sharded_checkpoint_is_scored_without_an_export(finished, tmp_path, capsys):
-    """A sweep of FSDP runs was never scored on the whole splits: rescore (and the command the sweep suggests)
-    refused a sharded checkpoint, asking for an export. It gathers the shards in its own process instead, and
-    scores them as the single file: the same numbers."""
-    sharded = sharded_copy(finished, tmp_path / "sharded")
-    assert rescore.main([str(sharded), "--tokens", "1024"]) == 0
-    assert rescore.main([str(finished), "--tokens", "1024", "--force"]) == 0
-    capsys.readouterr()
-    a, b = (json.loads((d / "scores.json").read_text()) for d in (sharded, finished))
-    assert {s: a[s] for s in ("val", "test", "step")} == {s: b[s] for s in ("val", "test", "step")}

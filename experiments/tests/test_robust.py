@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import train
-from depthres import UserError, config
+from common import UserError, cli
 from experiments import multiplier, rescore, robust, robust_report, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,9 +63,9 @@ def test_the_cpu_design_names_exactly_the_runs_of_issue_26():
     assert compare["variants"] == COMPARE and compare["seeds"] == [0, 1, 2]
     assert tune["overrides"] == compare["overrides"] == "ckpt_interval=200"
     # what train.py reads: the lr-grid runs end their cosine at lr / 10, the length runs keep the recipe's lr
-    tc, _ = config.parse_config(train_argv(tune, "rd_attnres--lr0.006"))
+    tc, _ = train.parse_config(train_argv(tune, "rd_attnres--lr0.006"))
     assert (tc.lr, tc.min_lr, tc.max_steps, tc.ckpt_interval) == (0.006, 0.0006, 400, 200)
-    tc, _ = config.parse_config(train_argv(compare, "muddformer--steps1200"))
+    tc, _ = train.parse_config(train_argv(compare, "muddformer--steps1200"))
     assert (tc.lr, tc.min_lr, tc.max_steps) == (0.003, 0.0003, 1200)
     # the best-lr stage: a variant whose best lr is the shared one needs no run; the others run on seeds 0-2
     best = robust.stage_spec(d, "best", {"standard": 3e-3, "muddformer": 6e-3, "rd_attnres": 1.5e-3})
@@ -81,8 +81,8 @@ def test_every_run_of_every_design_is_a_valid_config(path):
     every_lr = {v: lr for v in d["variants"] for lr in d["lrs"]}  # the best stage's runs are the tune stage's
     for spec in (robust.stage_spec(d, "tune"), robust.stage_spec(d, "compare"), robust.stage_spec(d, "best", every_lr)):
         for name in spec["variants"]:
-            tc, model_settings = config.parse_config(train_argv(spec, name))
-            config.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
+            tc, model_settings = train.parse_config(train_argv(spec, name))
+            train.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
 
 
 def test_the_gpu_design_is_the_cpu_protocol_at_rd_s():
@@ -453,7 +453,7 @@ def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
             return rescore.main(cmd[3:])
         ran.append(next(a for a in cmd if a.startswith("--out_dir=")).rsplit("/", 1)[1] + "/" +
                    next(a for a in cmd if a.startswith("--run_name=")).split("=")[1])
-        return train.cli(cmd[2:])
+        return cli(train.main, cmd[2:])
 
     monkeypatch.setattr(sweep, "run_child", in_process)
     result = robust.main([str(path)])
@@ -473,7 +473,7 @@ def test_a_tiny_design_end_to_end(tmp_path, data_dir, monkeypatch):
     for heading in ("## a. Learning rate", "## b. The gap", "## c. Compute", "## d. Wall-clock", "## Runs"):
         assert heading in text
     assert str(tmp_path) not in text
-    assert f"Provenance (each run's summary.json): {len(expected)} runs from " in text  # train.py records it
+    assert f"Provenance: not recorded (none of the {len(expected)} runs' summary.json has it" in text
     assert "Declared in `design.py`, at a commit not known here (" in text  # no git checkout holds it
     if robust_report.pyplot() is not None:
         assert (out / "loss_vs_flops.png").stat().st_size > 0

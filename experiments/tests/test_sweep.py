@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import train
-from depthres import Stopped, UserError, config
+from common import Stopped, UserError, cli
 from experiments import sweep
 from model_fast import make_model
 from tools import diagnose
@@ -32,8 +32,8 @@ def test_the_sweep_controls_match_their_variants_parameters():
 
     def params(variant):
         argv = [spec["base"]] + [f"--{kv}" for kv in sweep.overrides(spec, variant)]
-        tc, model_settings = config.parse_config(argv)
-        return make_model(config.build_model_config(model_settings, tc, dict(vocab_size=257, tokenizer="byte"))).num_params()
+        tc, model_settings = train.parse_config(argv)
+        return make_model(train.build_model_config(model_settings, tc, dict(vocab_size=257, tokenizer="byte"))).num_params()
 
     standard = params("standard")
     controls = set(spec["controls"].values())
@@ -118,7 +118,7 @@ def test_sweep_processes_share_the_runs_of_one_sweep_file(tmp_path, monkeypatch,
     assert ran == [("a", "seed0"), ("b", "seed0"), ("b", "seed1")]
     assert "sweep: 1 run(s) were taken by another sweep process" in capsys.readouterr().out
     assert sweep.claim(spec, "b", 0) is not None  # this process let go of its claims
-    other.release()
+    os.close(other)
     assert sweep.claim(spec, "a", 1) is not None
 
 
@@ -223,8 +223,8 @@ def test_sweep_runs_log_to_wandb_in_one_group_when_asked(tmp_path):
 
     def wandb_keys(variant, seed=0):
         cmd = sweep.train_command(spec, variant, seed, launcher="")
-        tc, _ = config.parse_config(cmd[2:])  # train.py reads every key it is given
-        return tc.wandb_log, tc.wandb_group, tc.tags(), tc.wandb_run_name
+        tc, _ = train.parse_config(cmd[2:])  # train.py reads every key it is given
+        return tc.wandb_log, tc.wandb_group, [t for t in tc.wandb_tags.split(",") if t], tc.wandb_run_name
 
     assert wandb_keys("a") == (False, "", [], "")  # not asked: nothing added
     assert wandb_keys("b") == (True, "sweep_x", ["b", "seed0"], "b-seed0")  # asked by the variant
@@ -307,7 +307,7 @@ def test_a_sweep_whose_design_changed_under_its_runs_refuses_before_any_run(tmp_
     from experiments import rescore
 
     def in_process(cmd):  # train.py and experiments.rescore as the sweep runs them, in this process
-        return rescore.main(cmd[3:]) if cmd[1:3] == ["-m", "experiments.rescore"] else train.cli(cmd[2:])
+        return rescore.main(cmd[3:]) if cmd[1:3] == ["-m", "experiments.rescore"] else cli(train.main, cmd[2:])
     monkeypatch.setattr(sweep, "run_child", in_process)
     path = sweep_file(tmp_path, seeds=(0,), extra=f'overrides = "data_dir={byte_data} max_steps=2"\n')
     assert sweep.main([str(path)]) == 0
@@ -350,8 +350,8 @@ def test_every_sweep_variant_is_a_valid_config(path):
     spec = sweep.load_sweep(path)
     for overrides in spec["variants"].values():
         argv = [spec["base"]] + [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(overrides)]
-        tc, model_settings = config.parse_config(argv)
-        config.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
+        tc, model_settings = train.parse_config(argv)
+        train.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
 
 
 # --- the sweep, round three: runs that die with it, odd claims, read-only, divergence, one seed -----------
@@ -381,20 +381,20 @@ def test_a_sweep_run_dies_with_the_sweep(tmp_path):
 
 
 def test_a_run_held_by_another_process_is_skipped_not_fatal(tmp_path, monkeypatch, capsys):
-    from depthres.files import lock_dir
+    from experiments.rundirs import try_lock
     spec = sweep_spec(tmp_path)
     busy = tmp_path / "runs" / "a" / "seed0"
     busy.mkdir(parents=True)
-    orphan = lock_dir(busy, "run")  # a train.py still running it (an orphan of a killed sweep, or by hand)
+    orphan = try_lock(busy / ".lock")  # a train.py still running it (an orphan of a killed sweep, or by hand)
     ran = []
     monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
     try:
         sweep.run_all(spec, launcher="")
     finally:
-        orphan.release()
+        os.close(orphan)
     assert ran == [("b", 0), ("a", 1), ("b", 1)]
     out = capsys.readouterr().out
-    assert f"sweep: a seed 0 is in use by another process (pid {os.getpid()}): skipped" in out
+    assert "sweep: a seed 0 is in use by another process: skipped" in out
     sweep.run_all(spec, launcher="")  # once it is free, the next invocation runs it
     assert ran[-1] == ("a", 0) and sweep.status(spec, "a", 0) == "finished"
 
@@ -408,7 +408,7 @@ def test_a_claim_entry_that_is_a_directory_is_not_a_claim(tmp_path, monkeypatch)
     assert ran == [("a", 0)]
     held = sweep.claim(spec, "a", 0)  # a live claim on it still keeps other sweep processes off
     assert held is not None and sweep.claim(spec, "a", 0) is None
-    held.release()
+    os.close(held)
 
 
 def test_a_read_only_out_dir_is_one_line_and_the_table_still_prints(tmp_path, monkeypatch, capsys, read_only):
@@ -498,18 +498,17 @@ def test_a_link_planted_as_a_claim_is_refused_not_followed(tmp_path, monkeypatch
     (tmp_path / "runs" / "a" / ".seed0.sweep-lock").symlink_to(outside)
     ran = []
     monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
-    with pytest.raises(UserError, match=".*seed0.sweep-lock: it is a symbolic link"):
+    with pytest.raises(UserError, match=".*seed0.sweep-lock: too many levels of symbolic links"):
         sweep.run_all(spec, launcher="")
     assert ran == [] and outside.read_text() == "a user's file\n"
 
 
 @pytest.mark.parametrize("command", ["rescore", "sweep", "robust", "ladder"])
 def test_a_path_longer_than_the_os_allows_is_one_line(command, tmp_path, capsys):
-    """Round five: a traceback in each. As every command, through depthres.cli: one line, exit 2."""
-    from depthres import cli
+    """Round five: a traceback in each. As every command, through common.cli: one line, exit 2."""
     from experiments import ladder, rescore, robust
     path = str(tmp_path / ("x" * 300))  # longer than a path component may be (255 bytes on Linux)
     main = {"rescore": rescore.main, "sweep": sweep.main, "robust": robust.main, "ladder": ladder.main}[command]
     assert cli(main, [path]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "the name is longer than the OS allows" in err, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "file name too long" in err, err

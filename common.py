@@ -1,0 +1,146 @@
+"""What the commands share: UserError and cli() (one `error:` line, exit 2), write_atomic, the ranks of a torchrun
+job, the run log's records and load_model (a checkpoint's model, for sample.py, tools.diagnose and the rescores)."""
+
+import json
+import os
+import sys
+from contextlib import suppress
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent  # the repository, where train.py usually runs
+
+
+class UserError(ValueError):
+    """Bad input, or what the machine refused: one line that says what to do."""
+
+
+class Stopped(KeyboardInterrupt):
+    """Stopped by signal `signum` (SIGINT: Ctrl-C, SIGTERM) after saying what was kept: exit status 128 + signum."""
+
+    def __init__(self, message, signum=2):
+        super().__init__(message)
+        self.signum = signum
+
+
+def need(ok, message):
+    if not ok:
+        raise UserError(message)
+
+
+def cli(main, argv=None):
+    """main(argv) as a command: its int status (else 0); 2 after one `error:` line for a UserError or an OSError;
+    128 + signum after a stop."""
+    try:
+        status = main(argv)
+        return status if isinstance(status, int) else 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except BrokenPipeError:  # `| head` has what it wants: silence the flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except OSError as e:  # a full disk, a path the OS refuses
+        print(f"error: {os_error_message(e)}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt as e:
+        if rank() == 0:
+            print(str(e) or "interrupted", file=sys.stderr, flush=True)
+        return 128 + getattr(e, "signum", 2)
+
+
+def os_error_message(e, path=None):
+    """One line for an OSError, naming `path` or the file it names: "cannot write PATH: no space left on device"."""
+    where, reason = path or e.filename, str(e.strerror or e)
+    reason = reason[:1].lower() + reason[1:]
+    return f"cannot write {where}: {reason}" if where else reason
+
+
+def write_atomic(path, data):
+    """Write `data` (bytes, str, or a function of the open file) to a temporary file beside `path`, fsync, rename:
+    a kill or a full disk leaves the previous file or none, never part of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")  # this writer's alone
+    try:
+        with open(tmp, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def log_records(run_dir):
+    """The JSON records of a run's log.jsonl (a torn line skipped; none without the file)."""
+    path, records = Path(run_dir) / "log.jsonl", []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        with suppress(ValueError):
+            records.append(json.loads(line))
+    return [r for r in records if isinstance(r, dict)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The ranks of a torchrun job (one process without torchrun).
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def any_rank(value, device="cpu"):
+    """The largest of the ranks' values (a float), on every rank."""
+    t = torch.full((), float(value), device=device)
+    if world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def on_rank0(fn):
+    """fn() on rank 0, its result on every rank (a collective); its UserError or OSError raised on every rank, so all
+    stop with one line."""
+    result = error = None
+    if rank() == 0:
+        try:
+            result = fn()
+        except (UserError, OSError) as e:
+            error = str(e) if isinstance(e, UserError) else os_error_message(e)
+    if world_size() > 1:
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+    if error is not None:
+        raise UserError(error)
+    return result
+
+
+def load_model(path, device="cpu"):
+    """(the model of a checkpoint file or run directory, in eval mode on `device`; the checkpoint dict)."""
+    from model import GPTConfig
+    from model_fast import make_model
+
+    file = Path(path) / "ckpt.pt" if Path(path).is_dir() else Path(path)
+    need(file.is_file(), f"no checkpoint at {file}")
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # (torch's message may advise weights_only=False, which is unsafe: not quoted)
+        raise UserError(f"{file} is not a readable checkpoint ({type(e).__name__}): truncated, or not train.py's") from None
+    need(isinstance(ckpt, dict) and {"model", "model_config"} <= set(ckpt), f"{file} is not a train.py checkpoint")
+    try:
+        model = make_model(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"{path}: the checkpoint's model does not fit this model.py: {first}") from None
+    return model.to(device).eval(), ckpt
