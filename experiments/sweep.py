@@ -69,7 +69,9 @@ match its twin (one `warning:` line; the Twins table says no), whether or not ru
 
 import argparse
 import ctypes
+import fcntl
 import importlib.util
+import json
 import os
 import shlex
 import signal
@@ -82,7 +84,7 @@ from collections import Counter
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from common import Stopped, UserError, cli, os_error_message
+from common import Stopped, UserError, cli, os_error_message, write_atomic
 from experiments.report import SCORES, report, unequal_twins
 from experiments.rundirs import collect, divergence, locked, read_json, read_summary, run_dir, try_lock, whole_split_scores
 from model import GPTConfig
@@ -272,6 +274,17 @@ def check_runs(spec):
             raise UserError(f"sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
 
 
+def design_of(spec, variant, seed, vocab_size=1):
+    """{key: value} of what a run of `variant` computes (every train.py and model key but NOT_DESIGN)."""
+    try:
+        tc, model_settings = parse_config([spec["base"], f"--seed={seed}", f"--data_seed={seed}",
+                                           *(f"--{kv}" for kv in overrides(spec, variant))])
+        mc = build_model_config(model_settings, tc, {"vocab_size": vocab_size, "tokenizer": None})
+    except ValueError as e:  # shlex: an unterminated quote; UserError
+        raise UserError(f"sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
+    return {k: v for k, v in {**asdict(tc), **asdict(mc)}.items() if k not in NOT_DESIGN}
+
+
 def design_changes(spec, variant, seed):
     """[(key, the value the run ran with, the value the sweep gives it now)] for each key of what a run
     computes (not NOT_DESIGN) that changed since the run last started, as its config.json records it (a key
@@ -280,28 +293,49 @@ def design_changes(spec, variant, seed):
     train, model = recorded.get("train"), recorded.get("model")
     if not isinstance(train, dict) or not isinstance(model, dict):
         return []
-    try:
-        tc, model_settings = parse_config([spec["base"], f"--seed={seed}", f"--data_seed={seed}",
-                                           *(f"--{kv}" for kv in overrides(spec, variant))])
-        mc = build_model_config(model_settings, tc, {"vocab_size": model.get("vocab_size", 1), "tokenizer": None})
-    except ValueError as e:  # shlex: an unterminated quote; UserError
-        raise UserError(f"sweep variant {variant!r} ({spec['variants'][variant]!r}): {e}") from None
-    now = {**asdict(tc), **asdict(mc)}
+    now = design_of(spec, variant, seed, model.get("vocab_size", 1))
     ran = {**{f.name: f.default for cls in (TrainConfig, GPTConfig) for f in fields(cls)}, **train, **model}
-    return [(k, ran.get(k), v) for k, v in now.items() if k not in NOT_DESIGN and ran.get(k) != v]
+    return [(k, ran.get(k), v) for k, v in now.items() if ran.get(k) != v]
+
+
+def design_refused(spec, changed):
+    """The one line that refuses a design changed under runs: changed [(run, [(key, then, now)])]."""
+    runs = [f"{run} ran with " + ", ".join(f"{k} {old!r} (now {new!r})" for k, old, new in c[:3])
+            + (f" and {len(c) - 3} more" if len(c) > 3 else "") for run, c in changed[:3]]
+    more = f" and {len(changed) - 3} more runs" if len(changed) > 3 else ""
+    fail(f"the sweep's design changed since some of its runs ran: {', '.join(runs)}{more}; a sweep never pools "
+         "runs of different designs: restore the sweep file's settings, or give the new design its own out_dir "
+         f"(not {spec['out_dir']}), or delete those runs to run them again")
 
 
 def check_design(spec):
     """Refuse a sweep whose settings changed under runs it has (finished, or to be resumed): its table would
     pool runs of different designs. One `error:` line before any run, and before --table_only's table."""
-    changed = [(v, s, c) for s in spec["seeds"] for v in spec["variants"] if (c := design_changes(spec, v, s))]
+    changed = [(f"{v} seed {s}", c) for s in spec["seeds"] for v in spec["variants"] if (c := design_changes(spec, v, s))]
     if changed:
-        runs = [f"{v} seed {s} ran with " + ", ".join(f"{k} {old!r} (now {new!r})" for k, old, new in c[:3])
-                + (f" and {len(c) - 3} more" if len(c) > 3 else "") for v, s, c in changed[:3]]
-        more = f" and {len(changed) - 3} more runs" if len(changed) > 3 else ""
-        fail(f"the sweep's design changed since some of its runs ran: {', '.join(runs)}{more}; a sweep never pools "
-             "runs of different designs: restore the sweep file's settings, or give the new design its own out_dir "
-             f"(not {spec['out_dir']}), or delete those runs to run them again")
+        design_refused(spec, changed)
+
+
+def record_design(spec):
+    """Before any run: each variant's design, held in out_dir/design.json from its first run on. A sweep (or a
+    robustness stage) whose variant has another design there is refused, even when no run has begun yet (two
+    processes started together on one out_dir) or its runs predate it."""
+    out = Path(spec["out_dir"])
+    fd = os.open(out / ".design.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # one process at a time reads and extends the record
+        recorded = read_json(out / "design.json") or {}
+        now = {v: design_of(spec, v, spec["seeds"][0]) for v in spec["variants"]}
+        for d in now.values():
+            d.pop("seed"), d.pop("data_seed"), d.pop("vocab_size")  # a run's own, or the data's
+        changed = [(v, [(k, recorded[v].get(k), x) for k, x in d.items() if recorded[v].get(k) != x])
+                   for v, d in now.items() if v in recorded]
+        if any(c for _, c in changed):
+            design_refused(spec, [(v, c) for v, c in changed if c])
+        if set(now) - set(recorded):
+            write_atomic(out / "design.json", json.dumps({**recorded, **now}, indent=1) + "\n")
+    finally:
+        os.close(fd)
 
 
 def overrides(spec, variant):
@@ -413,8 +447,10 @@ def run_all(spec, launcher):
     if any(wants_wandb(spec, v) for v, _ in runs) and importlib.util.find_spec("wandb") is None:
         raise UserError("the sweep logs to W&B (wandb_log=true), but the wandb package is not installed: "
                          "pip install wandb")
+    check_design(spec)
     if any(status(spec, v, s) is None for v, s in runs):
         check_writable(spec)
+        record_design(spec)
     t0, durations, busy, diverged = time.monotonic(), [], [], []  # durations of the runs this invocation ran
     for variant, seed in runs:
         if status(spec, variant, seed):
@@ -524,8 +560,9 @@ def main(argv=None):
         spec["score"] = args.score
     if not args.table_only:
         check_runs(spec)
-    check_design(spec)
-    if not args.table_only:
+    if args.table_only:
+        check_design(spec)
+    else:
         run_all(spec, args.launcher)
     ts = report(spec, rescore_hint=f"python -m experiments.rescore --sweep {args.sweep}" + (
         f" --out_dir {args.out_dir}" if args.out_dir else "") + " (the sweep scores each run it finishes)")

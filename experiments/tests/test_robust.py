@@ -13,6 +13,8 @@ import train
 from common import UserError, cli
 from experiments import multiplier, rescore, robust, robust_report, sweep
 
+from sweeps import fake_train
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -552,3 +554,18 @@ def test_odd_run_files_are_unfinished_runs_and_a_bad_bench_file_is_one_line(tmp_
         with pytest.raises(UserError, match=rf"^bench file {tmp_path / 'bench.json'} is not a tools.bench JSON "
                                              r"file \(.*\): run python -m tools.bench at the design's size, or drop bench"):
             robust.bench_ratios(design)
+
+
+def test_a_design_whose_recipe_changed_under_its_runs_is_refused(tmp_path, monkeypatch):
+    """experiments.robust ran its stages with the sweep's runner but never checked its design against the runs
+    it had: after its overrides changed, new runs trained with the new recipe were paired with the old ones."""
+    path = tmp_path / "design.py"
+    path.write_text('base = "configs/test.py"\nvariants = {"standard": "residual=standard"}\nreference = "standard"\n'
+                    'lrs = [0.01]\ntuning_seeds = [7]\nseeds = [0]\nsteps = [4]\nladder = [4, 6]\n'
+                    f'overrides = "max_steps=4 warmup_steps=1"\nout_dir = {str(tmp_path / "runs")!r}\n')
+    monkeypatch.setattr(sweep, "run_child", fake_train())
+    robust.main([str(path), "--stage", "tune"])
+    path.write_text(path.read_text().replace("warmup_steps=1", "warmup_steps=2"))
+    monkeypatch.setattr(sweep, "run_child", None)  # never reached
+    with pytest.raises(UserError, match="design changed.*warmup_steps 1 \\(now 2\\)"):
+        robust.main([str(path), "--stage", "compare"])

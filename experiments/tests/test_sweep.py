@@ -512,3 +512,21 @@ def test_a_path_longer_than_the_os_allows_is_one_line(command, tmp_path, capsys)
     assert cli(main, [path]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "file name too long" in err, err
+
+
+def test_two_sweeps_of_different_designs_on_one_out_dir_refuse_before_either_has_a_run(tmp_path, monkeypatch):
+    """Two sweep processes started together on one out_dir (max_steps 2 and 4): neither run had a config.json
+    yet, so both passed the design check, shared the runs and each printed a table pooling both lengths. The
+    first records its design (design.json) before any run; the second is one line."""
+    first = sweep_file(tmp_path, seeds=(0,), extra='overrides = "max_steps=2"\n')
+    spec = sweep.load_sweep(str(first))
+    (tmp_path / "runs").mkdir()
+    sweep.record_design(spec)  # the first process, about to start its first run
+    second = tmp_path / "sweep_y.py"
+    second.write_text(first.read_text().replace("max_steps=2", "max_steps=4"))
+    monkeypatch.setattr(sweep, "run_child", None)  # never reached
+    with pytest.raises(UserError, match="design changed.*a ran with max_steps 2 \\(now 4\\)"):
+        sweep.main([str(second)])
+    ran = []
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
+    assert sweep.main([str(first)]) == 0 and len(ran) == 2  # the same design runs
