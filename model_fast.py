@@ -1,40 +1,12 @@
-"""
-The fast path of model.py: the same numbers as its plain references, with less memory traffic. Every
-stream here is tested equal to its reference in model.py, in float64, values and gradients
-(tests/test_routing.py); `depth_impl="two_phase"`, the default, runs them. Reading model.py needs
-nothing from this file.
+"""The fast path of model.py: its AttnRes, DAR and Delta AttnRes streams routed in two phases (AttnRes paper,
+block-wise), run by `depth_impl="two_phase"` (the default) and tested equal to the plain streams in float64, values
+and gradients (tests/test_routing.py).
 
-Two-phase depth attention. The pseudo-queries are parameters, so when a chunk of consecutive sites
-opens (a block of Block AttnRes, a few sublayers of Full AttnRes), every query the chunk will use is
-known (AttnRes paper, block-wise computation):
-
-  phase 1, once per chunk: one pass over the n sources completed before the chunk gives, for all of
-           its Q queries at once (per token),
-               l_rq = w_q . k_r / rms(k_r),  lse_q = logsumexp_r l_rq,  o_q = sum_r softmax_r(l_rq) v_r
-  phase 2, once per site: only the K sources added since the chunk opened (the partial sum, the
-           newest outputs) are new; their logits l_k join by the online-softmax rule
-               (c_o, c_1, .., c_K) = softmax(lse_q, l_1, .., l_K),   h = c_o o_q + sum_k c_k s_k
-
-Each completed source is read once per chunk instead of once per site, forward and backward, and its
-gradient arrives in one piece per chunk instead of two per site. Memory: phase 1 saves references to
-the sources (never copies) and [n, N, Q] statistics; the merge saves h, which the sublayer's pre-norm
-keeps anyway, because the gradient of lse_q needs g . o_q only through g . h:
-    g . h = c_o (g . o_q) + sum_k c_k (g . s_k)   =>   dL/dlse_q = sum_k c_k (g . h - g . s_k).
-A site that reads several rows (RD-AttnRes: w_QK and w_V) merges them together (merge_rows): each
-recent source is read once for every row's logits and its gradient written once, summed over the rows.
-DAR fuses two targets into one h (h = sum_t alpha_t r_t), where g . h no longer separates them; its
-merge recomputes g . o_t = sum_r a_rt (g . v_r) from the completed sources instead of saving o_t.
-
-Tensors: a source is [*, d] (one stream) or [M, *, d] (DAR's two streams); N tokens = prod(*).
-Queries are grouped by target t (AttnRes: one target; DAR: two), rows target-major, and target t
-reads keys from stream streams[t][0] and values from stream streams[t][1] of every source.
-Everything runs in float32 (float64 for float64 models) with autocast off, forward and backward.
-
-Beside the router: DAR's transport elementwise (`transport`), "normalise, then project" for an
-attention K or V input of its own (`norm_project`), TWINS (the plain stream -> fast twin table), FastGPT
-and `make_model` (the model a config asks for), and `compile_model`. Every torch.autograd.Function of the
-project is in this file.
-"""
+The queries are parameters, so a chunk of sites knows its queries when it opens. Phase 1, once per chunk: every query
+over the sources completed before it (lse_q, o_q). Phase 2, per site: the sources added since join by the online
+softmax, h = c_o o_q + sum_k c_k s_k, (c_o, c_k) = softmax(lse_q, l_k). A source is [*, d] ([M, *, d]: DAR's two
+streams), N = prod(*). Routing runs in the compute dtype, autocast off. Memory and speed: docs/model.md,
+docs/performance.md."""
 
 import functools
 import math
@@ -50,9 +22,7 @@ from model import compute_dtype, float32_routing
 
 
 def autocast_off(t):
-    """Autocast off, whatever state the caller is in: a custom Function's backward computes in its
-    own dtype even where the backward is traced or run under the forward's autocast (torch.compile's
-    AOTAutograd traces it so by default), where is_autocast_enabled() need not tell."""
+    """Autocast off: a custom Function's backward computes in its own dtype, even traced by torch.compile."""
     return torch.autocast(t.device.type, enabled=False)
 
 
@@ -61,8 +31,7 @@ def needs_grad(*tensors):
 
 
 def _softmax0(x):
-    """softmax over dim 0 of a small [n, ...] tensor, elementwise (torch's softmax is slow across a
-    leading dim); returns (softmax, logsumexp)."""
+    """(softmax, logsumexp) over dim 0 of a small [n, ...] tensor, elementwise (faster there than torch's)."""
     m = x.amax(0)
     e = (x - m).exp_()
     z = e.sum(0)
@@ -70,8 +39,7 @@ def _softmax0(x):
 
 
 class _RMSInv(Function):
-    """inv = (mean(k^2) + eps)^(-1/2) with a one-pass backward, dinv/dk = -inv^3 k / d; saves k (a
-    reference) and inv."""
+    """rms_inv with a one-pass backward, dinv/dk = -inv^3 k / d."""
 
     @staticmethod
     def forward(ctx, k):
@@ -87,16 +55,14 @@ class _RMSInv(Function):
 
 
 def _rms_inv(k):
-    """1 / rms over the last dimension [...], in the compute dtype: F.rms_norm's own ops (mean of the
-    squares, its default eps, rsqrt), so RMSNorm(k) = k * rms_inv(k) has F.rms_norm's bits (on CPU)."""
+    """1 / rms(k) over the last dim in the compute dtype, by F.rms_norm's ops (its bits)."""
     kf = k.to(compute_dtype(k))
     with float32_routing(k):
         return torch.rsqrt(kf.pow(2).mean(-1).add_(torch.finfo(kf.dtype).eps))
 
 
 def rms_inv(k):
-    """1 / rms(k) over channels, [...] for k [..., d]: RMSNorm(k) = k * rms_inv(k). A source's norm
-    factor does not depend on the query, so the streams compute it once per source."""
+    """1 / rms(k) over channels: RMSNorm(k) = k * rms_inv(k), once per source."""
     return _RMSInv.apply(k) if needs_grad(k) else _rms_inv(k)
 
 
@@ -111,10 +77,8 @@ def _rows(W, streams):
 
 
 def _phase1(W, inv, sources, streams):
-    """W [Q, d] (target-major), inv [n, M, N], sources n x [M, N, d], all in the compute dtype ->
-    lse [N, Q], O (per target, the outputs of its queries [N, Q/T, d]), the weights a and the
-    logits' dot products dots, both [n, N, Q]. One matmul per source for the logits, one fused
-    multiply-add per source for the sums: each source is read twice, each output written once."""
+    """W [Q, d], inv [n, M, N], sources n x [M, N, d] -> lse [N, Q], O (per target, [N, Q/T, d]), weights a and
+    logit dots [n, N, Q]."""
     rows = _rows(W, streams)
     dots = torch.stack([torch.cat([s[ks] @ W[q].T for q, ks, _ in rows], -1) for s in sources])  # w_q . k_r
     inv_q = torch.cat([inv[:, ks].unsqueeze(-1).expand(-1, -1, q.stop - q.start) for q, ks, _ in rows], -1)
@@ -130,10 +94,8 @@ def _phase1(W, inv, sources, streams):
 
 
 class _Phase1(Function):
-    """(W, inv [n, M, N], streams, *sources) -> (lse [N, Q], a [n, N, Q] (not differentiable), o_q
-    [N, d] for each query row q). The o_q are separate outputs (views of one [N, Q/T, d] per target),
-    so that each arrives in the backward as its own gradient, not as a full-size zero-padded one.
-    Saves W, inv, a, dots and references to the sources."""
+    """_phase1 with a hand-written backward, saving references to the sources; each o_q is its own output, so
+    its gradient comes unpadded."""
 
     @staticmethod
     def forward(ctx, W, inv, streams, *sources):
@@ -174,10 +136,8 @@ class _Phase1(Function):
 
 
 def phase1(W, sources, inv, streams=None):
-    """Phase 1 of queries W [Q, d] over `sources` with their norm factors `inv`. One stream
-    (streams=None): sources [*, d], inv [*]. Several: sources [M, *, d], inv [M, *], and streams[t] =
-    (key stream, value stream) of target t. Returns lse [N, Q], a [n, N, Q] and o_q [N, d] for
-    each query row q."""
+    """Phase 1 of query rows W [Q, d] over `sources` with norm factors `inv`; streams[t]: target t's (key, value)
+    streams. -> lse [N, Q], a [n, N, Q], o_q [N, d] per row."""
     M = 1 if streams is None else sources[0].size(0)
     streams = streams or ((0, 0),)
     with float32_routing(W):
@@ -206,9 +166,8 @@ def _merge(o, lse, w, keys, values, inv):
 
 
 class _Merge(Function):
-    """h = c_o o + sum_k c_k v_k, (c_o, c_k) = softmax(lse, inv_k w . k_k). `shared`: the keys are the
-    values (AttnRes), so each source gets one gradient. Saves h, references to the sources, and
-    [K+1, N] statistics: never o (see the module docstring)."""
+    """h = c_o o + sum_k c_k v_k, (c_o, c_k) = softmax(lse, inv_k w . k_k); `shared`: keys are values. Saves h,
+    not o: the gradient needs g . o only through g . h."""
 
     @staticmethod
     def forward(ctx, o, lse, w, inv, shared, *kv):
@@ -240,8 +199,7 @@ class _Merge(Function):
 
 
 def merge(o, lse, w, keys, values, inv):
-    """Phase 2 for one query: o [N, d] and lse [N] from phase 1, the query w [d], the K recent
-    sources' keys and values ([N, d] each; `values is keys` for AttnRes) and norm factors inv [K, N]."""
+    """Phase 2 for one query w over the K recent keys and values (`values is keys`: AttnRes)."""
     shared = values is keys
     with float32_routing(w):
         inv = torch.stack(inv)
@@ -252,9 +210,7 @@ def merge(o, lse, w, keys, values, inv):
 
 
 def _merge_rows(O, lse, W, sources, inv):
-    """Phase 2 for R query rows of one site over the same K recent sources, keys = values (RD-AttnRes:
-    w_QK and w_V). O R x [N, d], lse [N, R], W [R, d], sources K x [N, d], inv [K, N] -> H R x [N, d],
-    c [K+1, N, R], dk [K, N, R]. One matmul per source gives every row's logits (each source read once)."""
+    """_merge for R rows W [R, d] over the same sources (keys = values), one matmul per source."""
     dt = inv.dtype
     dk = torch.stack([s.to(dt) @ W.T for s in sources])  # w_r . k_k
     c = _softmax0(torch.cat([lse.unsqueeze(0), dk * inv.unsqueeze(-1)]))[0]
@@ -268,10 +224,7 @@ def _merge_rows(O, lse, W, sources, inv):
 
 
 class _MergeRows(Function):
-    """_Merge for R rows that share their sources: h_r = c_o,r o_r + sum_k c_k,r s_k. The backward reads
-    each source once for every row's logit gradient and writes each source's gradient once, summed over
-    the rows (separate merges would each read it, and autograd would add their gradients). Saves the
-    H, references to the sources, and [K+1, N, R] statistics."""
+    """_Merge for R rows sharing their sources (RD-AttnRes' w_QK, w_V): each source's gradient is written once."""
 
     @staticmethod
     def forward(ctx, lse, W, inv, R, *args):
@@ -308,8 +261,7 @@ class _MergeRows(Function):
 
 
 def merge_rows(O, lse, W, sources, inv):
-    """Phase 2 for R query rows of one site (o_r in O, lse [N, R], W [R, d]) over the same K recent
-    sources (keys = values) with norm factors inv: the list of h_r, as R merges would give them."""
+    """Phase 2 for R rows of one site over the same recent sources, as R merges give it."""
     with float32_routing(W):
         inv = torch.stack(inv)
         if needs_grad(*O, lse, W, inv, *sources):
@@ -318,9 +270,7 @@ def merge_rows(O, lse, W, sources, inv):
 
 
 def _fused_merge(o, lse, alpha, W, streams, recent, inv):
-    """DAR's two targets fused: h = sum_t alpha_t (c_o,t o_t + sum_k c_k,t R_k[value stream of t]).
-    o: o_0, o_1 [N, d], lse [2, N], alpha [2], W [2, d], recent K x [M, N, d], inv [K, M, N].
-    Returns h [N, d], the coefficients c [K+1, 2, N] and dk [K, 2, N]."""
+    """DAR's fused h = sum_t alpha_t (c_o,t o_t + sum_k c_k,t R_k[value stream of t]) -> h, c, dk."""
     dt = inv.dtype
     dk = torch.stack([torch.stack([R[ks].to(dt) @ w for w, (ks, _) in zip(W, streams)]) for R in recent]) \
         if recent else lse.new_empty(0, 2, lse.size(-1))
@@ -336,9 +286,8 @@ def _fused_merge(o, lse, alpha, W, streams, recent, inv):
 
 
 class _FusedMerge(Function):
-    """DAR's phase 2, both targets and the fusion gates in one h. g . h does not separate the two
-    targets, so the backward recomputes g . o_t = sum_r a_rt (g . v_rt) from the completed sources
-    (references, also inputs; their gradient flows through o into phase 1) instead of saving o_t."""
+    """DAR's phase 2: as g . h does not separate the targets, the backward recomputes
+    g . o_t = sum_r a_rt g . v_rt from the completed sources."""
 
     @staticmethod
     def forward(ctx, o0, o1, lse, a, alpha, W, inv, streams, K, *sources):
@@ -380,9 +329,7 @@ class _FusedMerge(Function):
 
 
 def fused_merge(o, lse, a, alpha, W, streams, recent, inv, completed):
-    """Phase 2 of DAR for one site: o = (o_0, o_1) [N, d], lse [2, N] and a [n, N, 2] of the site's two query
-    rows from phase 1, gates alpha [2], queries W [2, d], recent K x [M, N, d] with inv [K, M, N],
-    and the completed sources (for the backward's recomputation)."""
+    """Phase 2 of DAR for one site (the completed sources are for the backward's recomputation)."""
     with float32_routing(W):
         inv = torch.stack(inv) if recent else lse.new_empty(0, completed[0].size(0), lse.size(-1))
         if needs_grad(*o, lse, alpha, W, inv, *recent):
@@ -396,9 +343,7 @@ def fused_merge(o, lse, a, alpha, W, streams, recent, inv, completed):
 
 
 class TwoPhaseRouter:
-    """Routes the sites of one chunk. Opening it runs phase 1 for the chunk's query rows W [Q, d]
-    over the completed sources; each read is phase 2. streams: None for one stream, else per target
-    (key stream, value stream), rows target-major."""
+    """Routes one chunk: opening it runs phase 1 over the completed sources; each read is phase 2."""
 
     def __init__(self, W, completed, inv, streams=None):
         self.W, self.streams = W, streams
@@ -414,7 +359,7 @@ class TwoPhaseRouter:
         return [s.reshape(s.size(0), N, d) for s in sources], [i.reshape(i.size(0), N) for i in inv]
 
     def read(self, q, recent=(), inv=()):
-        """h of query row q over the completed sources and `recent` (with norm factors inv)."""
+        """h of query row q over the completed sources and `recent`."""
         t = q // self.Qt
         o, lse = self.o[q], self.lse[:, q]
         if not recent:  # h = o_q; a copy of its own, so that saving it does not keep the chunk's O alive
@@ -427,8 +372,7 @@ class TwoPhaseRouter:
         return merge(o, lse, self.W[q], recent, recent, inv).view(self.shape)
 
     def read_rows(self, rows, recent=(), inv=()):
-        """h of each query row in rows (one site's: RD-AttnRes reads two), in one merge where they share
-        their sources."""
+        """h of each of one site's rows, in one merge where they share their sources."""
         if len(rows) == 1 or not recent or self.streams is not None:
             return [self.read(q, recent, inv) for q in rows]
         flat, flat_inv = self._flat(recent, inv)
@@ -436,7 +380,7 @@ class TwoPhaseRouter:
         return [h.view(self.shape) for h in H]
 
     def read_fused(self, rows, alpha, recent=(), inv=()):
-        """DAR: h = alpha_0 r_0 + alpha_1 r_1 for the query rows (target 0's, target 1's)."""
+        """DAR: h = alpha_0 r_0 + alpha_1 r_1 for the rows (target 0's, target 1's)."""
         recent, inv = self._flat(recent, inv)
         o, lse, a = [self.o[q] for q in rows], self.lse[:, list(rows)].T, self.a[:, :, list(rows)]
         h = fused_merge(o, lse, a, alpha, self.W[list(rows)], self.streams, recent, inv, self.completed)
@@ -448,15 +392,13 @@ class TwoPhaseRouter:
 
 
 def chunk_size(block, depth_chunk):
-    """Sites per router: whole blocks, at least depth_chunk sites (performance only; same math)."""
+    """Sites per router: whole blocks, at least depth_chunk (speed only)."""
     return block * math.ceil(depth_chunk / block)
 
 
 class _BlockHistory:
-    """What the fast AttnRes, DAR and Delta streams share: completed blocks with their norm factors,
-    the open block's partial sum, and the chunk's router. A router opens at every chunk boundary over
-    the blocks completed by then; a site reads with the blocks completed since (Full AttnRes: each
-    output is a block) plus the partial sum. The module is read as the plain stream reads it."""
+    """What the fast streams share: the completed blocks and their norm factors, the open block's partial
+    sum, the chunk's router."""
 
     def __init__(self, mod, x0, depth_chunk):
         self.mod, self.chunk = mod, chunk_size(mod.S, depth_chunk)
@@ -474,7 +416,7 @@ class _BlockHistory:
         self.routed = len(self.blocks)
 
     def _recent(self, with_partial=True):
-        """The sources that arrived since the router opened, and their norm factors."""
+        """The sources (and norm factors) that arrived since the router opened."""
         if not with_partial or self.partial is None:
             return self.blocks[self.routed:], self.inv[self.routed:]
         return self.blocks[self.routed:] + [self.partial], self.inv[self.routed:] + [rms_inv(self.partial)]
@@ -484,13 +426,11 @@ class _BlockHistory:
 
 
 class FastAttnResStream(_BlockHistory):
-    """model.AttnResStream, a chunk of sites per router: any number of query rows per site (mod.queries),
-    combined as the plain stream combines them (mod.combine)."""
+    """model.AttnResStream, a chunk of sites per router."""
 
     def chunk_queries(self, j0):
-        """(W [Q, d], {j: the rows of site j in W}) for the chunk that starts at site j0 (j0 = L: the
-        readout's). Every site's first row (w_j) comes first, in site order, then the further rows
-        (RD-AttnRes' w_V) of the sites that have them."""
+        """(W [Q, d], {j: site j's rows}) for the chunk from site j0 (L: the readout): the
+        sites' first rows in order, then RD's w_V rows."""
         L = self.mod.L
         sites = range(j0, min(j0 + self.chunk, L)) if j0 < L else range(L, L + 1)
         routes = [self.mod.queries(j) for j in sites]
@@ -519,20 +459,18 @@ class FastAttnResStream(_BlockHistory):
 
 
 class FastDARStream(_BlockHistory):
-    """model.DARStream, a chunk of sites per router. Every state holds both streams in one tensor
-    [2, B, T, d], so that one router serves both targets; the query rows of a chunk are target 0's,
-    then target 1's; both targets' retrievals and the fusion gates are merged in one pass."""
+    """model.DARStream, a chunk of sites per router; a state holds both streams, so one router serves both
+    targets."""
 
     def __init__(self, mod, x0, depth_chunk):
         super().__init__(mod, x0.expand(2, *x0.shape), depth_chunk)  # both streams start as x0 (a view)
 
     def _open_chunk(self, w):
-        """w [C, 2, d]: the chunk's queries, site by site."""
+        """w [C, 2, d]: the chunk's queries."""
         self.C = len(w)
         self._open(torch.cat([w[:, 0], w[:, 1]]), self.mod.streams)
 
     def _retrieve(self, j):
-        """h = alpha_0 r_0 + alpha_1 r_1,  r_m = sum softmax(w_m . RMSNorm(keys of m)) values of m."""
         mod = self.mod
         i = j % self.chunk if j < mod.L else 0  # the readout (j = L) has its own chunk
         rows = (i, self.C + i)
@@ -590,8 +528,8 @@ TWINS = {model.AttnResStream: FastAttnResStream, model.DARStream: FastDARStream,
 
 
 def twin_of(cls):
-    """(the fast twin of plain stream class cls or None, why not or None): a subclass of a stream in TWINS
-    keeps its twin while it overrides none of that stream's methods (the twin would skip the override)."""
+    """(fast twin of plain stream class cls, or None and why): a subclass keeps its twin unless it overrides
+    the stream's methods."""
     for i, base in enumerate(cls.__mro__):
         if base in TWINS:
             own = sorted({n for c in cls.__mro__[:i] for n, v in vars(c).items() if callable(v) and hasattr(base, n)})
@@ -611,10 +549,8 @@ def _transport(P, rho, beta, y):
 
 
 class _Transport(Function):
-    """P'_m = rho P_m + (1 - rho) P_o + beta_m y (o = 1 - m): DAR's doubly-stochastic transport of
-    the two streams' partial states and its gated write. Elementwise, forward and backward, saving
-    references to P and y only (autograd's backward of the same thing as a 2 x 2 matmul over the
-    streams runs skinny matmuls, several times slower on CPU)."""
+    """DAR's write P'_m = rho P_m + (1 - rho) P_o + beta_m y, elementwise forward and backward (autograd's
+    2 x 2 matmul is several times slower on CPU)."""
 
     @staticmethod
     def forward(ctx, P, rho, beta, y):  # P [2, *, d], rho [], beta [2], y [*, d]
@@ -636,8 +572,7 @@ class _Transport(Function):
 
 
 def transport(P, rho, beta, y):
-    """DAR's write P' = [[rho, 1 - rho], [1 - rho, rho]] P + beta y, in P's dtype (float32 or float64):
-    model.transport's numbers, elementwise."""
+    """model.transport, elementwise, in P's dtype."""
     with float32_routing(P):
         return _Transport.apply(P, rho, beta, y) if needs_grad(P, rho, beta, y) else _transport(P, rho, beta, y)
 
@@ -647,15 +582,8 @@ def transport(P, rho, beta, y):
 
 
 class _NormProject(Function):
-    """y = RMSNorm(h) @ W.T, as F.linear(F.rms_norm(h), W) computes it, saving only references: h (the
-    routing keeps it anyway) and W (a parameter), never RMSNorm(h). The backward recomputes the
-    reciprocal RMS rinv from h (the same ops as the forward: the same bits; one pass over h), rebuilds
-    x = RMSNorm(h) = h * rinv elementwise for dW = g^T x, and takes RMSNorm's backward:
-    dh = rinv (gx - x mean(gx * x)), gx = g W.
-    The projection runs in the dtype autocast gives F.linear in the forward (bf16 under bf16
-    autocast, as the plain ops; else the inputs'), and the backward's two matmuls in that same dtype,
-    explicitly, with autocast off wherever the backward is traced or run; the norm and its backward
-    in the compute dtype (float32; float64 for float64 models)."""
+    """y = F.linear(F.rms_norm(h), W) saving only references to h and W; the backward rebuilds RMSNorm(h)
+    by the forward's ops (the same bits)."""
 
     @staticmethod
     def forward(ctx, h, W):
@@ -680,15 +608,13 @@ class _NormProject(Function):
 
 
 def _normed(h):
-    """(RMSNorm(h), its reciprocal RMS [..., 1]) in the compute dtype, as _NormProject's forward and backward
-    both compute it."""
+    """(RMSNorm(h), 1 / rms [..., 1]) in the compute dtype."""
     rinv = _rms_inv(h).unsqueeze(-1)
     return h.to(compute_dtype(h)) * rinv, rinv
 
 
 def norm_project(h, W):
-    """F.linear(RMSNorm(h), W) (RMSNorm without a gain, F.rms_norm's default eps), keeping references to
-    h and W for backward instead of RMSNorm(h): see _NormProject. The same forward as the plain ops."""
+    """F.linear(RMSNorm(h), W), saving h and W for backward instead of RMSNorm(h)."""
     if needs_grad(h, W):
         return _NormProject.apply(h, W)
     return F.linear(model.norm(h), W)
@@ -699,8 +625,7 @@ def norm_project(h, W):
 
 
 class FastGPT(model.GPT):
-    """model.GPT for depth_impl="two_phase": the same parameters and numbers, its AttnRes, DAR and Delta
-    streams run by their twins (twin_of) and an attention K or V input of its own projected by norm_project."""
+    """model.GPT with its streams run by their fast twins: the same parameters and numbers."""
 
     norm_project = staticmethod(norm_project)
 
@@ -732,11 +657,7 @@ def plain_stream_note(cls):
 
 
 def compile_model(net, **kwargs):
-    """torch.compile(net, **kwargs), its backward traced as eager runs it: outside autocast. By
-    default AOTAutograd traces the backward under the forward's autocast (backward_pass_autocast =
-    "same_as_forward"), which turns the float32 matmuls of the routing backward (DAR's transport,
-    mHC's projection) into bf16 ones. With "off", compiled and eager gradients agree. Shapes are
-    static unless asked otherwise (dynamic=False): a run has one batch shape, and evaluation's last
-    short batch is one more static graph (why: docs/performance.md)."""
+    """torch.compile(net, **kwargs), its backward traced outside autocast as eager runs it, static shapes
+    by default (why: docs/model.md, docs/performance.md)."""
     torch._functorch.config.backward_pass_autocast = "off"
     return torch.compile(net, **{"dynamic": False, **kwargs})
