@@ -96,7 +96,7 @@ def stream_cka(records, n_layer):
 
 
 class AblatedDARStream(DARStream):
-    """DARStream with the retrievals of the targets in ablate[j] replaced by their token means."""
+    """DARStream with target t's retrieval at site j (t in ablate[j]) replaced by its token mean."""
 
     def __init__(self, mod, x0, record=None, ablate=None):
         super().__init__(mod, x0, record)
@@ -111,7 +111,7 @@ class AblatedDARStream(DARStream):
 
 @torch.no_grad()
 def dar_rescue_gains(model, batches, base_loss):
-    """Per layer: [gain_0, gain_1, D_none] (docs/experiments.md)."""
+    """Per layer: [gain_0, gain_1, D_none]."""
     module, gains = model.residual, []
     for i in range(model.cfg.n_layer):
         d = {}
@@ -180,7 +180,7 @@ def site_keys(record):
 
 
 def route_names(records, declared=None):
-    """The routes' names, a heatmap each: the variant's own where they fit, else by the layout."""
+    """The routes' names: the variant's own where they fit, else by the layout."""
     kind = recorded_kind(records)
     if kind == "routes":
         R = max((records[0][k].size(1) for k in site_keys(records[0]) if records[0][k].dim() == 4), default=1)
@@ -277,7 +277,7 @@ def find_data_dir(recorded, given=None):
 
 
 def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", data_dir=None):
-    """Compute a checkpoint's diagnostics and write them into out_dir; every check first."""
+    """A checkpoint's diagnostics, written into out_dir; every check first."""
     model, ckpt = load_model(ckpt_path, device)
     cfg = model.cfg
     data_dir, note = find_data_dir(ckpt["train_config"].get("data_dir", "data/shakespeare"), data_dir)
