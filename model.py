@@ -1,8 +1,8 @@
 """
-A decoder-only GPT with depth-routing residual connections: VARIANTS.md is the math (section numbers below),
-this file that math in plain autograd. A variant answers, for sublayer j (attention or MLP, L = 2 * n_layer):
-what is its input h_j, and where does its output y_j = F_j(PreNorm_j(h_j)) go? GPT's loop asks its stream:
-h_j = stream.read(j), stream.write(j, y_j). model_fast.make_model(cfg) runs fast twins, tested equal.
+A decoder-only GPT with depth-routing residual connections in plain autograd (the math: VARIANTS.md, by section).
+A variant answers, for sublayer j (attention or MLP, L = 2 * n_layer): what is its input h_j, and where does
+y_j = F_j(PreNorm_j(h_j)) go? GPT asks its stream: h_j = stream.read(j); stream.write(j, y_j).
+model_fast.py holds the fast twins, tested equal.
 """
 
 import hashlib
@@ -51,7 +51,7 @@ def norm(x):
 
 
 def rotary(x, cos, sin):
-    """Rotate the two halves of each head's channels by position-dependent angles (RoPE)."""
+    """RoPE: rotate the two halves of each head's channels by position-dependent angles."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -68,7 +68,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=False)
 
     def forward(self, h, cos, sin, layer, cache=None):
-        """h: the input h_j, or (h_QK, h_V) (RD-AttnRes), or (h_Q, h_K, h_V); each normalised once."""
+        """h: h_j, or (h_QK, h_V) (RD-AttnRes), or (h_Q, h_K, h_V)."""
         h = h if isinstance(h, tuple) else (h,)
         h_q, h_k, h_v = h if len(h) == 3 else (h[0], h[0], h[-1])
         x_q = norm(h_q)
@@ -118,19 +118,18 @@ def compute_dtype(t):
 
 
 def float32_routing(t):
-    """Autocast off: the routing math must not drop to bf16 (the sources themselves may be bf16)."""
+    """Autocast off: the routing math stays in float32."""
     return torch.autocast(t.device.type, enabled=False) if torch.is_autocast_enabled(t.device.type) else nullcontext()
 
 
 def autocast_of(t):
-    """The autocast the caller runs under (to re-enter inside float32_routing), or none."""
+    """The caller's autocast (re-entered for the sublayers), or none."""
     dev = t.device.type
     return torch.autocast(dev, dtype=torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else nullcontext()
 
 
 def depth_attention(w, keys, values=None):
-    """h = sum_r softmax_r(w . RMSNorm(k_r)) v_r over sources k_r, v_r [..., d] (values: the keys if None), in
-    the compute dtype, autocast off; no temperature, no 1/sqrt(d), no key gain. Returns h and a [n, ...]."""
+    """Section 0: h = sum_r softmax_r(w . RMSNorm(k_r)) v_r (values: the keys if None), in float32; returns (h, a)."""
     values = keys if values is None else values
     dt = compute_dtype(keys[0])
     with float32_routing(w):
@@ -180,9 +179,8 @@ class SumStream:
 
 
 class AttnRes(nn.Module):
-    """Sections 2-3: Block Attention Residuals, blocks of S = attnres_block_size sublayers
-    (FullAttnRes: S = 1). w[j] is sublayer j's pseudo-query and w[L] the readout's (w[0] is inert:
-    sublayer 0 sees x0 alone), zero at init: uniform routing, what makes these variants train stably."""
+    """Sections 2-3, Block Attention Residuals: sublayer j attends with pseudo-query w[j] (the readout: w[L])
+    over blocks of S = attnres_block_size sublayers; zero-init, so routing starts uniform."""
 
     S = None  # sublayers per block: attnres_block_size, unless a subclass fixes it (FullAttnRes: 1)
 
@@ -196,11 +194,11 @@ class AttnRes(nn.Module):
         self.w.zero_()
 
     def queries(self, j):
-        """Site j's pseudo-queries [routes, d] (j = L: the readout's), for the plain and the fast stream."""
+        """Site j's pseudo-queries [routes, d]."""
         return self.w[j:j + 1]
 
     def combine(self, h):
-        """The sublayer's input from its routes' outputs: h_j, (h_QK, h_V) or (h_Q, h_K, h_V); the readout's: a tensor."""
+        """The input from the routes' retrievals: h_j, (h_QK, h_V) or (h_Q, h_K, h_V)."""
         return h[0] if len(h) == 1 else tuple(h)
 
     def start(self, x0, record=None):
@@ -217,9 +215,7 @@ RD_MODES = ("decoupled", "tied", "average", "frozen_v")
 
 
 class RDAttnRes(AttnRes):
-    """Section 4, Role-Decoupled AttnRes: Block AttnRes whose attention sublayers read the Q/K input with
-    w[j] and the V input with w_v[i] (layer i's). rd_mode: "decoupled" (the method), "tied" (w_V = w_QK:
-    Block AttnRes), "average" (the routes' mean as one input), "frozen_v" (w_v stays 0: uniform values)."""
+    """Section 4, Role-Decoupled AttnRes: attention sublayers read Q/K with w[j] and V with w_v[i] (rd_mode: docs/model.md)."""
 
     route_names = ("QK route", "V route")  # a site's query rows, as tools/diagnose.py labels them
 
@@ -247,7 +243,7 @@ class RDAttnRes(AttnRes):
 
 
 class AttnResStream:
-    """Eq. 1-6: site j attends over the completed blocks b_0 = x0, b_1, .. and the open partial sum, once per query row."""
+    """Eq. 1-6: site j attends over the completed blocks b_0 = x0, b_1, .. and the partial sum, once per route."""
 
     def __init__(self, mod, x0, record=None):
         self.mod, self.record = mod, record
@@ -282,14 +278,9 @@ DAR_STREAMS = {
 
 
 class DualAttnRes(nn.Module):
-    """Section 5, Dual Attention Residuals: two streams m = 0, 1. Per site j (sublayers 0..L-1,
-    readout L), scalars per site [our reading]:
-        w[j, m]                                pseudo-query of target stream m, zero-init
-        alpha_j = softmax(theta_alpha[j])      fusion of the retrievals, init 0.6 stream j mod 2, 0.4 the other
-        rho_j   = sigmoid(theta_rho[j])        doubly-stochastic transport in a block, init 0.982
-        beta_jm = 2 sigmoid(theta_beta[j, m])  gated write, init 1 into stream j mod 2, 0.24 the other
-        v_proj[m]                              (sep_v only) d x d value projection, identity-init
-    Blocks of K = dar_block_size layers (2K sublayers; K = 1: Full DAR); the inits break the symmetry (section 5)."""
+    """Section 5, Dual Attention Residuals: two streams m = 0, 1, blocks of K = dar_block_size layers. Per site j:
+    pseudo-queries w[j, m]; fusion alpha_j = softmax(theta_alpha[j]); transport rho_j = sigmoid(theta_rho[j]);
+    gated write beta_jm = 2 sigmoid(theta_beta[j, m]). The inits break the streams' symmetry (docs/model.md)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -323,8 +314,7 @@ class DualAttnRes(nn.Module):
 
 
 def transport(P, rho, beta, y):
-    """P'_m = rho P_m + (1 - rho) P_o + beta_m y: a doubly-stochastic 2 x 2 transport of the streams'
-    partial states P [2, B, T, d], then the gated write, in P's dtype (model_fast.transport: the same, elementwise)."""
+    """P'_m = rho P_m + (1 - rho) P_o + beta_m y: doubly-stochastic transport of P [2, B, T, d], then the gated write."""
     y = y.to(P.dtype)  # beta_m y in bf16 would round every write (a 0-dim beta_m does not promote y)
     P_0 = rho * P[0] + (1 - rho) * P[1] + beta[0] * y
     P_1 = (1 - rho) * P[0] + rho * P[1] + beta[1] * y
@@ -332,8 +322,7 @@ def transport(P, rho, beta, y):
 
 
 class DARStream:
-    """Two streams, each with its completed blocks and partial state P_m, both in one tensor [2, B, T, d];
-    target m retrieves with its own query over the key and value streams DAR_STREAMS names."""
+    """Both streams' blocks and partial states P_m in one [2, B, T, d]; target m reads the streams DAR_STREAMS names."""
 
     def __init__(self, mod, x0, record=None):
         self.mod, self.record = mod, record
@@ -379,9 +368,8 @@ class DARStream:
 
 
 class HyperConnections(nn.Module):
-    """Dynamic Hyper-Connections (Zhu et al.), per sublayer j: h = sum_i Am_i H_i and
-    H_i <- sum_k Ar_{k,i} H_k + B_i y, each coefficient static + s * tanh(RMSNorm(H_k) . W) (Am, Ar with
-    s_alpha; B with s_beta). Init: W = 0, s = 0.01, B = 1, Am one-hot at j mod n, Ar = I: the pre-norm residual."""
+    """Section 6, Dynamic Hyper-Connections (Zhu et al.), per sublayer j: h = sum_i Am_i H_i and
+    H_i <- sum_k Ar_{k,i} H_k + B_i y, each coefficient static + s * tanh(RMSNorm(H_k) . W)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -418,13 +406,9 @@ class HyperConnections(nn.Module):
 
 
 class ManifoldHC(nn.Module):
-    """Manifold-constrained Hyper-Connections (DeepSeek mHC), per sublayer j, from z = RMSNorm(H
-    flattened to n*d) @ phi[j], in float32:
-        H_pre = sigmoid(a_pre z_pre + b_pre),  H_post = 2 sigmoid(a_post z_post + b_post),
-        H_res = SinkhornKnopp(exp(a_res z_res + b_res))  (doubly stochastic, 20 iterations)
-        h = sum_i H_pre_i H_i;  H_i <- sum_k H_res[i, k] H_k + H_post_i y
-    Init [our reading; section 6]: phi ~ normal(0, 0.02), a = 0.01, b_pre = +3 at stream j mod n, -3 elsewhere,
-    b_post = 0, b_res = 2 I."""
+    """Section 6, manifold-constrained HC (DeepSeek mHC), per sublayer j, from z = RMSNorm(H flat) @ phi[j]:
+    H_pre = sigmoid(a z + b), H_post = 2 sigmoid(a z + b), H_res = SinkhornKnopp(exp(a z + b)) (doubly stochastic);
+    h = sum_i H_pre_i H_i;  H_i <- sum_k H_res[i, k] H_k + H_post_i y."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -494,12 +478,8 @@ class MultiStream:
 
 
 class DenseFormer(nn.Module):
-    """DenseFormer (Pagliardini et al., arXiv 2402.02622), section 7.1: after every p-th layer i (i = 1..D), a
-    depth-weighted average (DWA) over the outputs of every k-th layer:
-        Y_i = sum_{j in S(i)} alpha_{i,j} X_j  if p | i, else Y_i = X_i;   S(i) = {0 <= j <= i: j = i mod k}
-    Layer i+1 reads Y_i: its attention reads Y_i, its MLP m = Y_i + attn, and X_{i+1} = m + MLP(norm(m)).
-    The readout is Y_D. alpha["i"]: alpha_{i,j} over S(i), oldest first, free reals; init alpha_{i,i} = 1,
-    the rest 0: Y_i = X_i, exactly the standard residual (the paper's and its code's init)."""
+    """Section 7.1, DenseFormer (arXiv 2402.02622): after every p-th layer i a depth-weighted average (DWA)
+    Y_i = sum_{j in S(i)} alpha_{i,j} X_j, S(i) = {0 <= j <= i: j = i mod k}; layer i+1 reads Y_i, the readout Y_D."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -542,13 +522,8 @@ class DenseStream:
 
 
 class MUDDFormer(nn.Module):
-    """MUDDFormer (Xiao et al., arXiv 2502.12170), section 7.2: multiway dynamic dense connections.
-    After layer i (i = 1..D), per token, over the sources X_0..X_i:
-        A_i = W2_i GELU(W1_i RMSNorm(X_i)) + a_i   [C_i, i+1]  (C_i = 4 ways Q, K, V, R; C_D = 1)
-        Z_i^c = sum_j A_i[c, j] X_j
-    Layer i+1: attn = Attn(Z_i^Q, Z_i^K, Z_i^V), m = Z_i^R + attn, X_{i+1} = m + MLP(norm(m)); the
-    readout is Z_D. Hidden width round64(C_i (i+1) e_i), e_i = 1, 4 after the last layer; W1[i-1] holds W1_i
-    (no biases). Init (the reference's): W1 ~ normal(0, 1/sqrt(d)), W2 = 0, a_i one-hot on X_i: standard."""
+    """Section 7.2, MUDDFormer (arXiv 2502.12170): after layer i, per token, one mix per way c in Q, K, V, R:
+    Z_i^c = sum_j A_i[c, j] X_j, A_i = W2_i GELU(W1_i RMSNorm(X_i)) + a_i; layer i+1 reads them, the readout Z_D."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -603,10 +578,8 @@ class MuddStream:
 
 
 class DeltaAttnRes(nn.Module):
-    """Delta Attention Residuals (Luo, Cai, Hu, arXiv 2605.18855), section 7.3: the standard stream h~ stays; each
-    input adds depth attention over the completed blocks (S = delta_block_size sublayers; S = 1: every output):
-        h_j = h~_j + depth_attention([x0, b_1, .., b_m], w_j),   h~_{j+1} = h~_j + y_j
-    The routed h_j is never written back; the readout is h~_L. w is zero-init; w_0 is inert (x0 alone)."""
+    """Section 7.3, Delta AttnRes (arXiv 2605.18855): the standard stream h~ stays, each input adds depth attention
+    over the completed blocks: h_j = h~_j + depth_attention(w_j, [x0, b_1, ..]);  h~_{j+1} = h~_j + y_j."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -641,7 +614,7 @@ class DeltaStream:
         return self.h
 
 
-# The one list of variants: name (the `residual` key) -> module. A config accepts exactly its names.
+# The one list of variants: name (the `residual` key) -> module. train.model_config accepts exactly its names.
 RESIDUALS = {
     "standard": StandardResidual,
     "full_attnres": FullAttnRes,
@@ -681,12 +654,11 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         for name, table in zip(("cos", "sin"), rotary_tables(cfg)):  # [T, 1, hd/2]; on the meta device for a meta model
             self.register_buffer(name, table.to(self.wte.weight.device), persistent=False)
-        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: distributed.sharded_model), values come later
+        if not self.wte.weight.is_meta:  # built on the meta device (FSDP: train.sharded_model), values come later
             self.init_weights(seed)
 
     def forward(self, idx, targets=None, kv_cache=None, record=None):
-        """idx [B, T] -> (logits, loss or None). kv_cache: a sample.KVCache; record: a dict the plain streams
-        fill for diagnostics (docs/model.md, "What a record holds")."""
+        """idx [B, T] -> (logits, loss or None). kv_cache: sample.KVCache; record: a dict for diagnostics (docs/model.md)."""
         B, T = idx.shape
         pos = kv_cache.pos if kv_cache is not None else 0
         if pos + T > self.cfg.block_size:
@@ -712,7 +684,7 @@ class GPT(nn.Module):
         return logits, loss
 
     def start_stream(self, x0, record=None):
-        """The variant's stream for one forward pass (FastGPT: its fast twin, where it has one)."""
+        """The variant's stream for one forward pass (FastGPT: its fast twin)."""
         return self.residual.start(x0, record)
 
     def param_groups(self, weight_decay):
@@ -733,14 +705,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed):
-        """Every parameter set to its initial value for this seed: InitialWeights states each one's."""
+        """Every parameter to its initial value for this seed (InitialWeights)."""
         init = InitialWeights(self.cfg, seed)
         for name, p in self.named_parameters():
             p.copy_(init(name, p.shape))
 
     @torch.no_grad()
     def init_buffers(self):
-        """The rotary tables again (a model built on the meta device, then given storage, has none yet)."""
+        """The rotary tables again (a model built on the meta device has none)."""
         for buffer, table in zip((self.cos, self.sin), rotary_tables(self.cfg)):
             buffer.copy_(table)
 
@@ -755,7 +727,7 @@ def checkpointed(amp, f, *args):  # the same, its internals recomputed in backwa
 
 
 def rotary_tables(cfg):
-    """RoPE's (cos, sin) [block_size, 1, head_dim / 2], float32, computed on the CPU (the same bits for every device)."""
+    """RoPE's (cos, sin) [block_size, 1, head_dim / 2], float32, on the CPU: the same bits on every device."""
     hd = cfg.n_embd // cfg.n_head
     freqs = cfg.rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float32, device="cpu") / hd)
     angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32, device="cpu"), freqs)
@@ -763,10 +735,8 @@ def rotary_tables(cfg):
 
 
 class InitialWeights:
-    """Every parameter's initial value by name, without a model: init(name, shape), a float32 CPU tensor, drawn
-    from a generator seeded by (seed, name), so variants built with one seed share every common weight (section
-    8): GPT-2's normal(0, 0.02), c_proj's 0.02 / sqrt(2 n_layer); residual.*: the module's reset_parameters on a
-    CPU copy, its random draws seeded by "router.<name>" (their first name), so every seed keeps its weights."""
+    """Section 8: every parameter's initial value by name, init(name, shape), from a generator seeded by
+    (seed, name), so variants built with one seed share every common weight."""
 
     def __init__(self, cfg, seed):
         self.cfg, self.seed, self._residual = cfg, seed, None
@@ -789,11 +759,11 @@ class InitialWeights:
         if self._residual is None:
             with torch.device("cpu"):
                 module = make_residual(self.cfg)
-            module.reset_parameters(lambda name: self.rng("router." + name))
+            module.reset_parameters(lambda name: self.rng("router." + name))  # the module's first name: seeds keep their draws
             self._residual = {name: p.detach() for name, p in module.named_parameters()}
         return self._residual
 
 
 def stable_seed(seed, name):
-    """A 63-bit seed for (seed, name), the same in every process and machine (Python's hash() is salted)."""
+    """A 63-bit seed for (seed, name), the same in every process and machine."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1

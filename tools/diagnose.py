@@ -1,19 +1,13 @@
 """
-What did a model's depth routing learn? Diagnostics from a checkpoint, on held-out tokens.
+What did a model's depth routing learn? Diagnostics from a checkpoint, on held-out tokens (docs/experiments.md).
 
     python -m tools.diagnose --ckpt runs/rd                    # routing maps, and per variant:
-        rd_attnres   Jensen-Shannon divergence between the QK and V routes (any two of a site's routes), per site
-        dar          linear CKA between the two streams at every pair of depths, and each stream's rescue gain
-        hc, mhc      the mean residual mixing matrices, and CKA between streams 0 and 1 as for dar
-        full_attnres, block_attnres, delta_attnres   the mean largest routing weight per site
-        denseformer  the DWA weight matrix (static: no tokens needed)
-        muddformer   the mean per-token weights per way (Q, K, V, R), on the newest output and on x0
+        rd_attnres: JS between its routes; dar, hc, mhc: CKA between streams (dar: rescue gains; hc, mhc: mixing
+        matrices); full/block/delta_attnres: the peak routing weight; denseformer: DWA weights; muddformer: per way
     python -m tools.diagnose --curves runs/sweep/*/seed*/      # validation-loss curves across runs
 
-Writes diagnostics.json and PNG plots (with matplotlib) into --out, by default the run directory (curves
-alone: the runs' common directory), each whole or not at all, and prints what it wrote. Data: the
-validation split of --data_dir, by default the checkpoint's (a relative one: from here, then from the
-repository's root). Exit status: 0 done; 2 with one `error:` line, before any compute; 130 on Ctrl-C.
+Writes diagnostics.json and PNGs (with matplotlib) into --out (default: the run directory). Data: the validation
+split of --data_dir (default: the checkpoint's). Exit status: 0 done; 2 one `error:` line, before any compute.
 """
 
 import argparse
@@ -38,7 +32,7 @@ from train import perplexity
 # --- the measures ---------------------------------------------------------------------------------
 
 def js_divergence(p, q, dim=0):
-    """Jensen-Shannon divergence between distributions along `dim`, natural log (at most ln 2)."""
+    """Jensen-Shannon divergence along `dim`, natural log (at most ln 2)."""
     m = 0.5 * (p + q)
 
     def kl(a, b):
@@ -48,7 +42,7 @@ def js_divergence(p, q, dim=0):
 
 
 def linear_cka(X, Y):
-    """Linear CKA of two feature matrices [N, d]: ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F), centred."""
+    """Linear CKA of [N, d] features: ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F), centred."""
     X, Y = X.double() - X.double().mean(0), Y.double() - Y.double().mean(0)
     return ((Y.T @ X).square().sum() / (torch.linalg.matrix_norm(X.T @ X) * torch.linalg.matrix_norm(Y.T @ Y))).item()
 
@@ -62,7 +56,6 @@ def rescue_gain(d_none, d_kept):
 
 @torch.no_grad()
 def collect(model, batches):
-    """Mean loss, and the routing record of every batch (held on CPU)."""
     losses, records = [], []
     for x, y in batches:
         rec = {}
@@ -72,8 +65,7 @@ def collect(model, batches):
 
 
 def routing_maps(records):
-    """{site: mean routing weights over held-out tokens, [n_sources] (RD attention sites: [n, 2])}.
-    DAR sites give [2 targets, n]."""
+    """{site: mean routing weights over held-out tokens}."""
     maps = {}
     for site in site_keys(records[0]):
         a = torch.cat([r[site].flatten(start_dim=r[site].dim() - 2) for r in records], -1)  # tokens last
@@ -82,8 +74,7 @@ def routing_maps(records):
 
 
 def route_js(records, names):
-    """{"A||B": {site: JS}} for every pair of the named routes (RD-AttnRes: QK||V), at every site that has
-    them all: their JS divergence per token, then averaged."""
+    """{"A||B": {site: JS}} for every pair of a site's named routes, averaged over tokens."""
     out, names = {}, [name.removesuffix(" route") for name in names]
     for site in site_keys(records[0]):
         if records[0][site].dim() == 4 and records[0][site].size(1) == len(names):
@@ -94,8 +85,7 @@ def route_js(records, names):
 
 
 def stream_cka(records, n_layer):
-    """Linear CKA between stream 0's state after layer i and stream 1's after layer j, [n_layer][n_layer]
-    (the diagonal: matched depths); DAR's states are [2, B, T, d], HC's and mHC's H [B, T, n, d]."""
+    """Linear CKA between stream 0 after layer i and stream 1 after layer j, [n_layer][n_layer]."""
     def streams(i):
         s = [r[f"state.{2 * i + 1}"] for r in records]
         s = [x if recorded_kind(records) == "two_targets" else x.movedim(-2, 0) for x in s]
@@ -106,8 +96,7 @@ def stream_cka(records, n_layer):
 
 
 class AblatedDARStream(DARStream):
-    """model.DARStream with the retrievals r_t of the targets t in ablate[j] replaced, at sublayer j,
-    by their token means (the readout is j = L)."""
+    """DARStream with target t's retrieval at site j (t in ablate[j]) replaced by its token mean."""
 
     def __init__(self, mod, x0, record=None, ablate=None):
         super().__init__(mod, x0, record)
@@ -122,8 +111,7 @@ class AblatedDARStream(DARStream):
 
 @torch.no_grad()
 def dar_rescue_gains(model, batches, base_loss):
-    """Per layer: replace both streams' retrievals at the layer's sublayers with their token means
-    (D_none = loss increase), then keep stream m intact (D_m); gain_m = 1 - D_m / D_none."""
+    """Per layer: [gain_0, gain_1, D_none]."""
     module, gains = model.residual, []
     for i in range(model.cfg.n_layer):
         d = {}
@@ -139,14 +127,13 @@ def dar_rescue_gains(model, batches, base_loss):
 
 
 def max_weight_per_site(records):
-    """{site: the largest routing weight of a token, averaged over tokens}, for one-route sites with
-    more than one source (the Delta AttnRes paper compares this peak across variants)."""
+    """{site: a token's largest routing weight, averaged}, for one-route sites."""
     return {site: torch.cat([r[site].amax(0).flatten() for r in records]).mean().item()
             for site in site_keys(records[0]) if records[0][site].dim() == 3 and records[0][site].size(0) > 1}
 
 
 def dwa_weights(records, n_layer, k):
-    """DenseFormer: {"dwa.i": alpha_{i,j} over the sources j = 0..n_layer, NaN where j is not in S(i)}."""
+    """DenseFormer: {"dwa.i": alpha_{i,j} over j = 0..n_layer, NaN where j is not in S(i)}."""
     out = {}
     for i in range(1, n_layer + 1):
         if f"dwa.{i}" in records[0]:
@@ -157,8 +144,7 @@ def dwa_weights(records, n_layer, k):
 
 
 def mudd_way_summary(maps):
-    """MUDDFormer: per way, the mean weight on the newest layer output (1 at init) and on the
-    embedding (0 at init), over the sites that read a 4-way mix."""
+    """MUDDFormer: per way, the mean weight on the newest output and on x0."""
     ways = [m for site, m in maps.items() if m.dim() == 2]  # [4 ways, n sources]
     return {way: dict(newest=statistics.fmean(m[c, -1].item() for m in ways),
                       embedding=statistics.fmean(m[c, 0].item() for m in ways))
@@ -174,9 +160,7 @@ def mixing_matrices(records):
 # --- plots (optional matplotlib) ----------------------------------------------------------------------
 
 def recorded_kind(records):
-    """What a routing record holds, read from its layout (docs/model.md, "What a record holds"), not from
-    the variant's name: "routes" (AttnRes family), "two_targets" (DAR), "ways" (MUDDFormer), "dwa"
-    (DenseFormer), "mixing" (HC, mHC), or None."""
+    """What a record holds, from its layout (docs/model.md, "What a record holds")."""
     keys = set(records[0]) if records else set()
     if any(k.endswith("/alpha") for k in keys):
         return "two_targets"
@@ -191,14 +175,12 @@ def recorded_kind(records):
 
 
 def site_keys(record):
-    """The keys of a record that hold a site's routing weights, in depth order (the order the forward
-    pass records them; not a state, nor a site's part: "x/alpha")."""
+    """A record's keys of sites' routing weights, in depth order."""
     return [k for k in record if "/" not in k and not k.startswith("state.")]
 
 
 def route_names(records, declared=None):
-    """The routes' names, a heatmap each: the variant's own (its module's route_names) where they name every
-    route; else by the record's layout (DAR's streams, MUDDFormer's ways, the DWA matrix; route 0, 1, ..)."""
+    """The routes' names: the variant's own where they fit, else by the layout."""
     kind = recorded_kind(records)
     if kind == "routes":
         R = max((records[0][k].size(1) for k in site_keys(records[0]) if records[0][k].dim() == 4), default=1)
@@ -210,8 +192,7 @@ def route_names(records, declared=None):
 
 
 def plot_routing_maps(maps, path, title, kind, names):
-    """One heatmap per route (route_names), a row per site, a column per source (0 = embedding); a site of one
-    route appears in each. Free reals (DenseFormer, MUDDFormer): a diverging colour scale centred on 0."""
+    """One heatmap per route, a row per site, a column per source (0 = embedding)."""
     plt = pyplot()
     if plt is None:
         return None
@@ -242,8 +223,7 @@ def plot_routing_maps(maps, path, title, kind, names):
 
 
 def plot_curves(groups, path):
-    """Validation loss against step, one line per group of runs ({label: [run_dir, ...]}): the mean
-    over the group's runs at the steps they all evaluated."""
+    """Validation loss against step, the mean of each group of runs."""
     plt = pyplot()
     if plt is None:
         return None
@@ -266,13 +246,11 @@ def plot_curves(groups, path):
 # --- the command -----------------------------------------------------------------------------------
 
 def default_out(ckpt_path):
-    """Where the diagnostics go without --out: the run directory."""
     return ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(ckpt_path) or "."
 
 
 def check_writable(directory, what):
-    """Create `directory` if needed and write a probe file into it, so that results computed later
-    have somewhere to go; UserError if not."""
+    """Create `directory` and write a probe into it; UserError if not."""
     try:
         os.makedirs(directory, exist_ok=True)
         files.check_writable(directory)
@@ -283,9 +261,7 @@ def check_writable(directory, what):
 
 
 def find_data_dir(recorded, given=None):
-    """(the data directory to read, a note saying where it was found). given: --data_dir, used as it
-    is; else the checkpoint's data_dir, as it is if absolute, else from the current directory, then
-    from the repository's root."""
+    """(the data directory, a note of where it was found): --data_dir, else the checkpoint's."""
     if given is not None:
         if not (Path(given) / "meta.json").is_file():
             raise UserError(f"--data_dir {given} holds no meta.json: pass the directory prepare_data.py wrote")
@@ -301,8 +277,7 @@ def find_data_dir(recorded, given=None):
 
 
 def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", data_dir=None):
-    """Compute the diagnostics of a checkpoint and write them into out_dir (default: the run directory).
-    Every check (the checkpoint, its data, the model) comes before the compute."""
+    """A checkpoint's diagnostics, written into out_dir; every check first."""
     model, ckpt = load_model(ckpt_path, device)
     cfg = model.cfg
     data_dir, note = find_data_dir(ckpt["train_config"].get("data_dir", "data/shakespeare"), data_dir)
@@ -384,7 +359,7 @@ def summary(d):
 
 
 def parse_device(name, choices="cpu, cuda or cuda:N"):
-    """The torch.device a --device flag names: the CPU or a CUDA device this machine has, else UserError."""
+    """The torch.device --device names (cpu or an existing CUDA device), else UserError."""
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -418,15 +393,13 @@ def check_args(args):
 
 
 def val_curve(d):
-    """[(step, val loss)] of a run's log.jsonl."""
     return [(r["step"], r["loss"]) for r in log_records(d)
             if r.get("kind") == "eval" and r.get("split") == "val" and isinstance(r.get("step"), int)
             and isinstance(r.get("loss"), (int, float))]
 
 
 def curve_labels(runs):
-    """{label: [run]} for --curves: each run by its path from the runs' common parent (a sweep's
-    <variant>/seed<s>, which folder names alone would not tell apart), a lone run by its name."""
+    """{label: [run]}: each run by its path from the runs' common parent."""
     paths = [os.path.abspath(r) for r in runs]
     parent = os.path.commonpath(paths)
     parent = os.path.dirname(parent) if parent in paths else parent
@@ -434,15 +407,12 @@ def curve_labels(runs):
 
 
 def curves_path(args):
-    """Where --curves writes its plot: with --ckpt, curves.png beside the diagnostics; else --out, or
-    curves.png in the runs' common directory (one run: its own)."""
     if args.ckpt:
         return os.path.join(args.out or default_out(args.ckpt), "curves.png")
     return args.out or os.path.join(os.path.commonpath([os.path.abspath(run) for run in args.curves]), "curves.png")
 
 
 def main(argv=None):
-    """The command line; its exit status (depthres.cli)."""
     return cli(run, argv)
 
 
