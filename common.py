@@ -1,5 +1,4 @@
-"""What the commands share: UserError and cli() (one `error:` line, exit 2), write_atomic, the ranks of a torchrun
-job, the run log's records and load_model (a checkpoint's model, for sample.py, tools.diagnose and the rescores)."""
+"""What the commands share: errors and exit statuses, atomic writes, torchrun ranks, the run log, load_model."""
 
 import json
 import os
@@ -18,7 +17,7 @@ class UserError(ValueError):
 
 
 class Stopped(KeyboardInterrupt):
-    """Stopped by signal `signum` (SIGINT: Ctrl-C, SIGTERM) after saying what was kept: exit status 128 + signum."""
+    """Stopped by signal `signum`: exit 128 + signum."""
 
     def __init__(self, message, signum=2):
         super().__init__(message)
@@ -31,8 +30,7 @@ def need(ok, message):
 
 
 def cli(main, argv=None):
-    """main(argv) as a command: its int status (else 0); 2 after one `error:` line for a UserError or an OSError;
-    128 + signum after a stop."""
+    """main(argv) as a command: 0, 2 after one `error:` line, 128 + signum after a stop."""
     try:
         status = main(argv)
         return status if isinstance(status, int) else 0
@@ -52,15 +50,14 @@ def cli(main, argv=None):
 
 
 def os_error_message(e, path=None):
-    """One line for an OSError, naming `path` or the file it names: "cannot write PATH: no space left on device"."""
+    """One line for an OSError ("cannot write PATH: ...")."""
     where, reason = path or e.filename, str(e.strerror or e)
     reason = reason[:1].lower() + reason[1:]
     return f"cannot write {where}: {reason}" if where else reason
 
 
 def write_atomic(path, data):
-    """Write `data` (bytes, str, or a function of the open file) to a temporary file beside `path`, fsync, rename:
-    a kill or a full disk leaves the previous file or none, never part of one."""
+    """Write `data` (bytes, str, or fn(file)) to `path` whole or not at all (temp, fsync, rename)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")  # this writer's alone
     try:
@@ -79,7 +76,7 @@ def write_atomic(path, data):
 
 
 def log_records(run_dir):
-    """The JSON records of a run's log.jsonl (a torn line skipped; none without the file)."""
+    """The JSON records of a run's log.jsonl (a torn line skipped)."""
     path, records = Path(run_dir) / "log.jsonl", []
     for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
         with suppress(ValueError):
@@ -100,7 +97,7 @@ def world_size():
 
 
 def any_rank(value, device="cpu"):
-    """The largest of the ranks' values (a float), on every rank."""
+    """The largest of the ranks' values, on every rank."""
     t = torch.full((), float(value), device=device)
     if world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -108,8 +105,7 @@ def any_rank(value, device="cpu"):
 
 
 def on_rank0(fn):
-    """fn() on rank 0, its result on every rank (a collective); its UserError or OSError raised on every rank, so all
-    stop with one line."""
+    """fn() on rank 0, its result (or its error) on every rank."""
     result = error = None
     if rank() == 0:
         try:
@@ -126,7 +122,7 @@ def on_rank0(fn):
 
 
 def load_model(path, device="cpu"):
-    """(the model of a checkpoint file or run directory, in eval mode on `device`; the checkpoint dict)."""
+    """(the model of a checkpoint file or run directory, in eval mode; the checkpoint dict)."""
     from model import GPTConfig
     from model_fast import make_model
 

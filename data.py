@@ -1,11 +1,5 @@
 """
-Tokens on disk: what prepare_data.py writes and training reads.
-
-    tokenizers  "gpt2" (GPT-2 BPE through tiktoken, from the committed rank file) and "byte"
-    a shard     {split}_NNNNNN.bin: a 64-byte header (HEADER), then the token ids as uint16
-    meta.json   the preparation's settings, vocabulary and splits (each split's files and token counts)
-    reading     TokenData opens a directory once; TokenLoader gives seeded, resumable training batches
-                for any number of ranks; eval_batches a fixed prefix of a split, in order
+Tokens on disk: what prepare_data.py writes and training reads (format and rules: docs/data.md).
 """
 
 import base64
@@ -100,7 +94,7 @@ def get_tokenizer(name):
 # shards and meta.json
 
 def write_shard(path, tokens, tokenizer):
-    """Write `tokens` (ids of `tokenizer`) as one shard at `path`, flushed to disk."""
+    """Write `tokens` as one shard at `path`, flushed to disk."""
     tokens = np.asarray(tokens, dtype=np.uint16)
     header = HEADER.pack(SHARD_MAGIC, FORMAT_VERSION, tokenizer.vocab_size, len(tokens),
                          tokenizer.name.encode(), bytes.fromhex(tokenizer.fingerprint))
@@ -111,8 +105,7 @@ def write_shard(path, tokens, tokenizer):
 
 
 def open_shard(path, fingerprint=None):
-    """The tokens of a shard, memory-mapped (uint16), after checking its header and size; `fingerprint`:
-    the tokenizer it must come from."""
+    """The tokens of a shard, memory-mapped (uint16), after checking its header and size."""
     redo = f"re-create it with `{prepare_command(Path(path).parent)} --overwrite`"
     if not Path(path).is_file():
         raise UserError(f"shard {path} is missing or not a file: {redo}")
@@ -131,12 +124,12 @@ def open_shard(path, fingerprint=None):
 
 
 def implied_tokenizer(data_dir):
-    """The tokenizer a directory's name promises (prepare_data.py's default names end in _byte, ...), or None."""
+    """The tokenizer a directory's name promises (_byte, _gpt2), or None."""
     return next((t for t in TOKENIZERS if Path(data_dir).name.endswith(f"_{t}")), None)
 
 
 def prepare_command(data_dir):
-    """The command that prepares the data a config names: the embedded corpus, or a corpus of the user's."""
+    """The command that prepares the data directory `data_dir`."""
     tok = implied_tokenizer(data_dir) or "gpt2"
     flag = f" --tokenizer {tok}" if tok != "gpt2" else ""
     if Path(data_dir).name == "shakespeare" + (f"_{tok}" if flag else ""):  # the embedded corpus, the default source
@@ -159,7 +152,7 @@ def _need(ok, what):
 
 
 def load_meta(data_dir):
-    """The meta.json of a prepared data directory, checked for what readers use."""
+    """A prepared directory's meta.json, checked."""
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
         raise UserError(f"{path} not found: prepare the data first, with `{prepare_command(data_dir)}`")
@@ -188,9 +181,7 @@ def load_meta(data_dir):
 
 
 class TokenData:
-    """A prepared directory opened once: meta.json and every split's shards, memory-mapped now. What a run
-    opened is what it reads: prepare_data.py replaces a directory by renaming a new one into its place, and
-    the maps keep the files they opened."""
+    """A prepared directory opened once: meta.json and every split's shards, memory-mapped."""
 
     def __init__(self, data_dir):
         self.dir, self.meta = Path(data_dir), load_meta(data_dir)
@@ -219,8 +210,7 @@ def opened(data):
 
 
 def check_data(data, meta, seq_len):
-    """Open every split a run uses (train, val, and test when it has tokens), checking each shard's header
-    and size: a split too short for seq_len is an error before the run starts."""
+    """Check every split a run uses before it starts: each shard's header and size, and length >= seq_len."""
     data = opened(data)
     for split in ["train", "val"] + (["test"] if meta["splits"].get("test", {}).get("tokens") else []):
         tokens = sum(map(len, data.shards(split)))
@@ -235,13 +225,9 @@ def check_data(data, meta, seq_len):
 # batches
 
 class TokenLoader:
-    """Seeded, resumable training batches of a split for any number of ranks.
+    """Seeded, resumable training batches of a split, the same windows per step for any number of ranks.
 
-    Every shard is cut into windows of seq_len + 1 tokens overlapping by one (x = w[:-1], y = w[1:]).
-    The windows of all epochs form one stream, epoch e a permutation seeded by (seed, e). Each call
-    consumes the next world_size * batch_size windows of the stream and rank r takes the r-th block
-    of batch_size: a step sees the same windows whatever its split into ranks and micro-steps.
-    data: TokenData, or a directory's path (opened now).
+    Windows of seq_len + 1 tokens, shuffled per epoch by (seed, epoch); rank r takes the r-th block of each call.
     """
 
     def __init__(self, data, split, batch_size, seq_len, rank=0, world_size=1, seed=0):
@@ -278,7 +264,7 @@ class TokenLoader:
         return np.concatenate(ids)
 
     def next_batch(self):
-        """(x, y): int64 CPU tensors [batch_size, seq_len], y is x shifted by one token."""
+        """(x, y): int64 tensors [batch_size, seq_len], y is x shifted by one."""
         B, T = self.batch_size, self.seq_len
         start = self.epoch * self.n_windows + self.pos
         ids = self._take(start + self.rank * B, B)
@@ -302,13 +288,8 @@ class TokenLoader:
 
 
 def eval_batches(data, split, batch_size, seq_len, max_tokens, rank=0, world_size=1):
-    """(x, y) batches over the first max_tokens targets of a split (None: all), in order.
-
-    The split is cut into n = min(max_tokens, tokens - 1) // seq_len windows, the same for every
-    world_size; rank r gets windows r, r + world_size, ... (when n is not a multiple of world_size,
-    the first ranks get one window more: sum losses and token counts over ranks, then divide).
-    data: TokenData, or a directory's path (opened now).
-    """
+    """(x, y) batches over the first max_tokens targets of a split (None: all), in order; rank r gets
+    windows r, r + world_size, ... (sum losses and token counts over ranks, then divide)."""
     if not 0 <= rank < world_size:
         raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
     shards = opened(data).shards(split)

@@ -1,19 +1,14 @@
 """
-Tokenize a corpus into token shards (their format: data.py), read through `datasets`' own builders.
+Tokenize a corpus (local files or a hub dataset) into token shards and meta.json.
 
-    python prepare_data.py                              # embedded Shakespeare -> data/shakespeare/
-    python prepare_data.py --tokenizer byte             # the same as bytes -> data/shakespeare_byte/
-    python prepare_data.py --data_files input.txt       # one text, split by position (as nanoGPT does)
-    python prepare_data.py --data_files 'corpus/*.parquet' --out_dir data/corpus --num_proc 8
-    python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --name sample-10BT \
-        --val_fraction 0.001 --test_fraction 0.001 --num_proc 16
+    python prepare_data.py                           # embedded Shakespeare -> data/shakespeare/
+    python prepare_data.py --tokenizer byte          # as bytes -> data/shakespeare_byte/
+    python prepare_data.py --data_files input.txt    # one text, split by position
+    python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --name sample-10BT --num_proc 16
 
-A document (a .txt file, a JSON or parquet record) is tokenized as EOT + its text. Document i goes to
-val, test or train by the fractional part of (i + 1) / golden ratio: the same on every machine, with no
-document count (a stream), so the fractions count documents. A source of one document (nanoGPT's
-input.txt) is split by position instead: its first characters train, then val, then test (90/5/5).
-The output is built in a temporary directory beside --out_dir and renamed into place once whole: a
-failure leaves --out_dir as it was, and a run that opened the old data keeps reading it (data.TokenData).
+A document is EOT + its text; the split fractions count documents. --out_dir is replaced only with
+--overwrite, and only once the new data is whole. Exit status 0, or 2 after one `error:` line.
+Sources, splits and format: docs/data.md.
 """
 
 import argparse
@@ -50,7 +45,7 @@ SPLIT_RULE = "document i by frac((i + 1) / golden ratio); a lone document by pos
 
 
 def split_of(index, val_fraction, test_fraction):
-    """The split ("train", "val" or "test") of the document at position `index` of the source."""
+    """The split ("train", "val" or "test") of document `index`, by the golden ratio."""
     u = ((index + 1) * 0x9E3779B97F4A7C15 % 2**64) / 2**64  # frac((index + 1) / golden ratio)
     if u < val_fraction:
         return "val"
@@ -63,7 +58,7 @@ def split_of(index, val_fraction, test_fraction):
 # reading
 
 def local_files(patterns):
-    """Local source files, each pattern's matches sorted: the document order is the same everywhere."""
+    """Local source files, each pattern's matches sorted."""
     files = []
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern)))
@@ -74,7 +69,7 @@ def local_files(patterns):
 
 
 def builder_of(files):
-    """json, parquet or text: the builder that reads local files, told by their extension."""
+    """The builder (json, parquet or text) for local files, by their extension."""
     builders = {BUILDERS.get(Path(f.removesuffix(".gz")).suffix) for f in files}
     if None in builders or len(builders) > 1:
         raise UserError(f"source files {', '.join(files)}: pass files of one format, told by the extension "
@@ -83,7 +78,7 @@ def builder_of(files):
 
 
 def texts(dataset, name, data_files, source_split, text_column, streaming):
-    """The texts of a source, in order, through datasets.load_dataset; what fails is one UserError."""
+    """The texts of a source, in order, through datasets.load_dataset."""
     where = f"{dataset}{f' ({name})' if name else ''} {' '.join(data_files or [])}".strip()
     try:
         import datasets
@@ -110,7 +105,7 @@ def texts(dataset, name, data_files, source_split, text_column, streaming):
 
 
 def units(texts, val_fraction, test_fraction):
-    """(split, text) of every document; a lone document is cut by position into train, val and test."""
+    """(split, text) of every document; a lone document is cut by position."""
     texts = iter(texts)
     head = list(islice(texts, 2))
     if len(head) == 1:  # one document: split by position, as nanoGPT splits input.txt
@@ -128,7 +123,7 @@ def encode(tokenizer_name, unit):
 
 
 def encoded(units, tokenizer_name, num_proc):
-    """encode of each unit, in order, on num_proc processes, a bounded block of units at a time."""
+    """encode of each unit, in order, on num_proc processes."""
     if num_proc == 1:
         yield from (encode(tokenizer_name, u) for u in units)
         return
@@ -143,7 +138,7 @@ def encoded(units, tokenizer_name, num_proc):
 # writing
 
 class SplitWriter:
-    """The token stream of one split, cut into shards of shard_tokens tokens, and its unigram counts."""
+    """One split's token stream, cut into shards, and its unigram counts."""
 
     def __init__(self, out_dir, split, tokenizer, shard_tokens):
         self.out_dir, self.split, self.tok, self.shard_tokens = out_dir, split, tokenizer, shard_tokens
@@ -176,7 +171,7 @@ def unigram_baseline(train_counts, val_counts):
 
 
 def replace_dir(new, out_dir):
-    """Rename the complete directory `new` to out_dir, in place of what out_dir held (two renames)."""
+    """Rename the complete directory `new` into out_dir's place."""
     if out_dir.exists():
         old = new.with_name(new.name + ".old")
         os.rename(out_dir, old)
@@ -189,7 +184,7 @@ def replace_dir(new, out_dir):
 def prepare(dataset=None, name=None, data_files=None, source_split="train", text_column="text",
             streaming=True, tokenizer="gpt2", out_dir=None, val_fraction=0.05, test_fraction=0.05,
             shard_tokens=10**8, num_proc=1, overwrite=False):
-    """Tokenize a source into shards and meta.json under out_dir (replaced only with overwrite); the meta dict."""
+    """Tokenize a source into shards and meta.json under out_dir; the meta dict."""
     tok = get_tokenizer(tokenizer)
     if not (val_fraction >= 0 and test_fraction >= 0 and val_fraction + test_fraction < 1):
         raise UserError(f"--val_fraction {val_fraction} and --test_fraction {test_fraction}: each must be >= 0 and "

@@ -1,13 +1,11 @@
 """
-Sample text from a checkpoint, decoding incrementally with a key/value cache (docs/sampling.md).
+Sample text from a checkpoint, with a key/value cache (docs/sampling.md).
 
     python sample.py --ckpt runs/demo --prompt "ROMEO:" --num_samples 3 --max_new_tokens 200
-    python sample.py --ckpt runs/demo/ckpt.pt --temperature 0          # greedy, unconditional
+    python sample.py --ckpt runs/demo/ckpt.pt --temperature 0   # greedy, unconditional
 
-The prompt is prefilled once, then every sample of a batch decodes one token per step against the
-cache; depth routing works per position, so keys and values are all a variant needs cached. Sample i
-draws from its own generator, seeded with stable_seed(seed, i): the same text whatever the batch size.
-A full window slides: its last block_size // 2 tokens start a fresh cache.
+Depth routing works per position, so keys and values are all a variant needs cached. Each sample
+has its own seeded generator. Exit status 0, or 2 after one `error:` line.
 """
 
 import argparse
@@ -26,7 +24,7 @@ DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)
 
 
 class KVCache:
-    """Keys and values of past positions, per layer: what model.forward reads (pos) and fills (update)."""
+    """Keys and values of past positions, per layer."""
 
     def __init__(self, cfg, batch_size, device=None, dtype=torch.float32):
         shape = (cfg.n_layer, batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
@@ -42,7 +40,7 @@ class KVCache:
 
 
 class Window:
-    """The tokens the model conditions on, one row per sample, and (use_cache) their key/value cache."""
+    """The tokens the model conditions on, one row per sample, and their cache."""
 
     def __init__(self, model, prompts, use_cache=True):
         self.model, self.use_cache = model, use_cache
@@ -70,8 +68,7 @@ class Window:
 
 
 def filter_logits(logits, top_k=None, top_p=None):
-    """-inf outside the top_k largest logits (ties stay), then outside the nucleus: the most likely tokens
-    whose probabilities first reach top_p. The most likely token always stays."""
+    """-inf outside the top_k largest logits, then outside the top_p nucleus."""
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -85,7 +82,7 @@ def filter_logits(logits, top_k=None, top_p=None):
 
 
 def sample_logits(logits, temperature=1.0, top_k=None, top_p=None, generators=None):
-    """Token ids [B] from logits [B, vocab]: the argmax at temperature 0, else row b draws with generators[b]."""
+    """Token ids [B] from logits [B, vocab]: argmax at temperature 0, else drawn per row."""
     if temperature < torch.finfo(logits.dtype).tiny:  # 0, or so small that dividing by it overflows: greedy
         return logits.argmax(-1)
     scaled = (logits - logits.amax(-1, keepdim=True)) / temperature  # max first: a tiny temperature gives -inf, not NaN
@@ -96,8 +93,7 @@ def sample_logits(logits, temperature=1.0, top_k=None, top_p=None, generators=No
 
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
              generators=None, use_cache=True, vocab_size=None):
-    """Yield the next token ids [B] of the B rows continuing prompts (token lists of one length),
-    max_new_tokens times, one forward pass each. vocab_size: draw only from the tokenizer's ids."""
+    """Yield the next token ids [B] continuing the B prompts (of one length), max_new_tokens times."""
     window = Window(model, prompts, use_cache)
     for _ in range(max_new_tokens):
         tokens = sample_logits(window.next_logits()[:, :vocab_size], temperature, top_k, top_p, generators)

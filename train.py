@@ -6,12 +6,12 @@ Train a GPT with a depth-routing residual, on CPU, one GPU, or many through torc
     torchrun --standalone --nproc_per_node=8 train.py configs/rd_s.py
     python train.py configs/demo.py --resume=true                    # continue runs/demo exactly
     python train.py configs/demo.py --overwrite=true                 # start runs/demo over
-    python train.py --help                                           # every key, its type, default and meaning
 
 A config is a Python file that assigns keys; --key=value overrides it. `seed` fixes the initial weights and
-`data_seed` the order of the batches, so runs that differ only in `residual` are paired (VARIANTS.md section 8).
-out_dir/run_name receives config.json, log.jsonl, ckpt.pt and summary.json (docs/training.md). The first SIGINT or
-SIGTERM stops the run after the current step, with a checkpoint.
+`data_seed` the batches' order, so runs that differ only in `residual` are paired (VARIANTS.md section 8).
+out_dir/run_name gets config.json, log.jsonl, ckpt.pt, summary.json (docs/training.md). SIGINT or SIGTERM
+stops the run after the current step, with a checkpoint. Exit status 0; 2 after one `error:` line; 128 + N
+after signal N.
 """
 
 import difflib
@@ -214,7 +214,7 @@ def model_config(settings):
 
 
 def build_model_config(model_settings, tc, meta):
-    """GPTConfig of the keys set; vocab_size defaults to the data's padded to a multiple of 64, block_size to seq_len."""
+    """GPTConfig of the keys set; vocab_size defaults to the data's (padded), block_size to seq_len."""
     kv = {"vocab_size": 64 * math.ceil(meta["vocab_size"] / 64), "block_size": tc.seq_len, **model_settings}
     need(kv["vocab_size"] >= meta["vocab_size"], f"vocab_size={kv['vocab_size']} is smaller than the "
          f"{meta['tokenizer']} tokenizer's {meta['vocab_size']} in {tc.data_dir}")
@@ -223,7 +223,7 @@ def build_model_config(model_settings, tc, meta):
 
 
 def usage():
-    """--help: the docstring, then every key with its type, default and meaning (model keys: GPTConfig's comments)."""
+    """--help: the docstring, then every key with its type, default and meaning."""
     notes = {"n_layer": "transformer layers (two sublayers each)", "n_embd": "model width", "mlp_ratio": "MLP width / "
              "n_embd", "rope_base": "rotary embeddings' base"}
     notes |= dict(re.findall(r"^\s+(\w+): [^=]+=[^#\n]*#\s*(.*)$", inspect.getsource(GPTConfig), re.M))
@@ -257,8 +257,7 @@ def setup_ranks(tc):
 
 
 def sharded_model(mc, seed, world, device):
-    """A GPT sharded over the ranks (FSDP2), each rank holding its shards of model.InitialWeights' values: bit for
-    bit what one process initialises. Sublayers are units (GPT.forward calls block.attn and block.mlp)."""
+    """A GPT sharded over the ranks (FSDP2), one unit per sublayer, initialised bit for bit as in one process."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -305,9 +304,8 @@ def lr_at(it, tc, max_steps):
 
 
 def train_step(model, optimizer, loader, accum, lr, tc, device, autocast, max_loss, signals=None):
-    """One optimizer step over `accum` micro-batches per rank. Returns (the loss averaged over the whole batch, the
-    gradient norm before clipping, the largest signal number any rank's `signals` got), read in one sync; the
-    update is applied only when the loss is finite and at most max_loss and the norm finite."""
+    """One optimizer step over `accum` micro-batches per rank, skipped on a non-finite or too large loss.
+    Returns (mean loss, gradient norm before clipping, any rank's signal), read in one sync."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = torch.zeros((), device=device)
@@ -337,7 +335,7 @@ def train_step(model, optimizer, loader, accum, lr, tc, device, autocast, max_lo
 
 @torch.no_grad()
 def evaluate(model, data, split, batch_size, seq_len, max_tokens=None, device="cpu", autocast=None, lockstep=False):
-    """(mean loss over the first max_tokens targets of a split (None: all), summed in float64 over all ranks, tokens).
+    """(mean loss over the first max_tokens targets of a split, summed in float64 over all ranks; tokens).
     lockstep (FSDP, whose forwards gather from every rank): every rank runs as many batches as the busiest one."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
@@ -363,8 +361,7 @@ def evaluate(model, data, split, batch_size, seq_len, max_tokens=None, device="c
 
 
 def claim_run_dir(tc, run_dir, mc, tokenizer):
-    """Rank 0: lock the run directory for this run's life (one flock; a second process on a live run is refused)
-    and read it. Returns (the lock's fd, the checkpoint or None)."""
+    """Rank 0: lock the run directory for this run's life and read it. Returns (the lock's fd, checkpoint or None)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -426,16 +423,14 @@ def set_rng_state(state, device):
 
 
 def save_checkpoint(path, model, optimizer, state):
-    """One file for one process, DDP and FSDP alike: the whole weights and AdamW state gathered on rank 0 (a
-    collective), written there to a temporary name and renamed; a failed write stops every rank."""
+    """One file for one process, DDP and FSDP alike: the whole state gathered on rank 0 and written atomically."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                   cpu_offload=True))
     on_rank0(lambda: write_atomic(path, lambda f: torch.save({**state, "model": model_sd, "optimizer": optim_sd}, f)))
 
 
 def load_checkpoint(ckpt, model, optimizer, world):
-    """Rank 0's checkpoint (other ranks: without the weights) into the (sharded) model and its AdamW, which keeps
-    this run's settings (weight_decay, betas, eps): a checkpoint gives the moments and step counts."""
+    """Rank 0's checkpoint into the (sharded) model and AdamW, broadcast; AdamW keeps this run's settings."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world > 1)
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     set_model_state_dict(model, ckpt.get("model", {}), options=options)
@@ -474,8 +469,7 @@ def perplexity(loss):
 
 
 class GracefulStop:
-    """While active, the first SIGINT or SIGTERM asks the run to stop after the current step (`signum`); a second
-    SIGINT stops at once, a second SIGTERM is ignored (torchrun forwards what it gets). Main thread only."""
+    """While active, the first SIGINT or SIGTERM asks the run to stop after the current step (`signum`)."""
 
     def __init__(self, verbose=True):
         self.verbose, self.signum, self.previous = verbose, 0, {}

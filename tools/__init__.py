@@ -1,10 +1,8 @@
-"""The users' tools, each run from the repository root as `python -m tools.<name>`:
+"""Tools (`python -m tools.<name>`) and their helpers:
 
-    diagnose        what the routing learned; validation curves
-    bench           speed and memory against standard, in one run
-    gpu_check       the one-command check on a CUDA machine (make gpu-check)
-
-Here: what they share (and experiments/ with them): plots and the check that an output directory takes a file.
+    diagnose    what the routing learned
+    bench       speed and memory
+    gpu_check   checks on a CUDA GPU
 """
 
 import os
@@ -15,7 +13,7 @@ from common import write_atomic
 
 
 def pyplot():
-    """matplotlib.pyplot on the Agg backend, or None with a note when matplotlib is not installed."""
+    """matplotlib.pyplot (Agg), or None if absent."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -36,7 +34,7 @@ def write_figure(path, fig):
 
 
 def check_writable(directory):
-    """That `directory` takes a file, before the work whose result goes there (an OSError if not)."""
+    """OSError unless `directory` takes files."""
     probe = Path(directory) / f".probe.{os.getpid()}"
     with open(probe, "wb"):
         pass

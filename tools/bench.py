@@ -1,16 +1,13 @@
 """
 Benchmark a training step of every residual variant against the standard residual, in one run.
 
-    python -m tools.bench                                   # CPU: a small model in float32
+    python -m tools.bench                         # CPU: a small model in float32
     python -m tools.bench --device cuda --n_layer 12 --n_embd 768 --n_head 6 --seq_len 1024 \\
-        --batch_size 8 --dtype bf16 --compile         # the GPU size of the performance targets
+        --batch_size 8 --dtype bf16 --compile     # the GPU size of the performance targets
 
-Repeats are interleaved across variants, so a slow moment of the machine hits every variant alike; the table gives
-the median of each round's speed ratio against `standard` and its quartiles, and the bytes autograd saves for
-backward in one eager step ("saved activations"; on CUDA also the step's peak). A second table times the depth
-routing of one block against its memory-traffic floor (docs/performance.md). Variants are `residual[:key=value...]`,
-e.g. `rd_attnres:rd_mode=tied`. On a machine busier than its cores the ratios are unreliable: bench says so and
-records the load beside its figures (on CPU, run it with OMP_NUM_THREADS=1).
+Prints each variant's step time over `standard`'s and its saved activations, then the routing of one
+block against its memory-traffic floor. Exit status 0, or 2 after one `error:` line. Reading the
+figures (run it idle, or with OMP_NUM_THREADS=1): docs/performance.md.
 """
 
 import argparse
@@ -35,7 +32,7 @@ SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "residu
 
 
 def variant_config(spec, args):
-    """The GPTConfig of a variant `residual[:key=value...]` at the benchmark's size, or one UserError line."""
+    """The GPTConfig of a variant `residual[:key=value...]` at the benchmark's size."""
     name, *pairs = spec.split(":")
     kw = dict(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
               n_embd=args.n_embd, residual=name)
@@ -56,12 +53,8 @@ def variant_config(spec, args):
 
 
 class ReferenceRouter:
-    """TwoPhaseRouter's interface over depth_attention, site by site: the plain reference of one
-    chunk's routing (tools/bench.py's routing table times it; tests/test_routing.py checks the router
-    against it). The chunk's query rows W [Q, d] are known when it opens, over the sources
-    completed by then; each read adds the sources that arrived since. streams: None for one stream of
-    sources [*, d]; DAR: per target (key stream, value stream) of its sources [2, *, d], the rows
-    target-major. The norm factors `inv` are the two-phase path's, unused here."""
+    """TwoPhaseRouter's interface over plain depth_attention: the reference of one chunk's routing.
+    streams: DAR's (key stream, value stream) per target, else None."""
 
     def __init__(self, W, completed, inv=None, streams=None):
         self.W, self.completed, self.streams = W, completed, streams
@@ -83,16 +76,12 @@ class ReferenceRouter:
         return [self.read(q, recent) for q in rows]
 
     def read_fused(self, rows, alpha, recent=(), inv=()):
-        """DAR: h = alpha_0 r_0 + alpha_1 r_1 for one site's query rows (target 0's, target 1's)."""
+        """DAR: h = alpha_0 r_0 + alpha_1 r_1 for one site's query rows."""
         return alpha[0] * self.read(rows[0], recent) + alpha[1] * self.read(rows[1], recent)
 
 
 def saved_activation_bytes(fn, exclude=()):
-    """Run fn(); return the bytes autograd saved for backward meanwhile, each storage counted once
-    (several ops often save the same tensor), leaving out the storages of the tensors in `exclude`
-    (pass the parameters to count activations alone: a saved weight is a reference to memory the
-    model holds anyway). With activation checkpointing, a checkpointed region saves its inputs
-    (counted) and recomputes its internals in backward (not saved, not counted)."""
+    """Run fn(); the bytes autograd saved for backward meanwhile, each storage once, those of `exclude` left out."""
     storages, skip = {}, {t.untyped_storage().data_ptr() for t in exclude}
 
     def pack(t):
@@ -136,8 +125,7 @@ class Runner:
         self.opt.zero_grad(set_to_none=True)
 
     def memory(self):
-        """(saved for backward in an eager step: every storage, and the activations alone (no parameter);
-        the CUDA peak a compiled-or-not step adds, or None)."""
+        """((saved bytes, without parameters), the CUDA peak a step adds or None)."""
         saved = (saved_activation_bytes(lambda: self.step(self.model)),
                  saved_activation_bytes(lambda: self.step(self.model), exclude=list(self.model.parameters())))
         if self.device.type != "cuda":
@@ -154,15 +142,14 @@ def quartiles(xs):
 
 
 def copy_bandwidth(device, nbytes=256 * 2**20, reps=10):
-    """Bytes per second of a large device copy (read + write): the traffic ceiling in practice."""
+    """Bytes per second of a large device copy (read + write)."""
     a = torch.ones(nbytes // 2 // 4, device=device)  # float32: nbytes / 2 read, as many written
     b = torch.empty_like(a)
     return nbytes / statistics.median(timed(lambda: b.copy_(a), device) for _ in range(reps))
 
 
 def bench_block_routing(args, device, bandwidth, reps=10):
-    """One block of S sites over n completed sources (float32, as the streams keep them): the
-    router opened once, then each site reads with its partial sum. Per implementation and pass."""
+    """One block of S sites over n completed sources: the router opened once, then each site reads."""
     rows = []
     B, T, d = args.batch_size, args.seq_len, args.n_embd
     source = B * T * d * 4

@@ -1,13 +1,11 @@
 """
-The GPU check: one command on a machine with CUDA GPUs (`make gpu-check`), one summary, exit status 1 when a check
-fails. bench: tools.bench at 12 layers, width 768, context 1024, bf16, compiled. train: torchrun on every GPU, a
-small Block AttnRes run straight through, the same run stopped by SIGTERM part way (it must checkpoint and exit
-non-zero) and resumed: the first resumed step's loss within 1e-4 of the uninterrupted run's, every later one within
-1e-2 (GPU kernels with atomics are not bit-reproducible). sample: sample.py on that checkpoint, with and without the
-key/value cache.
+The GPU check: one command on a machine with CUDA GPUs (`make gpu-check`), one summary.
+bench: tools.bench at 12 layers, width 768, context 1024, bf16, compiled. train: a small torchrun run
+straight through, then stopped by SIGTERM and resumed: the losses must agree. sample: sample.py on that
+checkpoint, with and without the cache. Exit status 0, 1 when a check fails, 2 after one `error:` line.
 
-    python -m tools.gpu_check           # on the GPU machine: all of it, in a few minutes
-    python -m tools.gpu_check --toy     # the same at toy size on CPU (gloo): what the test runs
+    python -m tools.gpu_check           # all of it, in a few minutes
+    python -m tools.gpu_check --toy     # the same at toy size on CPU (gloo)
 """
 
 import argparse
@@ -40,7 +38,7 @@ TOY_TRAIN = ["residual=block_attnres", "n_layer=2", "n_embd=32", "n_head=2", "se
 
 
 def run(cmd, timeout, env=None):
-    """(stdout, stderr) of a command run to completion, or UserError with the end of its output."""
+    """(stdout, stderr) of a finished command, or UserError with its output's end."""
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise UserError(f"`{' '.join(map(str, cmd))}` exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -60,7 +58,7 @@ def check_bench(args, out):
 
 
 def check_train(args, data_dir, out):
-    """Straight through; stopped by SIGTERM and resumed; the losses after the stop must agree."""
+    """Straight through; stopped by SIGTERM and resumed; the losses must agree."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def torchrun(name, *extra):
@@ -111,7 +109,7 @@ def check_sample(args, out):
 
 
 def prepare(args, work):
-    """The embedded corpus as tokens: data/shakespeare (GPT-2) on the GPU machine, bytes in a temp dir for the toy."""
+    """The embedded corpus as tokens (bytes in a temp dir for the toy)."""
     if not args.toy:
         if not (ROOT / "data" / "shakespeare" / "meta.json").exists():
             run([sys.executable, "prepare_data.py"], timeout=args.timeout)
@@ -162,7 +160,7 @@ def check(argv):
 
 
 def main(argv=None):
-    """The command line; its exit status (1: a check failed, the summary says which)."""
+    """The command line; its exit status."""
     return cli(check, argv)
 
 
