@@ -26,7 +26,6 @@ def pyplot():
 
 def write_figure(path, fig):
     import matplotlib.pyplot as plt
-
     try:
         write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
     finally:
@@ -36,6 +35,5 @@ def write_figure(path, fig):
 def check_writable(directory):
     """OSError unless `directory` takes files."""
     probe = Path(directory) / f".probe.{os.getpid()}"
-    with open(probe, "wb"):
-        pass
+    probe.touch()
     probe.unlink()

@@ -48,8 +48,7 @@ def variant_config(spec, args):
         raise UserError(f"--variants {spec}: {e}") from None
 
 
-# --- the instruments the fast path is measured with (here and in the tests): the router's plain
-# counterpart, and what autograd keeps for backward
+# --- the instruments the fast path is measured with (here and in the tests) ---------------------------
 
 
 class ReferenceRouter:
