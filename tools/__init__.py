@@ -35,5 +35,5 @@ def write_figure(path, fig):
 def check_writable(directory):
     """OSError unless `directory` takes files."""
     probe = Path(directory) / f".probe.{os.getpid()}"
-    probe.touch()
+    open(probe, "wb").close()
     probe.unlink()
