@@ -162,6 +162,7 @@ def load_meta(data_dir):
         _need(meta["format_version"] == FORMAT_VERSION, f"format version {meta['format_version']!r}")
         _need(meta["tokenizer"] in TOKENIZERS, f"tokenizer {meta['tokenizer']!r} is not one of {', '.join(TOKENIZERS)}")
         tok = get_tokenizer(meta["tokenizer"])
+        _need(isinstance(meta["tokenizer_fingerprint"], str), "tokenizer_fingerprint is not a string")
         _need(meta["vocab_size"] == tok.vocab_size, f"vocab_size {meta['vocab_size']!r} is not the {tok.name} "
               f"tokenizer's {tok.vocab_size}")
         _need(isinstance(meta["splits"], dict), f"splits is a JSON {type(meta['splits']).__name__}, not an object")

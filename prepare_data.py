@@ -259,7 +259,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
 def _count(text):
     """A positive integer, also written like 1e8."""
     value = float(text)
-    if value != int(value) or value < 1:
+    if not 1 <= value <= 2**62 or value != int(value):  # (inf and nan too)
         raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
     return int(value)
 

@@ -237,7 +237,7 @@ def plot(result, path):
 
 
 def main(argv=None):
-    """The command line (run as a command through depthres.cli: a UserError is one `error:` line, exit 2)."""
+    """The command line (run as a command through common.cli: a UserError is one `error:` line, exit 2)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("design", help="the ladder's sweep file, e.g. experiments/configs/ladder_cpu.py")
     args = p.parse_args(argv)

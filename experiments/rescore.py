@@ -125,7 +125,7 @@ def line(r, scores, splits, seconds):
 
 
 def main(argv=None):
-    """The command line; its exit status (depthres.cli)."""
+    """The command line; its exit status (common.cli)."""
     return cli(run, argv)
 
 

@@ -41,7 +41,7 @@ and several processes may share a design as they share a sweep):
     best     each variant whose best lr (chosen on the tuning seeds alone) is not the recipe's, at that
              lr on the comparison seeds (runs only for variants whose tuning runs have all finished)
 Before any run, the design is checked and every run's overrides are read as train.py reads them: a bad
-design is one `error:` line, exit status 2 (depthres.cli).
+design is one `error:` line, exit status 2 (common.cli).
 
 The report, printed, then written into out_dir (robust.md, robust.json, loss_vs_flops.png; run paths relative
 to out_dir), each file whole or not at all; a file that cannot be written (a full or read-only disk) is one
@@ -436,7 +436,7 @@ def list_runs(design):
 
 
 def main(argv=None):
-    """The command line (run as a command through depthres.cli: a UserError is one `error:` line, exit 2)."""
+    """The command line (run as a command through common.cli: a UserError is one `error:` line, exit 2)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("design", help="design file (see above)")
     p.add_argument("--stage", choices=("all",) + STAGES, default="all", help="run one stage only (default: all, in order)")

@@ -60,7 +60,7 @@ in the run directory), and so is any finished run the sweep finds unscored. At t
 plots when matplotlib is installed; each file is written whole or not at all, and a file that cannot
 be written (a read-only out_dir) is one `warning:` line after the printed tables.
 
-Exit status (depthres.cli): 0 done; 2 with one `error:` line, before any run where the input is bad: a bad sweep file,
+Exit status (common.cli): 0 done; 2 with one `error:` line, before any run where the input is bad: a bad sweep file,
 seed or variant (the overrides, every seed and every variant's overrides are checked as train.py reads
 them), an out_dir it cannot write, no finished run of the reference to tabulate, or a run that failed
 (not by diverging); 3 done, but some runs diverged (the tables mark them); 4 done, but a twin does not
@@ -535,7 +535,7 @@ def score_all(spec):
 
 def main(argv=None):
     """The command line: its exit status, 0, EXIT_TWINS when a twin does not match, EXIT_DIVERGED when some
-    runs diverged; bad input is a UserError (run as a command, depthres.cli: one `error:` line, exit 2)."""
+    runs diverged; bad input is a UserError (run as a command, common.cli: one `error:` line, exit 2)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep file (see above)")
     p.add_argument("--launcher", default="", help='command prefix for each run, e.g. "torchrun --nproc_per_node=8"')

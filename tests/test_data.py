@@ -391,3 +391,24 @@ def test_cli_default_corpus(tmp_path):
     assert [splits[s]["docs"] for s in SPLITS] == [38, 2, 2]
     assert [hashlib.sha256((out / f"{s}_000000.bin").read_bytes()).hexdigest()[:16] for s in SPLITS] == [
         "d59e536cb55ff509", "2c5eb14d0c2db76c", "871b37a596b557da"]
+
+
+def test_a_meta_json_without_its_fingerprint_is_one_line(data_dir, tmp_path):
+    """A meta.json lacking tokenizer_fingerprint (hand-edited, damaged) was a KeyError traceback when a run opened it."""
+    import shutil
+
+    from data import TokenData
+    d = tmp_path / "copy"
+    shutil.copytree(data_dir, d)
+    meta = json.loads((d / "meta.json").read_text())
+    del meta["tokenizer_fingerprint"]
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="lacks tokenizer_fingerprint"):
+        TokenData(d)
+
+
+def test_an_infinite_count_is_one_line(tmp_path, capsys):
+    """--shard_tokens inf was an OverflowError traceback out of argparse."""
+    with pytest.raises(SystemExit) as e:  # argparse's one line
+        main(["--shard_tokens", "inf", "--out_dir", str(tmp_path / "x")])
+    assert e.value.code == 2 and "not a positive whole number" in capsys.readouterr().err
