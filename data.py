@@ -210,10 +210,10 @@ def opened(data):
     return data if isinstance(data, TokenData) else TokenData(data)
 
 
-def check_data(data, meta, seq_len):
+def check_data(data, seq_len):
     """Check every split a run uses before it starts: each shard's header and size, and length >= seq_len."""
     data = opened(data)
-    for split in ["train", "val"] + (["test"] if meta["splits"].get("test", {}).get("tokens") else []):
+    for split in ["train", "val"] + (["test"] if data.meta["splits"].get("test", {}).get("tokens") else []):
         tokens = sum(map(len, data.shards(split)))
         if split != "train" and tokens - 1 < seq_len:
             raise UserError(f"split {split!r} of {data.dir} has {tokens} tokens, too few for one evaluation "

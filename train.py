@@ -506,7 +506,7 @@ def main(argv=None):
     # config: every check before any compute
     tc, model_settings = parse_config(argv)
     data = TokenData(tc.data_dir)  # opened once: a later prepare_data.py --overwrite changes nothing for this run
-    check_data(data, data.meta, tc.seq_len)
+    check_data(data, tc.seq_len)
     meta = data.meta
     mc = build_model_config(model_settings, tc, meta)
     rank, world, device = setup_ranks(tc)

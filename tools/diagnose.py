@@ -86,10 +86,10 @@ def route_js(records, names):
 
 def stream_cka(records, n_layer):
     """Linear CKA between stream 0 after layer i and stream 1 after layer j, [n_layer][n_layer]."""
+    dar = recorded_kind(records) == "two_targets"
     def streams(i):
         s = [r[f"state.{2 * i + 1}"] for r in records]
-        s = [x if recorded_kind(records) == "two_targets" else x.movedim(-2, 0) for x in s]
-        return torch.cat([x[:2].flatten(1, 2) for x in s], 1)  # [2, tokens, d]
+        return torch.cat([(x if dar else x.movedim(-2, 0))[:2].flatten(1, 2) for x in s], 1)  # [2, tokens, d]
 
     s = [streams(i) for i in range(n_layer)]
     return [[linear_cka(s[i][0], s[j][1]) for j in range(n_layer)] for i in range(n_layer)]
