@@ -2,14 +2,28 @@
 
 import json
 import os
+import signal
 import sys
+import threading
 from contextlib import suppress
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 ROOT = Path(__file__).resolve().parent  # the repository, where train.py usually runs
+
+
+def quit_quietly(signum, frame):
+    sys.exit(128 + signum)
+
+
+# A command's Ctrl-C while torch imports (seconds): exit 130 without a traceback. Commands import common first;
+# cli() then turns Ctrl-C into KeyboardInterrupt again.
+_main = getattr(sys.modules.get("__main__"), "__file__", None)
+if (sys.argv[:1] == ["-m"] or _main and Path(_main).resolve().parent in (ROOT, ROOT / "tools")) \
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, quit_quietly)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 
 class UserError(ValueError):
@@ -29,8 +43,17 @@ def need(ok, message):
         raise UserError(message)
 
 
+def stop(signum, frame):
+    raise Stopped(f"stopped by {signal.Signals(signum).name}", signum)
+
+
 def cli(main, argv=None):
-    """main(argv) as a command: 0, 2 after one `error:` line, 128 + signum after a stop."""
+    """main(argv) as a command: 0, 2 after one `error:` line, 128 + signum after a stop (SIGINT or SIGTERM)."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, stop)):
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup, a shell's background job)
+                previous[signum] = signal.signal(signum, handler)
     try:
         status = main(argv)
         return status if isinstance(status, int) else 0
@@ -47,13 +70,16 @@ def cli(main, argv=None):
         if rank() == 0:
             print(str(e) or "interrupted", file=sys.stderr, flush=True)
         return 128 + getattr(e, "signum", 2)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def os_error_message(e, path=None):
+def os_error_message(e, path=None, verb="write"):
     """One line for an OSError ("cannot write PATH: ...")."""
     where, reason = path or e.filename, str(e.strerror or e)
     reason = reason[:1].lower() + reason[1:]
-    return f"cannot write {where}: {reason}" if where else reason
+    return f"cannot {verb} {where}: {reason}" if where else reason
 
 
 def write_atomic(path, data):

@@ -285,7 +285,11 @@ class TokenLoader:
             if state.get(key) != mine[key]:
                 raise UserError(f"loader state does not fit: {key} is {state.get(key)!r} in the saved state but "
                                 f"{mine[key]!r} here; resume with the same data, seed, batch_size and seq_len")
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        epoch, pos = state.get("epoch"), state.get("pos")
+        if not (type(epoch) is int and type(pos) is int and epoch >= 0 and 0 <= pos < self.n_windows):
+            raise UserError(f"loader state does not fit: epoch {epoch!r}, position {pos!r} of {self.n_windows} windows; "
+                            "the checkpoint is damaged: start over with --overwrite=true")
+        self.epoch, self.pos = epoch, pos
 
 
 def eval_batches(data, split, batch_size, seq_len, max_tokens, rank=0, world_size=1):

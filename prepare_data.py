@@ -24,10 +24,13 @@ from functools import partial
 from itertools import chain, islice
 from pathlib import Path
 
+# common first: it quiets a Ctrl-C while torch imports
+from common import UserError, cli
+
+# isort: split
 import numpy as np
 from tqdm import tqdm
 
-from common import UserError, cli
 from data import (
     DATA_DIR,
     DEFAULT_CORPUS,

@@ -14,9 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+# common first: it quiets a Ctrl-C while torch imports
+from common import UserError, cli, load_model, need, os_error_message
+
+# isort: split
 import torch
 
-from common import UserError, cli, load_model, need
 from data import get_tokenizer
 from model import stable_seed
 
@@ -136,6 +139,8 @@ def run(args):
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise UserError(f"prompt file {args.prompt_file} is not UTF-8 text ({e})") from None
+        except OSError as e:  # (missing, a directory, unreadable)
+            raise UserError(os_error_message(e, args.prompt_file, "read the prompt file")) from None
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, ckpt = load_model(args.ckpt, device)
     tok = get_tokenizer(ckpt["tokenizer"])

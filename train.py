@@ -35,6 +35,10 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+# common first: it quiets a Ctrl-C while torch imports
+from common import Stopped, UserError, any_rank, cli, log_records, need, on_rank0, write_atomic
+
+# isort: split
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -46,7 +50,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from common import Stopped, UserError, any_rank, cli, log_records, need, on_rank0, write_atomic
 from data import TokenData, TokenLoader, check_data, eval_batches
 from model import DAR_STREAMS, RD_MODES, RESIDUALS, DeltaAttnRes, DenseFormer, DualAttnRes, GPTConfig, InitialWeights, RDAttnRes
 from model_fast import compile_model, make_model
@@ -370,6 +373,9 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
         os.close(fd)
         raise UserError(f"{run_dir} is in use by another run") from None
     try:
+        for name in ("ckpt.pt", "config.json", "log.jsonl", "summary.json"):  # a killed save's (common.write_atomic)
+            for tmp in run_dir.glob(f".{name}.*.tmp"):
+                tmp.unlink(missing_ok=True)
         return fd, read_run_dir(tc, run_dir, mc, tokenizer)
     except BaseException:
         os.close(fd)
@@ -388,21 +394,52 @@ def read_run_dir(tc, run_dir, mc, tokenizer):
                             "train.py's; start over with --overwrite=true") from None
         need(isinstance(ckpt, dict) and ckpt.get("format") == CKPT_FORMAT, f"{path} is not a checkpoint of this "
              f"train.py (format {CKPT_FORMAT}): resume it with the version that wrote it, or start over with --overwrite=true")
-        need(ckpt["tokenizer"] == tokenizer, f"{path} was trained on {ckpt['tokenizer']} tokens, but "
-             f"{tc.data_dir} holds {tokenizer} tokens")
-        differ = [f"{k}: {v!r} there, {getattr(mc, k)!r} here" for k, v in ckpt["model_config"].items()
-                  if k not in EXECUTION_KEYS and getattr(mc, k) != v]
-        differ += [f"{k}: {ckpt['train_config'][k]!r} there, {getattr(tc, k)!r} here"
-                   for k in ("seed", "data_seed", "batch_tokens") if ckpt["train_config"][k] != getattr(tc, k)]
-        need(not differ, f"{path} holds another run ({'; '.join(differ)}): resume with its config, or choose "
-             "another run_name")
-        need(ckpt["step"] <= tc.steps, f"{path} is at step {ckpt['step']}, past this run's last step {tc.steps}")
+        try:
+            need(ckpt["tokenizer"] == tokenizer, f"{path} was trained on {ckpt['tokenizer']} tokens, but "
+                 f"{tc.data_dir} holds {tokenizer} tokens")
+            differ = [f"{k}: {v!r} there, {getattr(mc, k)!r} here" for k, v in ckpt["model_config"].items()
+                      if k not in EXECUTION_KEYS and getattr(mc, k) != v]
+            differ += [f"{k}: {ckpt['train_config'][k]!r} there, {getattr(tc, k)!r} here"
+                       for k in ("seed", "data_seed", "batch_tokens") if ckpt["train_config"][k] != getattr(tc, k)]
+            need(not differ, f"{path} holds another run ({'; '.join(differ)}): resume with its config, or choose "
+                 "another run_name")
+            need(ckpt["step"] <= tc.steps, f"{path} is at step {ckpt['step']}, past this run's last step {tc.steps}")
+            wrong = misfit(ckpt, mc)
+        except (KeyError, TypeError, AttributeError) as e:
+            wrong = f"{type(e).__name__} {e}"
+        need(wrong is None, f"{path} does not fit this run ({wrong}): it is damaged, or not this train.py's; start "
+             "over with --overwrite=true")
         return ckpt
     if tc.resume:
         print(f"note: {run_dir} holds no checkpoint yet: starting the run from step 0", file=sys.stderr)
     elif held and not tc.overwrite:
         raise UserError(f"{run_dir} already holds a run ({', '.join(held)}): continue it with --resume=true, or "
                         "start over with --overwrite=true")
+    return None
+
+
+def misfit(ckpt, mc):
+    """What in a checkpoint does not fit this run's model, AdamW or RNG; None if it all fits."""
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in make_model(mc).state_dict().items()}
+
+    def shape(t):  # a tensor's shape, else what it is
+        return tuple(t.shape) if torch.is_tensor(t) else "missing" if t is None else type(t).__name__
+    for k in sorted(set(want) | set(ckpt["model"])):
+        if shape(ckpt["model"].get(k)) != want.get(k, "missing"):
+            return f"weight {k}: {shape(ckpt['model'].get(k))} there, {want.get(k, 'missing')} here"
+    for k, state in ckpt["optimizer"]["state"].items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            if k not in want or shape(state.get(moment)) != want[k]:
+                return f"AdamW's {moment} of {k}: {shape(state.get(moment))}"
+        if not torch.is_tensor(state.get("step")) or state["step"].numel() != 1:
+            return f"AdamW's step of {k}: {shape(state.get('step'))}"
+    if not isinstance(ckpt["loader"], dict):
+        return f"the loader state: {shape(ckpt['loader'])}"
+    try:
+        set_rng_state(ckpt["rng"], torch.device("cpu"))  # (run() seeds afterwards)
+    except (ValueError, RuntimeError, IndexError) as e:
+        return f"the RNG state: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     return None
 
 
@@ -533,8 +570,8 @@ def main(argv=None):
     finally:
         if lock is not None:
             os.close(lock)
-        if world > 1:  # DDP's reducer sits in reference cycles: collected while its group exists (gloo aborts at exit)
-            gc.collect()
+        if world > 1:  # no collection from here on: see the end of this file
+            gc.disable()
             dist.destroy_process_group()
 
 
@@ -699,4 +736,12 @@ def run(tc, mc, data, rank, world, device, accum, sharded, max_steps, run_dir, c
 
 
 if __name__ == "__main__":
-    sys.exit(cli(main))
+    status = cli(main)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # A torchrun rank ends here, without the interpreter's teardown: destroying DDP's reducer or the gloo group
+        # holds the GIL while gloo's own thread, destroying a work under gloo's mutex, waits for it (a hang at exit,
+        # docs/reliability.md); the reducer, kept alive by its reference cycles, is never destroyed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

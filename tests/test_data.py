@@ -4,7 +4,9 @@ import errno
 import gzip
 import hashlib
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -193,7 +195,7 @@ def test_rerun_is_up_to_date_or_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("failure, status", [(OSError(errno.ENOSPC, "No space left on device"), 2),
-                                             (KeyboardInterrupt(), 130)])
+                                             (KeyboardInterrupt(), 130), (signal.SIGTERM, 143)])
 def test_a_failed_preparation_leaves_out_dir_as_it_was(tmp_path, monkeypatch, failure, status):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
@@ -203,7 +205,9 @@ def test_a_failed_preparation_leaves_out_dir_as_it_was(tmp_path, monkeypatch, fa
 
     def fail_at_the_third(*args):
         calls.append(args)
-        if len(calls) == 3:
+        if len(calls) == 3 and isinstance(failure, signal.Signals):
+            os.kill(os.getpid(), failure)
+        elif len(calls) == 3:
             raise failure
         real(*args)
     monkeypatch.setattr(prepare_data, "write_shard", fail_at_the_third)

@@ -90,6 +90,34 @@ def test_no_checkpoint_runs_code_in_any_reader(data_dir, tmp_path, capsys):
         run(data_dir, tmp_path, "--run_name=bad", "--resume=true")
 
 
+def spoil(state, what):
+    """A checkpoint of configs/test.py with one part that does not fit it."""
+    name = next(k for k in state["model"] if k.endswith("c_q.weight"))
+    if what == "weight":
+        state["model"][name] = torch.zeros(3, 5)
+    elif what == "moment":
+        state["optimizer"]["state"][name]["exp_avg"] = torch.zeros(7)
+    elif what == "rng":
+        state["rng"]["torch"] = torch.zeros(10, dtype=torch.uint8)
+    elif what == "no loader":
+        del state["loader"]
+    else:
+        state["loader"]["pos"] = what
+    return state
+
+
+@pytest.mark.parametrize("what, named", [("weight", "weight blocks.0.attn.c_q.weight: .3, 5. there"),
+                                         ("moment", "exp_avg of blocks.0.attn.c_q.weight"), ("rng", "RNG state"),
+                                         ("no loader", "KeyError"), (-5, "position -5"), ("x", "position 'x'")])
+def test_a_checkpoint_that_does_not_fit_is_one_line_before_any_step(data_dir, tmp_path, straight, what, named):
+    d = tmp_path / "straight"
+    shutil.copytree(straight, d)
+    torch.save(spoil(ckpt(d), what), d / "ckpt.pt")
+    with pytest.raises(UserError, match=named):
+        run(data_dir, tmp_path, "--run_name=straight", "--resume=true", "--max_steps=8")
+    assert steps(d) == steps(straight)
+
+
 def test_a_failed_write_leaves_the_previous_file(tmp_path):
     path = tmp_path / "summary.json"
     write_atomic(path, "old\n")

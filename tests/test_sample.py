@@ -260,6 +260,7 @@ def test_cli_a_sample_ends_at_end_of_text(tmp_path, capsys, monkeypatch):
     ("top_p_above_one", "--top_p must be in (0, 1]"),
     ("temperature_inf", "--temperature must be a finite number >= 0"),
     ("prompt_not_utf8", "not UTF-8"),
+    ("prompt_a_directory", "cannot read the prompt file"),
 ])
 def test_cli_bad_input_gives_one_clear_error(case, match, run_dir, tmp_path, capsys):
     (tmp_path / "junk.pt").write_bytes(b"this is not a checkpoint")
@@ -268,7 +269,8 @@ def test_cli_bad_input_gives_one_clear_error(case, match, run_dir, tmp_path, cap
     ckpt = {"missing": tmp_path / "nowhere", "not_a_checkpoint": tmp_path / "junk.pt",
             "no_format": tmp_path / "untagged.pt"}.get(case, run_dir)
     extra = {"top_k": ["--top_k", 0], "top_p_zero": ["--top_p", 0], "top_p_above_one": ["--top_p", 1.5],
-             "temperature_inf": ["--temperature", "inf"], "prompt_not_utf8": ["--prompt_file", tmp_path / "latin1.txt"]}
+             "temperature_inf": ["--temperature", "inf"], "prompt_not_utf8": ["--prompt_file", tmp_path / "latin1.txt"],
+             "prompt_a_directory": ["--prompt_file", tmp_path]}
     rc, out, err = cli(capsys, "--ckpt", ckpt, *extra.get(case, []))
     assert rc == 2 and out == ""
     assert err.startswith("error: ") and match in err and "Traceback" not in err

@@ -19,11 +19,15 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools/diagnose.py` as `python -m tools.diagnose`
+# common first: it quiets a Ctrl-C while torch imports
+from common import ROOT, UserError, cli, load_model, log_records, need, os_error_message
+from common import write_atomic as write_file
+
+# isort: split
 import torch
 
 import tools as files
-from common import ROOT, UserError, cli, load_model, log_records, need, os_error_message
-from common import write_atomic as write_file
 from data import eval_batches, load_meta
 from model import DARStream
 from tools import pyplot, write_figure
