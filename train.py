@@ -735,8 +735,9 @@ def run(tc, mc, data, rank, world, device, accum, sharded, max_steps, run_dir, c
     return summary
 
 
-if __name__ == "__main__":
-    status = cli(main)
+def command(argv=None):
+    """train.py as a command: exits with cli's status."""
+    status = cli(main, argv)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # A torchrun rank ends here, without the interpreter's teardown: destroying DDP's reducer or the gloo group
         # holds the GIL while gloo's own thread, destroying a work under gloo's mutex, waits for it (a hang at exit,
@@ -745,3 +746,7 @@ if __name__ == "__main__":
         sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
+
+
+if __name__ == "__main__":
+    command()

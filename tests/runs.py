@@ -79,7 +79,6 @@ def signal_in_step(n, name):
     return f"""
 import os, signal, sys
 import train
-from common import cli
 real, calls = train.train_step, []
 def step(*args, **kwargs):
     calls.append(1)
@@ -87,7 +86,7 @@ def step(*args, **kwargs):
         os.kill(os.getpid(), signal.{name})
     return real(*args, **kwargs)
 train.train_step = step
-sys.exit(cli(train.main, sys.argv[1:]))
+train.command(sys.argv[1:])
 """
 
 
@@ -95,7 +94,6 @@ sys.exit(cli(train.main, sys.argv[1:]))
 KILLED_IN_THE_LAST_SAVE = """
 import os, signal, sys, torch
 import train
-from common import cli
 real = torch.save
 def save(obj, f, *args, **kwargs):
     if obj["step"] == 6:
@@ -104,7 +102,7 @@ def save(obj, f, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     return real(obj, f, *args, **kwargs)
 torch.save = save
-sys.exit(cli(train.main, sys.argv[1:]))
+train.command(sys.argv[1:])
 """
 
 
