@@ -125,13 +125,19 @@ def encode(tokenizer_name, unit):
     return split, np.array([tok.eot] + tok.encode(text) if text else [], dtype=np.uint16)
 
 
+def quiet_worker():
+    """Ctrl-C is the main process' to report: a worker ignores it, and dies of the pool's SIGTERM (cli's handler is
+    the main process')."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def encoded(units, tokenizer_name, num_proc):
     """encode of each unit, in order, on num_proc processes."""
     if num_proc == 1:
         yield from (encode(tokenizer_name, u) for u in units)
         return
-    # Ctrl-C is the main process' to report: the workers ignore it
-    with multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+    with multiprocessing.Pool(num_proc, initializer=quiet_worker) as pool:
         units = iter(units)
         while block := list(islice(units, 64 * num_proc)):
             yield from pool.imap(partial(encode, tokenizer_name), block, chunksize=16)
