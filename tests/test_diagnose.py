@@ -116,12 +116,13 @@ def test_diagnostics_of_denseformer_muddformer_and_delta():
             assert all(1 / 6 <= p <= 1 for p in peak.values())
 
 
-@pytest.mark.parametrize("residual", ["denseformer", "muddformer", "delta_attnres"])
+@pytest.mark.parametrize("residual", ["denseformer", "muddformer", "delta_attnres", "mhc"])
 def test_diagnose_command_on_a_checkpoint(residual, tmp_path, byte_data):
     train.main(["configs/test.py", f"--data_dir={byte_data}", f"--out_dir={tmp_path}", f"--residual={residual}",
                 "--max_steps=2", "--eval_interval=2", "--ckpt_interval=2"])
     out = diagnose.diagnose(str(tmp_path / "test"), tokens=256, batch_size=2)
-    key = {"denseformer": "dwa_weights", "muddformer": "mudd_ways", "delta_attnres": "max_weight_mean"}[residual]
+    key = {"denseformer": "dwa_weights", "muddformer": "mudd_ways", "delta_attnres": "max_weight_mean",
+           "mhc": "cka_matrix"}[residual]
     assert key in out and json.loads((tmp_path / "test" / "diagnostics.json").read_text())[key] == out[key]
     assert diagnose.summary(out).count("\n") >= 1
 

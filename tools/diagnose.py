@@ -343,6 +343,7 @@ def summary(d):
                      + f"  mean {d['js_mean'][pair]:.3f} (max ln 2 = 0.693)")
     if "cka_per_layer" in d:
         lines.append("stream CKA per layer: " + " ".join(f"{x:.3f}" for x in d["cka_per_layer"]))
+    if "rescue_gain_per_layer" in d:  # DAR only: HC/mHC's streams have CKA, no rescue
         lines.append("rescue gain per layer (stream 0 / stream 1): " +
                      " ".join(f"{g['stream0']:.2f}/{g['stream1']:.2f}" for g in d["rescue_gain_per_layer"]))
     if d.get("max_weight_mean") is not None:
