@@ -159,7 +159,8 @@ def main(argv=None):
     missing = [f"{n} seed {s}" for n in design["runs"] for s in design["seeds"] if s not in diags[n]]
     per_run = {n: {s: figures(d) for s, d in runs.items()} for n, runs in diags.items()}
     rows = tests(design, per_run)
-    means = {n: {k: statistics.fmean(f[k] for f in runs.values() if k in f) for k in {k for f in runs.values() for k in f}}
+    means = {n: {k: statistics.fmean(f[k] for f in runs.values() if k in f)
+                 for k in sorted({k for f in runs.values() for k in f})}  # sorted: the same bytes on every rebuild
              for n, runs in per_run.items() if runs}
     text = table(rows, means, {n: len(r) for n, r in per_run.items()})
     if missing:

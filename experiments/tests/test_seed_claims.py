@@ -61,4 +61,5 @@ def test_the_mechanism_tests_from_stored_diagnostics(tmp_path, capsys):
     ps = [t[k]["p"] for k in ("M1", "M2", "M3", "M4", "M5")]
     assert [t[k]["p_holm"] for k in ("M1", "M2", "M3", "M4", "M5")] == pytest.approx(holm(ps))
     assert result["missing"] == ["mhc2 seed 4"]
+    assert list(result["means"]["dar"]) == ["cka_diag", "cka_off", "imbalance"]  # not a set's order: the same bytes
     assert "M4" in capsys.readouterr().out and (tmp_path / "out" / "mechanism.md").is_file()
