@@ -100,8 +100,8 @@ def table(rows, means, n_runs):
         verdict = ("agrees with the paper" if r["agrees"] else "rejects, against the paper") if r["reject"] else "not shown"
         lines.append(f"| {key} | {r['test']} | {r['predicted']} | {r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}] | {r['n']} "
                      f"| {r['p']:.3g} | {r['p_holm']:.3g} | {verdict} |")
-    lines += ["", "| run | " + " | ".join(sorted({k for m in means.values() for k in m})) + " |"]
     keys = sorted({k for m in means.values() for k in m})
+    lines += ["", "| run | " + " | ".join(keys) + " |"]
     lines.append("| --- |" + " --- |" * len(keys))
     for name, m in means.items():
         lines.append(f"| {name} ({n_runs[name]} seeds) | " + " | ".join(f"{m[k]:.4f}" if k in m else "" for k in keys) + " |")
