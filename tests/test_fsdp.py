@@ -17,7 +17,7 @@ from runs import CONFIG, assert_close_runs, assert_same_run, ckpt, run, signal_i
 # Two ranks build every residual family's model sharded from the meta device and compare each parameter (gathered)
 # and buffer with the one-process model of the same seed. Odd sizes (vocab 67, 3 layers) leave uneven shards.
 INITIAL_WEIGHTS = """
-import sys, torch
+import os, sys, torch
 import torch.distributed as dist
 from train import sharded_model
 from model import GPTConfig, RESIDUALS
@@ -35,8 +35,8 @@ for extra in configs:
     if not local < 0.6 * one.num_params():  # this rank holds about half of the weights
         differ.append(f"{extra}: {local} of {one.num_params()} parameters")
 dist.destroy_process_group()
-print("\\n".join(differ), file=sys.stderr)
-sys.exit(1 if differ else 0)
+print("\\n".join(differ), file=sys.stderr, flush=True)
+os._exit(1 if differ else 0)  # as train.command() leaves a rank: the interpreter's teardown can abort in gloo
 """
 
 
