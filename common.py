@@ -1,4 +1,4 @@
-"""What the commands share: errors and exit statuses, atomic writes, torchrun ranks, the run log, load_model."""
+"""What the commands share: errors and exit statuses, atomic writes, torchrun ranks, the run log."""
 
 import json
 import os
@@ -145,24 +145,3 @@ def on_rank0(fn):
     if error is not None:
         raise UserError(error)
     return result
-
-
-def load_model(path, device="cpu"):
-    """(the model of a checkpoint file or run directory, in eval mode; the checkpoint dict)."""
-    from model import GPTConfig
-    from model_fast import make_model
-
-    file = Path(path) / "ckpt.pt" if Path(path).is_dir() else Path(path)
-    need(file.is_file(), f"no checkpoint at {file}")
-    try:
-        ckpt = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # (torch's message may advise weights_only=False, which is unsafe: not quoted)
-        raise UserError(f"{file} is not a readable checkpoint ({type(e).__name__}): truncated, or not train.py's") from None
-    need(isinstance(ckpt, dict) and {"model", "model_config"} <= set(ckpt), f"{file} is not a train.py checkpoint")
-    try:
-        model = make_model(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise UserError(f"{path}: the checkpoint's model does not fit this model.py: {first}") from None
-    return model.to(device).eval(), ckpt

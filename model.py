@@ -128,12 +128,15 @@ def autocast_of(t):
     return torch.autocast(dev, dtype=torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else nullcontext()
 
 
-def depth_attention(w, keys, values=None):
-    """Section 0: h = sum_r softmax_r(w . RMSNorm(k_r)) v_r (values: the keys if None), in float32; returns (h, a)."""
+def depth_attention(w, keys, values=None, bias=None):
+    """Section 0: h = sum_r softmax_r(w . RMSNorm(k_r) + bias_r) v_r (values: the keys if None; bias: an additive
+    logit per source, or none), in float32; returns (h, a)."""
     values = keys if values is None else values
     dt = compute_dtype(keys[0])
     with float32_routing(w):
         logits = torch.stack([norm(k.to(dt)) @ w.to(dt) for k in keys])  # per token
+        if bias is not None:
+            logits = logits + bias.to(dt).view(-1, *(1,) * (logits.dim() - 1))
         a = logits.softmax(0)  # over the depth axis
         h = sum(a_r.unsqueeze(-1) * v.to(dt) for a_r, v in zip(a, values))  # values are the raw sources
     return h.to(values[0].dtype), a
@@ -183,6 +186,7 @@ class AttnRes(nn.Module):
     over blocks of S = attnres_block_size sublayers; zero-init, so routing starts uniform."""
 
     S = None  # sublayers per block: attnres_block_size, unless a subclass fixes it (FullAttnRes: 1)
+    uniform_at_zero_queries = True  # zero queries mix uniformly: the family's reductions (test_equivalence.py)
 
     def __init__(self, cfg):
         super().__init__()

@@ -8,9 +8,11 @@ softmax, h = c_o o_q + sum_k c_k s_k, (c_o, c_k) = softmax(lse_q, l_k). A source
 streams), N = prod(*). Routing runs in the compute dtype, autocast off. Memory and speed: docs/model.md,
 docs/performance.md."""
 
+import dataclasses
 import functools
 import math
 import sys
+from pathlib import Path
 
 import torch
 import torch._functorch.config
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 import model
+from common import UserError, need
 from model import compute_dtype, float32_routing
 
 
@@ -639,8 +642,43 @@ def make_model(cfg, seed=0):
     """The model a config asks for: FastGPT for depth_impl="two_phase", model.GPT for "reference"."""
     net = (FastGPT if cfg.depth_impl == "two_phase" else model.GPT)(cfg, seed)
     if cfg.depth_impl == "two_phase":
-        plain_stream_note(type(net.residual.start(torch.zeros(1, 1, cfg.n_embd))))
+        stream = type(net.residual.start(torch.zeros(1, 1, cfg.n_embd)))
+        plain_stream_note(stream)
+        if twin_of(stream)[0]:
+            with torch.device("cpu"):  # (a model built on the meta device is checked on real numbers)
+                check_twin(type(net.residual), stream, twin_of(stream)[0], cfg)
     return net
+
+
+proved = set()  # (module class, plain stream class, twin, config) checked in this process
+
+
+def check_twin(mod, stream, twin, cfg):
+    """The fast twin proves itself equal to the plain stream class the model holds (once per class, config and
+    process): both run a float64 copy of the module at random routing parameters, fed the same sublayer outputs."""
+    if (mod, stream, twin, repr(cfg)) in proved:
+        return
+    tiny = dataclasses.replace(cfg, n_embd=8, n_head=1)  # the config itself, at a small width
+    residual, g = mod(tiny).double(), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in residual.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    x0, R = torch.randn(2, 3, 8, generator=g, dtype=torch.float64), torch.randn(residual.L, 8, 8, generator=g)
+
+    def run(s):
+        inputs = []
+        for j in range(residual.L):
+            h = s.read(j)
+            inputs += h if isinstance(h, tuple) else [h]
+            s.write(j, torch.tanh(sum(inputs[-len(h) if isinstance(h, tuple) else -1:]) @ R[j].double()))
+        return inputs + [s.readout()]
+    plain, fast = run(stream(residual, x0)), run(twin(residual, x0, tiny.depth_chunk))
+    diff = max((a - b).abs().max().item() for a, b in zip(plain, fast)) if len(plain) == len(fast) else math.inf
+    if diff > 1e-9:
+        raise UserError(f"the fast path's {twin.__name__} does not compute what {stream.__module__}.{stream.__qualname__} "
+                        f"does for {mod.__name__} (max difference {diff:.2g} in float64): run with "
+                        "--depth_impl=reference, or update the twin in model_fast.py (docs/adding_a_variant.md)")
+    proved.add((mod, stream, twin, repr(cfg)))
 
 
 @functools.cache
@@ -650,6 +688,26 @@ def plain_stream_note(cls):
     if why:
         print(f"note: {cls.__module__}.{cls.__qualname__} runs as the plain stream on depth_impl='two_phase', without the fast "
               f"path's speed and memory: {why}; write its twin and register it in model_fast.TWINS", file=sys.stderr)
+
+
+def load_model(path, device="cpu"):
+    """(the model of a checkpoint file or run directory, in eval mode; the checkpoint dict)."""
+    file = Path(path) / "ckpt.pt" if Path(path).is_dir() else Path(path)
+    need(file.is_file(), f"no checkpoint at {file}")
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # (torch's message may advise weights_only=False, which is unsafe: not quoted)
+        raise UserError(f"{file} is not a readable checkpoint ({type(e).__name__}): truncated, or not train.py's") from None
+    need(isinstance(ckpt, dict) and {"model", "model_config"} <= set(ckpt), f"{file} is not a train.py checkpoint")
+    try:
+        net = make_model(model.GPTConfig(**ckpt["model_config"]))
+        net.load_state_dict(ckpt["model"])
+    except UserError:
+        raise
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"{path}: the checkpoint's model does not fit this model.py: {first}") from None
+    return net.to(device).eval(), ckpt
 
 
 # ----------------------------------------------------------------------------------------------

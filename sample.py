@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 
 # common first: it quiets a Ctrl-C while torch imports
-from common import UserError, cli, load_model, need, os_error_message
+from common import UserError, cli, need, os_error_message
 
 # isort: split
 import torch
 
 from data import get_tokenizer
 from model import stable_seed
+from model_fast import load_model
 
 DEFAULT_BATCH_SIZE = 32  # samples decoded together at most (--batch_size)
 

@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from common import UserError, cli, load_model, os_error_message, write_atomic
+from common import UserError, cli, os_error_message, write_atomic
 from data import get_tokenizer, load_meta
 from experiments.rundirs import run_dir
 from experiments.sweep import load_sweep
+from model_fast import load_model
 from tools import check_writable
 from tools.diagnose import find_data_dir
 from train import evaluate

@@ -8,16 +8,20 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import model
+import model_fast
 import sample
-from model import AttnRes, FullAttnRes, GPTConfig, RDAttnRes, SumStream
+import train
+from common import cli
+from model import AttnRes, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes, SumStream, depth_attention, note, site_name
 from model_fast import make_model
-from test_equivalence import F64, F64_OP, F64_ZERO, zero_grad_at_init
-from tools import diagnose
+from test_equivalence import BF16_PATHS, F64, F64_OP, F64_ZERO, bf16_routing_error, zero_grad_at_init
+from tools import bench, diagnose
 from train import model_config
 
-from runs import run
+from runs import CONFIG, run
 
 
 class ReZero(nn.Module):
@@ -62,6 +66,57 @@ class TemperedAttnRes(AttnRes):
         return super().queries(j) / self.log_tau[j].exp()
 
 
+class DepthALiBi(AttnRes):
+    """Block AttnRes with a learned bias over how far back each source is, an ALiBi over depth: at site j over
+    sources r = 0..n-1, logit_r += -softplus(a_j) (n - 1 - r); the readout is a site too. It changes the logits,
+    so its stream overrides `site`: it runs plain on both paths (make_model's note says so)."""
+
+    uniform_at_zero_queries = False  # softplus(0) > 0: zero queries still lean towards the newest source
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.a = nn.Parameter(torch.zeros(self.L + 1))  # a_0 reads one source: never used, as w_0 is not
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        super().reset_parameters(rng)
+        self.a.zero_()
+
+    def start(self, x0, record=None):
+        return DepthALiBiStream(self, x0, record)
+
+    def scalars(self):  # diagnostics.json's per-site values of this variant (tools/diagnose.py)
+        return {"slope": F.softplus(self.a)}
+
+
+class DepthALiBiStream(AttnResStream):
+    def site(self, j, sources):
+        bias = -F.softplus(self.mod.a[j]) * torch.arange(len(sources) - 1, -1, -1)
+        h, a = zip(*[depth_attention(w, sources, bias=bias) for w in self.mod.queries(j)])
+        note(self.record, site_name(j, self.mod.L), torch.stack(a, 1).squeeze(1))
+        return self.mod.combine(h)
+
+
+def alibi_textbook_logits(net, idx):
+    """h_j = sum_r softmax_r(w_j . s_r / rms(s_r) - softplus(a_j) (n - 1 - r)) s_r over x0, the completed blocks
+    and the open block's sum."""
+    S, L, w, a = net.residual.S, net.residual.L, net.residual.w, net.residual.a
+    cos, sin = net.cos[:idx.size(1)], net.sin[:idx.size(1)]
+    x0, ys = net.wte(idx), []
+
+    def site(j):
+        sources = [x0] + [sum(ys[b:b + S]) for b in range(0, j, S)]
+        n = len(sources)
+        logits = torch.stack([(s / s.square().mean(-1, keepdim=True).add(torch.finfo(s.dtype).eps).sqrt()) @ w[j]
+                              - F.softplus(a[j]) * (n - 1 - r) for r, s in enumerate(sources)])
+        return sum(p.unsqueeze(-1) * s for p, s in zip(logits.softmax(0), sources))
+
+    for j in range(L):
+        block = net.blocks[j // 2]
+        ys.append(block.attn(site(j), cos, sin, j // 2) if j % 2 == 0 else block.mlp(site(j)))
+    return net.lm_head(model.norm(site(L)))
+
+
 class MultiHeadAttnRes(AttnRes):
     """Block AttnRes with H = 2 pseudo-queries per site, one per channel group of d / H: head g's logits
     are w_j[g] . RMSNorm(s_r)[g] (the norm over all d channels), its output the group's channels of its
@@ -103,7 +158,8 @@ def multihead_textbook_logits(net, idx):
 # Parameters that start with a zero gradient by construction (the guide's exemptions, by predicate):
 #   rezero: alpha = 0 hides every sublayer's output, so no sublayer weight gets a gradient;
 #   tempered: with zero queries, w / tau = 0 whatever tau, so log_tau gets none.
-ZERO_GRAD = {"rezero": lambda name: name.startswith("blocks."), "tempered": ("residual.log_tau",), "multihead": ()}
+ZERO_GRAD = {"rezero": lambda name: name.startswith("blocks."), "tempered": ("residual.log_tau",), "multihead": (),
+             "depth_alibi": ()}
 
 
 @pytest.fixture
@@ -112,6 +168,7 @@ def registered(monkeypatch):
     monkeypatch.setitem(model.RESIDUALS, "rezero", ReZero)
     monkeypatch.setitem(model.RESIDUALS, "tempered", TemperedAttnRes)
     monkeypatch.setitem(model.RESIDUALS, "multihead", MultiHeadAttnRes)
+    monkeypatch.setitem(model.RESIDUALS, "depth_alibi", DepthALiBi)
 
 
 def tiny(residual, **kw):
@@ -128,17 +185,85 @@ def test_an_unregistered_name_is_refused():
         model_config(dict(residual="rezero"))
 
 
-@pytest.mark.parametrize("residual", ["rezero", "tempered", "multihead"])
-def test_a_new_variant_learns_and_exempts_only_what_its_init_zeroes(registered, residual):
+def unlearned(residual, exempt=()):
+    """The parameters of a variant's model that get no gradient at init, or one where `exempt` expects none."""
     net, idx = tiny(residual), tokens()
-    _, loss = net(idx, idx.roll(-1, 1))
-    loss.backward()
-    for name, p in net.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), name
-        if zero_grad_at_init(ZERO_GRAD[residual], name):
-            assert p.grad.abs().max() < F64_ZERO, f"{name} was expected to start with a zero gradient"
-        else:
-            assert p.grad.abs().max() > 1e-12, f"{name} has an all-zero gradient at init"
+    net(idx, idx.roll(-1, 1))[1].backward()
+    return [f"{residual}: {name}" for name, p in net.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()
+            or (p.grad.abs().max() < F64_ZERO) != zero_grad_at_init(exempt, name)]
+
+
+@pytest.mark.parametrize("residual", ["rezero", "tempered", "multihead", "depth_alibi"])
+def test_a_new_variant_learns_and_exempts_only_what_its_init_zeroes(registered, residual):
+    assert unlearned(residual, ZERO_GRAD[residual]) == []
+
+
+def test_a_parameter_that_never_learns_is_named_with_its_variant(monkeypatch):
+    class Unused(AttnRes):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.slope = nn.Parameter(torch.ones(self.L + 1))  # declared, never read
+
+    monkeypatch.setitem(model.RESIDUALS, "unused", Unused)
+    assert unlearned("unused") == ["unused: residual.slope"]
+
+
+@pytest.mark.parametrize("impl", ["two_phase", "reference"])
+def test_depth_alibi_matches_its_textbook_definition_and_runs_plain(registered, impl, capsys):
+    """The guide's worked example of a variant that changes the logits: a subclass overriding `site` runs as
+    written on both paths (a note says so once), and equals its definition at random queries and slopes."""
+    model_fast.plain_stream_note.cache_clear()
+    net, idx = tiny("depth_alibi", depth_impl=impl, attnres_block_size=2), tokens()
+    assert ("DepthALiBiStream runs as the plain stream" in capsys.readouterr().err) == (impl == "two_phase")
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in net.residual.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+        torch.testing.assert_close(net(idx)[0], alibi_textbook_logits(net, idx), rtol=0, atol=F64)
+
+
+def test_a_stream_routing_in_a_source_s_bf16_fails_the_dtype_rule(registered, monkeypatch):
+    """A twin-less stream that casts its sources to the newest one's dtype routes in bf16 under autocast: the dtype
+    test's float32 reference sees it."""
+    site = DepthALiBiStream.site
+
+    def one_dtype(self, j, sources):  # the sources "in one dtype": the newest's, bf16 under autocast
+        return site(self, j, [s.to(sources[-1].dtype) for s in sources])
+
+    monkeypatch.setattr(DepthALiBiStream, "site", one_dtype)
+    net = tiny("depth_alibi").float()
+    with torch.no_grad():
+        net.residual.w.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    assert bf16_routing_error(net, monkeypatch)[1] > 10 * BF16_PATHS
+
+
+def edited_shared_stream(self, j, sources):
+    """The shortcut the guide warns against: the depth bias added to the shared model.AttnResStream, which the
+    fast twin does not follow."""
+    bias = -0.5 * torch.arange(len(sources) - 1, -1, -1)
+    h, _ = zip(*[depth_attention(w, sources, bias=bias) for w in self.mod.queries(j)])
+    return self.mod.combine(h)
+
+
+def test_an_edit_to_a_shared_stream_that_its_twin_does_not_follow_is_refused(data_dir, tmp_path, monkeypatch, capsys):
+    """Every command that builds the fast model refuses it in one line, before any step: train, sample, diagnose
+    and bench; the guide's way (a subclass) runs (the tests above)."""
+    run(data_dir, tmp_path, "--residual=block_attnres", "--run_name=before", "--max_steps=2")
+    monkeypatch.setattr(AttnResStream, "site", edited_shared_stream)
+    model_fast.proved.clear()
+    ckpt = str(tmp_path / "before")
+    commands = [(train.main, [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--residual=block_attnres",
+                              "--run_name=after"]),
+                (sample.main, ["--ckpt", ckpt, "--max_new_tokens", "2"]), (diagnose.main, ["--ckpt", ckpt, "--tokens", "128"]),
+                (bench.main, ["--variants", "block_attnres", "--n_layer", "1", "--n_embd", "16", "--n_head", "1",
+                              "--vocab_size", "64", "--seq_len", "8", "--repeats", "1", "--routing_blocks", "",
+                              "--out", str(tmp_path / "bench.json")])]
+    capsys.readouterr()
+    for command, argv in commands:
+        assert cli(command, argv) == 2, command.__module__
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "FastAttnResStream" in err[0] and "depth_impl=reference" in err[0], err
+    assert not (tmp_path / "after" / "log.jsonl").exists()
 
 
 def test_rezero_starts_as_the_embedding_alone(registered):
@@ -248,7 +373,7 @@ def test_diagnostics_name_the_routes_the_variant_declares(registered, monkeypatc
             assert len(per_site) == sites and per_site["attn.0"] == 0 and min(list(per_site.values())[1:]) > 0
 
 
-@pytest.mark.parametrize("residual", ["rezero", "tempered", "multihead"])
+@pytest.mark.parametrize("residual", ["rezero", "tempered", "multihead", "depth_alibi"])
 def test_a_new_variant_trains_samples_and_diagnoses(registered, residual, data_dir, tmp_path, capsys):
     summary = run(data_dir, tmp_path, f"--residual={residual}", "--run_name=new", "--max_steps=4")
     assert summary["step"] == 4 and math.isfinite(summary["val_loss"])
@@ -259,5 +384,8 @@ def test_a_new_variant_trains_samples_and_diagnoses(registered, residual, data_d
         assert "routing_maps" in found and found["max_weight_mean"] is not None
     elif residual == "multihead":  # its own routes, compared at every site, the readout's too
         assert list(found["js_per_site"]) == ["head 0||head 1"] and "readout" in found["js_per_site"]["head 0||head 1"]
+    elif residual == "depth_alibi":  # its own scalars (the slopes) recorded and drawn, beside its routing
+        assert len(found["scalars"]["slope"]) == 2 * 2 + 1 and (tmp_path / "diag" / "scalars.png").exists()
+        assert "routing_maps" in found and "slope: " in diagnose.summary(found)
     else:  # it records nothing: no routing measures, and no crash
         assert "routing_maps" not in found

@@ -10,7 +10,8 @@ import torch
 
 import sample
 import train
-from common import UserError, load_model, write_atomic
+from common import UserError, write_atomic
+from model_fast import load_model
 
 from runs import Payload, ckpt, records, run, steps
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools/diagnose.py` as `python -m tools.diagnose`
 # common first: it quiets a Ctrl-C while torch imports
-from common import ROOT, UserError, cli, load_model, log_records, need, os_error_message
+from common import ROOT, UserError, cli, log_records, need, os_error_message
 from common import write_atomic as write_file
 
 # isort: split
@@ -30,6 +30,7 @@ import torch
 import tools as files
 from data import eval_batches, load_meta
 from model import DARStream
+from model_fast import load_model
 from tools import pyplot, write_figure
 from train import perplexity
 
@@ -247,6 +248,23 @@ def plot_curves(groups, path):
     return path
 
 
+def plot_scalars(scalars, path, title):
+    """A variant's own values (its module's `scalars()`), one line per name over the sites."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name, values in scalars.items():
+        ax.plot(range(len(values)), values, marker="o", label=name)
+    ax.set_xlabel("site j (sublayer; the last: the readout)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    write_figure(path, fig)
+    return path
+
+
 # --- the command -----------------------------------------------------------------------------------
 
 def default_out(ckpt_path):
@@ -321,6 +339,9 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
                                         for g0, g1, dn in dar_rescue_gains(model, batches, loss)]
     if kind == "mixing":
         out["mixing_matrices"] = {k: v.tolist() for k, v in mixing_matrices(records).items()}
+    if hasattr(model.residual, "scalars"):  # a variant's own values (docs/adding_a_variant.md)
+        with torch.no_grad():
+            out["scalars"] = {k: torch.as_tensor(v).flatten().tolist() for k, v in model.residual.scalars().items()}
 
     out_dir = out_dir or default_out(ckpt_path)
     try:
@@ -328,6 +349,9 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
         if maps:
             out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
                                                     f"{cfg.residual}, step {ckpt['step']}", kind, names)
+        if out.get("scalars"):
+            out["scalars_plot"] = plot_scalars(out["scalars"], os.path.join(out_dir, "scalars.png"),
+                                               f"{cfg.residual}, step {ckpt['step']}")
         path = os.path.join(out_dir, "diagnostics.json")
         write_file(path, json.dumps(out, indent=1) + "\n")
     except OSError as e:  # computed, then the disk failed: the numbers are printed, not lost
@@ -360,6 +384,8 @@ def summary(d):
     if "mixing_matrices" in d:
         last = list(d["mixing_matrices"])[-1]
         lines.append(f"mean mixing matrix at {last}: " + str([[round(x, 3) for x in row] for row in d["mixing_matrices"][last]]))
+    for name, values in d.get("scalars", {}).items():
+        lines.append(f"{name}: " + " ".join(f"{x:.3g}" for x in values))
     return "\n".join(lines)
 
 
