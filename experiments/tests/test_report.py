@@ -378,11 +378,6 @@ def test_a_margin_without_runs_shows_neither_and_the_report_keeps_it(tmp_path, c
     assert saved["equivalence_margin"] == 0.01 and saved["tests"][1]["shows"] == "neither"
 
 
-def test_the_replication_declares_its_margin_with_its_two_tests():
-    spec = sweep.load_sweep("experiments/configs/replication_cpu.py")
-    assert spec["equivalence_margin"] == 0.006 and len(spec["primary"]) == 2 and spec["seeds"] == list(range(1000, 1016))
-
-
 def test_reports_written_at_once_share_no_temporary_file(tmp_path, monkeypatch, capsys):
     """Three --table_only processes at once shared fixed temporary names (.curves.tmp.png): one renamed
     the other's away and reported a missing file. Here a second report writes every file between the
@@ -512,22 +507,3 @@ def test_the_loss_unit_is_what_the_runs_tokenizer_makes_a_token(tmp_path):
     assert token_unit([tmp_path / "a", tmp_path / "b"]) == "byte" and token_unit([tmp_path / "c"]) == "token"
     assert token_unit([tmp_path / "a", tmp_path / "c"]) is None and token_unit([tmp_path / "none"]) is None
     assert (nats("byte"), nats("token"), nats(None)) == ("nats per byte", "nats per token", "nats")
-
-
-@pytest.mark.slow
-def test_the_family_replications_stored_report_is_what_its_stored_runs_give(tmp_path, capsys):
-    """docs/results/replication_family_cpu/runs.tar.gz holds every run's records (config, log, summary,
-    scores): the report --table_only writes from them is the stored one, line for line (all but the
-    provenance line, whose declaration commit is read from git history, which a shallow clone lacks)."""
-    import tarfile
-    root = Path(__file__).resolve().parents[2]
-    stored = root / "docs" / "results" / "replication_family_cpu"
-    with tarfile.open(stored / "runs.tar.gz") as tar:  # our own archive; the "data" filter where Python has it
-        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    assert sweep.main([str(root / "experiments" / "configs" / "replication_family_cpu.py"), "--table_only",
-                       "--out_dir", str(tmp_path)]) == 0
-    capsys.readouterr()
-    for name in ("results.md", "results.csv"):
-        lines = [(stored / name).read_text().splitlines(), (tmp_path / name).read_text().splitlines()]
-        kept = [[line for line in ls if not line.startswith("Provenance")] for ls in lines]
-        assert kept[0] == kept[1], name
