@@ -1,11 +1,15 @@
 """What the commands share: errors and exit statuses, atomic writes, torchrun ranks, the run log."""
 
 import json
+import math
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 from contextlib import suppress
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent  # the repository, where train.py usually runs
@@ -130,8 +134,8 @@ def any_rank(value, device="cpu"):
     return t.item()
 
 
-def on_rank0(fn):
-    """fn() on rank 0, its result (or its error) on every rank."""
+def on_rank0(fn, shared=None):
+    """fn() on rank 0: its result there, shared(result) (default: the result) on the other ranks, its error on all."""
     result = error = None
     if rank() == 0:
         try:
@@ -139,9 +143,38 @@ def on_rank0(fn):
         except (UserError, OSError) as e:
             error = str(e) if isinstance(e, UserError) else os_error_message(e)
     if world_size() > 1:
-        box = [(result, error)]
+        box = [((shared or (lambda r: r))(result) if rank() == 0 and error is None else None, error)]
         dist.broadcast_object_list(box, src=0)
-        result, error = box[0]
+        result = result if rank() == 0 else box[0][0]
+        error = box[0][1]
     if error is not None:
         raise UserError(error)
     return result
+
+
+def perplexity(loss):
+    return math.exp(loss) if loss < 709 else math.inf
+
+
+def utc_now():
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def git_commit():
+    """This checkout's commit, "+dirty" where a tracked file differs from it; None outside git."""
+    try:
+        run = [subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
+               for args in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])]
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if run[0].returncode != 0:
+        return None
+    return run[0].stdout.strip() + ("+dirty" if run[1].stdout.strip() else "")
+
+
+def provenance(before=None):
+    """Where a run ran, over its segments: its first start (UTC), every segment's commit, torch and host."""
+    seen = {k: set((before or {}).get(k) or []) for k in ("commits", "torch", "hosts")}
+    for k, v in (("commits", git_commit()), ("torch", str(torch.__version__)), ("hosts", socket.gethostname())):
+        seen[k] |= {v} if v else set()
+    return {"started_utc": (before or {}).get("started_utc") or utc_now(), **{k: sorted(v) for k, v in seen.items()}}

@@ -24,19 +24,19 @@ import os
 import random
 import re
 import resource
-import runpy
 import signal
 import statistics
 import sys
 import threading
 import time
+import traceback
 import typing
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 # common first: it quiets a Ctrl-C while torch imports
-from common import Stopped, UserError, any_rank, cli, log_records, need, on_rank0, write_atomic
+from common import Stopped, UserError, any_rank, cli, log_records, need, on_rank0, perplexity, provenance, utc_now, write_atomic
 
 # isort: split
 import numpy as np
@@ -88,6 +88,8 @@ class TrainConfig:
     grad_clip: float = key(1.0, "max global gradient norm; 0: off")
     eval_interval: int = key(250, "steps between validation evaluations (and one at the end)")
     eval_tokens: int = key(65536, "tokens per evaluation: a fixed prefix of the split, shared among ranks")
+    final_eval_tokens: int | None = key(None, "tokens of the final val and test scores (summary.json): None = "
+                                              "eval_tokens, 0 = the whole split")
     log_interval: int = key(10, "steps between log lines")
     ckpt_interval: int = key(1000, "steps between checkpoints, each after a finite evaluation (and one at the end); "
                                    "0: only at the end")
@@ -113,6 +115,8 @@ class TrainConfig:
         need(0 <= self.min_lr <= self.lr and math.isfinite(self.lr) and self.lr > 0,
              f"need 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
         need(self.eval_tokens >= self.seq_len, f"eval_tokens={self.eval_tokens} is less than seq_len={self.seq_len}")
+        need(self.final_eval_tokens in (None, 0) or self.final_eval_tokens >= self.seq_len,
+             f"final_eval_tokens={self.final_eval_tokens} is less than seq_len={self.seq_len} (0: the whole split)")
         need(self.lr_schedule in ("cosine", "wsd"), f"lr_schedule must be cosine or wsd, got {self.lr_schedule!r}")
         need(0 <= self.decay_frac <= 1, f"decay_frac must be in [0, 1], got {self.decay_frac}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"betas must be in [0, 1), got {self.beta1}, {self.beta2}")
@@ -171,20 +175,37 @@ def check_key(name, where):
     raise UserError(f"unknown key {name!r} in {where}{hint} (python train.py --help lists every key)")
 
 
+def read_settings(path, what="config file"):
+    """The names a Python settings file assigns (a config, or a sweep file); a missing file or an error in it is one
+    UserError line naming the line."""
+    need(Path(path).is_file(), f"{what} {path} not found")
+    names = {}  # one namespace, as a module's: a comprehension in the file sees its names
+    try:
+        exec(compile(Path(path).read_bytes(), str(path), "exec"), names)
+    except SyntaxError as e:
+        raise UserError(f"{what} {path}: line {e.lineno}: syntax error: {e.msg}") from None
+    except (Exception, SystemExit) as e:  # (a file that calls sys.exit, too)
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == str(path)), "?")
+        raise UserError(f"{what} {path}: line {line}: {type(e).__name__}: {e}") from None
+    names.pop("__builtins__", None)
+    return names
+
+
 def parse_config(argv):
-    """[CONFIG, --key=value, ...] -> (TrainConfig, the model keys that were set)."""
+    """[CONFIG, --key=value or --key value, ...] -> (TrainConfig, the model keys that were set)."""
     need(argv and not argv[0].startswith("-"), "usage: python train.py CONFIG [--key=value ...]  (--help: the keys)")
     path = argv[0]
-    need(Path(path).is_file(), f"config file {path} not found")
-    try:
-        names = runpy.run_path(path)
-    except (Exception, SystemExit) as e:  # (a file that calls sys.exit, too)
-        raise UserError(f"config file {path}: {type(e).__name__}: {e}") from None
+    names = read_settings(path)
     settings = {check_key(k, path): v for k, v in names.items()
                 if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
-    for arg in argv[1:]:
-        need(arg.startswith("--") and "=" in arg, f"expected --key=value, got {arg!r}")
-        name, value = arg[2:].split("=", 1)
+    args = list(argv[1:])
+    while args:  # --key=value, or --key value as the other commands take it
+        arg = args.pop(0)
+        need(arg.startswith("--") and len(arg) > 2, f"expected --key=value, got {arg!r}")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            need(args and not args[0].startswith("--"), f"--{name} needs a value: --{name}=VALUE")
+            value = args.pop(0)
         settings[check_key(name, "the command line")] = value
     settings = {k: convert(k, v, TRAIN_TYPES.get(k) or MODEL_TYPES[k]) for k, v in settings.items()}
     train = {k: v for k, v in settings.items() if k in TRAIN_TYPES}
@@ -365,6 +386,11 @@ def evaluate(model, data, split, batch_size, seq_len, max_tokens=None, device="c
 
 def claim_run_dir(tc, run_dir, mc, tokenizer):
     """Rank 0: lock the run directory for this run's life and read it. Returns (the lock's fd, checkpoint or None)."""
+    if tc.wandb_log:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError("wandb_log=true needs the wandb package: pip install wandb (or drop wandb_log)") from None
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -501,10 +527,6 @@ def hms(seconds):
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def perplexity(loss):
-    return math.exp(loss) if loss < 709 else math.inf
-
-
 class GracefulStop:
     """While active, the first SIGINT or SIGTERM asks the run to stop after the current step (`signum`)."""
 
@@ -534,8 +556,53 @@ class GracefulStop:
 # The run, top to bottom.
 
 
+def autocast(device):
+    """bfloat16 autocast on CUDA (float32 parameters); none on CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def without_weights(ckpt):
+    """What the other ranks need of rank 0's checkpoint: all but the weights, which come at loading."""
+    return ckpt and {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
+
+
+def start_run_dir(tc, run_dir, ckpt, step, resolved):
+    """Rank 0: config.json, the log up to the checkpoint (a resume's records once), W&B; returns the W&B run."""
+    kept = [r for r in log_records(run_dir) if r.get("step", math.inf) < step or (r.get("step") == step and
+            r.get("split") != "test" and r.get("kind") != "resume")] if ckpt else []
+    for name in ("summary.json", "scores.json") + (() if ckpt else ("ckpt.pt",)):
+        (run_dir / name).unlink(missing_ok=True)
+    write_atomic(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
+    write_atomic(run_dir / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
+    if not tc.wandb_log:
+        return None
+    import wandb
+    try:
+        return wandb.init(project=tc.wandb_project, name=tc.wandb_run_name or tc.run_name, config=resolved,
+                          group=tc.wandb_group or None, tags=[t for t in tc.wandb_tags.split(",") if t] or None)
+    except Exception as e:
+        raise UserError(f"wandb_log=true, but W&B did not start: {str(e).strip().splitlines()[0]}") from None
+
+
+def check_diverged(log, what, loss, norm, step, max_loss, saved, run_dir):
+    """A loss non-finite or above max_loss (or a non-finite gradient norm) stops the run, its last checkpoint kept."""
+    if not (math.isfinite(loss) and loss <= max_loss and math.isfinite(norm)):
+        kept = "no checkpoint was written" if saved is None else (f"the checkpoint of step {saved[0]} (val loss "
+                                                                  f"{saved[1]:.4f}, evaluated finite) is kept in {run_dir}")
+        error = (f"{what} {loss:.4g} (gradient norm {norm:.4g}) at step {step} is non-finite or above {max_loss:.1f} "
+                 f"nats: training diverged and stopped without saving step {step}; {kept}. Try a lower lr or a longer warmup")
+        log(None, {"kind": "diverged", "step": step, "error": error})  # (experiments/sweep.py tabulates it)
+        raise UserError(error)
+
+
+def log_eval(log, split, loss, tokens, step, max_steps, elapsed):
+    log(f"step {step}/{max_steps} | {split} loss {loss:.4f} | ppl {perplexity(loss):.1f} | {tokens:,} tokens | "
+        f"{hms(elapsed)} elapsed", {"kind": "eval", "split": split, "step": step, "loss": loss, "ppl": perplexity(loss),
+                                    "tokens": tokens, "elapsed_s": elapsed})
+
+
 def main(argv=None):
-    """Train as the command line says. Returns the summary (rank 0's view)."""
+    """Train as the command line says, top to bottom. Returns the summary (rank 0's view)."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(usage())
@@ -548,136 +615,62 @@ def main(argv=None):
     mc = build_model_config(model_settings, tc, meta)
     rank, world, device = setup_ranks(tc)
     master, max_steps, run_dir = rank == 0, tc.steps, Path(tc.out_dir) / tc.run_name
-    lock = ckpt = None
+    lock = log = None
     try:
         per_micro = tc.batch_size * tc.seq_len * world
         need(tc.batch_tokens % per_micro == 0, f"batch_tokens={tc.batch_tokens} is not a multiple of batch_size * "
              f"seq_len * world_size = {per_micro} (e.g. batch_tokens={max(1, round(tc.batch_tokens / per_micro)) * per_micro})")
         accum, sharded = tc.batch_tokens // per_micro, tc.fsdp and world > 1
+        # the run directory: rank 0 locks it and reads its checkpoint; the other ranks get all but the weights
+        lock, ckpt = on_rank0(lambda: claim_run_dir(tc, run_dir, mc, meta["tokenizer"]),
+                              lambda claimed: (None, without_weights(claimed[1])))
 
-        def claim():  # rank 0 reads the checkpoint: the others get its small part, the weights come at loading
-            nonlocal lock, ckpt
-            if tc.wandb_log:
-                try:
-                    import wandb  # noqa: F401
-                except ImportError:
-                    raise UserError("wandb_log=true needs the wandb package: pip install wandb (or drop wandb_log)") from None
-            lock, ckpt = claim_run_dir(tc, run_dir, mc, meta["tokenizer"])
-            return ckpt and {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
-        small = on_rank0(claim)
-        return run(tc, mc, data, rank, world, device, accum, sharded, max_steps, run_dir, ckpt if master else small,
-                   argv[0])
-    finally:
-        if lock is not None:
-            os.close(lock)
-        if world > 1:  # no collection from here on: see the end of this file
-            gc.disable()
-            dist.destroy_process_group()
+        # model, optimizer, data: the seed fixes the weights, data_seed the batches, on any number of ranks
+        random.seed(tc.seed)
+        np.random.seed(tc.seed)
+        torch.manual_seed(tc.seed)
+        loader = TokenLoader(data, "train", tc.batch_size, tc.seq_len, rank, world, seed=tc.data_seed)
+        raw_model = sharded_model(mc, tc.seed, world, device) if sharded else make_model(mc, seed=tc.seed).to(device)
+        optimizer = torch.optim.AdamW(raw_model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+                                      eps=tc.eps, fused=device.type == "cuda")
+        step, before = 0, {}  # before: what the run's earlier segments add up to (seconds, speeds, provenance)
+        if ckpt is not None:
+            load_checkpoint(ckpt, raw_model, optimizer, world)
+            loader.load_state_dict(ckpt["loader"])
+            set_rng_state(ckpt["rng"], device)
+            step, before = ckpt["step"], ckpt.get("segments") or {}
+        model = compile_model(raw_model) if tc.compile else raw_model  # for evaluation
+        train_model = model if world == 1 or sharded else DistributedDataParallel(  # (the rotary tables are constant)
+            model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
+        max_loss = 4 * math.log(mc.vocab_size)  # 4 x a uniform guess's loss: diverged though finite
+        final_tokens = tc.eval_tokens if tc.final_eval_tokens is None else tc.final_eval_tokens or None  # 0: all
 
+        # the run directory's files and the log: config.json, the records up to the checkpoint, W&B
+        resolved = {"config_file": argv[0], "train": asdict(tc), "model": asdict(mc), "tokenizer": meta["tokenizer"],
+                    "world_size": world, "grad_accum": accum, "max_steps": max_steps, "threads": torch.get_num_threads()}
+        log = Log(run_dir / "log.jsonl", master)
+        log.tracker = on_rank0(lambda: start_run_dir(tc, run_dir, ckpt, step, resolved), lambda tracker: None)
+        log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters | {meta['tokenizer']} tokens, {world} x "
+            f"{device.type}{' (FSDP)' if sharded else ' (DDP)' if world > 1 else ''}, {torch.get_num_threads()} threads | "
+            f"{max_steps} steps of {tc.batch_tokens} tokens ({accum} micro-steps of {tc.batch_size}x{tc.seq_len} per "
+            f"rank) | run dir {run_dir}")
+        if ckpt is not None:
+            log(f"resumed at step {step} from {run_dir / 'ckpt.pt'}", {"kind": "resume", "step": step})
+        saved = (step, ckpt.get("val_loss")) if ckpt else None  # the last checkpoint: (step, its val loss)
+        segments = provenance(before)
 
-def run(tc, mc, data, rank, world, device, accum, sharded, max_steps, run_dir, ckpt, config_file):
-    """Model, AdamW, data and the log, then the loop, the evaluations and checkpoints, and the summary."""
-    master, meta = rank == 0, data.meta
-    # model, optimizer, data: the seed fixes the weights, data_seed the batches, on any number of ranks
-    random.seed(tc.seed)
-    np.random.seed(tc.seed)
-    torch.manual_seed(tc.seed)
-    loader = TokenLoader(data, "train", tc.batch_size, tc.seq_len, rank, world, seed=tc.data_seed)
-    raw_model = sharded_model(mc, tc.seed, world, device) if sharded else make_model(mc, seed=tc.seed).to(device)
-    optimizer = torch.optim.AdamW(raw_model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                                  eps=tc.eps, fused=device.type == "cuda")
-    step = 0
-    if ckpt is not None:
-        load_checkpoint(ckpt, raw_model, optimizer, world)
-        loader.load_state_dict(ckpt["loader"])
-        set_rng_state(ckpt["rng"], device)
-        step = ckpt["step"]
-    model = compile_model(raw_model) if tc.compile else raw_model  # for evaluation
-    train_model = model if world == 1 or sharded else DistributedDataParallel(  # (the rotary tables are constant)
-        model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
-
-    def autocast():  # bfloat16 on CUDA (float32 parameters); none on CPU
-        return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    max_loss = 4 * math.log(mc.vocab_size)  # 4 x a uniform guess's loss: diverged though finite
-
-    # the run directory: config.json, the log this run keeps (records up to its checkpoint), W&B
-    log = Log(run_dir / "log.jsonl", master)
-    resolved = {"config_file": config_file, "train": asdict(tc), "model": asdict(mc), "tokenizer": meta["tokenizer"],
-                "world_size": world, "grad_accum": accum, "max_steps": max_steps}
-
-    def start():  # rank 0; what it cannot write stops every rank
-        kept = [r for r in log_records(run_dir) if r.get("step", math.inf) < step or (r.get("step") == step and
-                r.get("split") != "test" and r.get("kind") != "resume")] if ckpt else []  # a resume's records: once
-        for name in ("summary.json", "scores.json") + (() if ckpt else ("ckpt.pt",)):
-            (run_dir / name).unlink(missing_ok=True)
-        write_atomic(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
-        write_atomic(run_dir / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
-        if tc.wandb_log:
-            import wandb
-            try:
-                log.tracker = wandb.init(project=tc.wandb_project, name=tc.wandb_run_name or tc.run_name, config=resolved,
-                                         group=tc.wandb_group or None, tags=[t for t in tc.wandb_tags.split(",") if t] or None)
-            except Exception as e:
-                raise UserError(f"wandb_log=true, but W&B did not start: {str(e).strip().splitlines()[0]}") from None
-    on_rank0(start)
-    log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters | {meta['tokenizer']} tokens, {world} x "
-        f"{device.type}{' (FSDP)' if sharded else ' (DDP)' if world > 1 else ''} | {max_steps} steps of {tc.batch_tokens}"
-        f" tokens ({accum} micro-steps of {tc.batch_size}x{tc.seq_len} per rank) | run dir {run_dir}")
-    if ckpt is not None:
-        log(f"resumed at step {step} from {run_dir / 'ckpt.pt'}", {"kind": "resume", "step": step})
-
-    saved = (step, ckpt.get("val_loss")) if ckpt else None  # the last checkpoint: (step, its val loss)
-
-    def last_good():
-        return "no checkpoint was written" if saved is None else (f"the checkpoint of step {saved[0]} (val loss "
-                                                                 f"{saved[1]:.4f}, evaluated finite) is kept in {run_dir}")
-
-    def diverged(what, loss, norm=0.0):
-        if not (math.isfinite(loss) and loss <= max_loss and math.isfinite(norm)):
-            error = (f"{what} {loss:.4g} (gradient norm {norm:.4g}) at step {step} is non-finite or above "
-                     f"{max_loss:.1f} nats: training diverged and stopped without saving step {step}; {last_good()}. "
-                     "Try a lower lr or a longer warmup")
-            log(None, {"kind": "diverged", "step": step, "error": error})  # (experiments/sweep.py tabulates it)
-            raise UserError(error)
-
-    def evaluation(split):
-        loss, tokens = evaluate(model, data, split, tc.batch_size, tc.seq_len, tc.eval_tokens, device, autocast(),
-                                lockstep=sharded)
-        diverged(f"{split} loss", loss)
-        elapsed = time.perf_counter() - t_start
-        log(f"step {step}/{max_steps} | {split} loss {loss:.4f} | ppl {perplexity(loss):.1f} | {tokens:,} tokens | "
-            f"{hms(elapsed)} elapsed", {"kind": "eval", "split": split, "step": step, "loss": loss,
-                                        "ppl": perplexity(loss), "tokens": tokens, "elapsed_s": elapsed})
-        return loss
-
-    def checkpoint(val_loss):
-        nonlocal saved
-        state = {"format": CKPT_FORMAT, "model_config": asdict(mc), "train_config": asdict(tc), "step": step,
-                 "tokenizer": meta["tokenizer"], "loader": loader.state_dict(), "rng": rng_state(device),
-                 "world_size": world, "val_loss": val_loss}
-        save_checkpoint(run_dir / "ckpt.pt", raw_model, optimizer, state)
-        saved = (step, val_loss)
-
-    def stop(signum):
-        name = signal.Signals(signum).name
-        log(None, {"kind": "stop", "step": step, "signal": name})
-        raise Stopped(f"stopped by {name} after step {step}; checkpoint written to {run_dir / 'ckpt.pt'}; "
-                      "resume with --resume=true", signum)
-
-    # the loop
-    t_start, first = time.perf_counter(), step
-    step_seconds, logged, speeds, val_loss, evaluated = 0.0, step, [], None, None
-    clean = False
-    try:
+        # the loop: a step; once in a while a log line, an evaluation, a checkpoint; a signal stops it after a step
+        t_start, first, signum = time.perf_counter(), step, 0
+        step_seconds, logged, speeds, val_loss, evaluated = 0.0, step, list(before.get("speeds", [])), None, None
         with GracefulStop(verbose=master) as signals:
             while step < max_steps:
                 lr = lr_at(step, tc, max_steps)
                 t0 = time.perf_counter()
-                loss, norm, signum = train_step(train_model, optimizer, loader, accum, lr, tc, device, autocast,
-                                                max_loss, signals)
+                loss, norm, signum = train_step(train_model, optimizer, loader, accum, lr, tc, device,
+                                                lambda: autocast(device), max_loss, signals)
                 step += 1
                 step_seconds += time.perf_counter() - t0
-                diverged("loss", loss, norm)  # a diverged step stopped before its update
+                check_diverged(log, "loss", loss, norm, step, max_loss, saved, run_dir)  # stopped before its update
                 last = step == max_steps
                 if step % tc.log_interval == 0 or last:
                     steps_done, logged = step - logged, step
@@ -691,48 +684,71 @@ def run(tc, mc, data, rank, world, device, accum, sharded, max_steps, run_dir, c
                          "ms_per_step": 1000 * step_seconds / steps_done, "elapsed_s": elapsed, "eta_s": eta})
                     step_seconds = 0.0
                 stopping = signum and not last
-                if step % tc.eval_interval == 0 or last or stopping or (tc.ckpt_interval and step % tc.ckpt_interval == 0):
-                    val_loss, evaluated = evaluation("val"), step  # a checkpoint holds weights just evaluated finite
-                if (tc.ckpt_interval and step % tc.ckpt_interval == 0) or last or stopping:
-                    checkpoint(val_loss)
+                checkpointing = (tc.ckpt_interval and step % tc.ckpt_interval == 0) or last or stopping
+                if step % tc.eval_interval == 0 or checkpointing:  # a checkpoint holds weights just evaluated finite
+                    val_loss, tokens = evaluate(model, data, "val", tc.batch_size, tc.seq_len, tc.eval_tokens, device,
+                                                autocast(device), lockstep=sharded)
+                    check_diverged(log, "val loss", val_loss, 0.0, step, max_loss, saved, run_dir)
+                    log_eval(log, "val", val_loss, tokens, step, max_steps, time.perf_counter() - t_start)
+                    evaluated = step
+                if checkpointing:
+                    seconds = before.get("seconds", 0.0) + time.perf_counter() - t_start
+                    state = {"format": CKPT_FORMAT, "model_config": asdict(mc), "train_config": asdict(tc), "step": step,
+                             "tokenizer": meta["tokenizer"], "loader": loader.state_dict(), "rng": rng_state(device),
+                             "world_size": world, "val_loss": val_loss,
+                             "segments": {**segments, "seconds": seconds, "speeds": speeds}}
+                    save_checkpoint(run_dir / "ckpt.pt", raw_model, optimizer, state)
+                    saved = (step, val_loss)
                 if stopping:
-                    stop(signum)
-            # the last step is checkpointed; a signal from here on stops the run before what comes next
-            if evaluated != step:  # resumed at the last step: the val loss is the checkpoint's
-                val_loss = saved[1] if saved and saved[1] is not None else evaluation("val")
-            test_loss = None
-            if meta["splits"].get("test", {}).get("tokens"):
+                    break
+            # the final scores on final_eval_tokens: val (unless the last evaluation read those tokens), then test
+            if evaluated != step and saved and saved[1] is not None:
+                val_loss = saved[1]  # resumed at the last step: the checkpoint's evaluation
+            test_loss, has_test = None, bool(meta["splits"].get("test", {}).get("tokens"))
+            finals = ["val"] * (final_tokens != tc.eval_tokens or val_loss is None) + ["test"] * has_test
+            for split in finals if not signum else []:
                 if signum := int(any_rank(signals.signum, device)):
-                    stop(signum)
-                test_loss = evaluation("test")
-            if signum := int(any_rank(signals.signum, device)):
-                stop(signum)
-        clean = True
-    except Stopped:
-        clean = True
-        raise
-    finally:
-        if log.tracker is not None:
-            log.tracker.finish(exit_code=0 if clean else 1)
+                    break
+                loss, tokens = evaluate(model, data, split, tc.batch_size, tc.seq_len, final_tokens, device,
+                                        autocast(device), lockstep=sharded)
+                check_diverged(log, f"{split} loss", loss, 0.0, step, max_loss, saved, run_dir)
+                log_eval(log, split, loss, tokens, step, max_steps, time.perf_counter() - t_start)
+                val_loss, test_loss = (loss, test_loss) if split == "val" else (val_loss, loss)
+            signum = signum or int(any_rank(signals.signum, device))
+        if signum:
+            name = signal.Signals(signum).name
+            log(None, {"kind": "stop", "step": step, "signal": name})
+            raise Stopped(f"stopped by {name} after step {step}; checkpoint written to {run_dir / 'ckpt.pt'}; "
+                          "resume with --resume=true", signum)
 
-    # the summary; peak memory: CUDA's allocated tensors, or the process' resident set (Linux: KiB)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peaks = [torch.tensor([peak], device=device) for _ in range(world)]
-    if world > 1:
-        dist.all_gather(peaks, peaks[0].clone())
-    peaks = [int(p) for p in peaks]
-    seconds = time.perf_counter() - t_start
-    summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
-               "params": raw_model.num_params(), "seconds": seconds,
-               "tokens_per_s": statistics.median(speeds) if speeds else None,  # over the log intervals
-               "peak_memory_bytes": max(peaks), "peak_memory_bytes_per_rank": peaks}
-    if master:
-        write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    test = f", test loss {test_loss:.4f}" if test_loss is not None else ""
-    log(f"done: val loss {val_loss:.4f}{test} after {step} steps in {hms(seconds)}; {run_dir} holds the checkpoint, "
-        "log.jsonl and summary.json")
-    return summary
+        # the summary; time and speed over every segment; peak memory: CUDA's allocated tensors, or the resident set
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
+        peaks = [torch.tensor([peak], device=device) for _ in range(world)]
+        if world > 1:
+            dist.all_gather(peaks, peaks[0].clone())
+        peaks = [int(p) for p in peaks]
+        seconds = before.get("seconds", 0.0) + time.perf_counter() - t_start
+        summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
+                   "final_eval_tokens": final_tokens or 0, "params": raw_model.num_params(), "seconds": seconds,
+                   "tokens_per_s": statistics.median(speeds) if speeds else None,  # over the log intervals
+                   "peak_memory_bytes": max(peaks), "peak_memory_bytes_per_rank": peaks,
+                   **segments, "finished_utc": utc_now()}
+        if master:
+            write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        test = f", test loss {test_loss:.4f}" if test_loss is not None else ""
+        log(f"done: val loss {val_loss:.4f}{test} after {step} steps in {hms(seconds)}; {run_dir} holds the checkpoint, "
+            "log.jsonl and summary.json")
+        return summary
+    finally:
+        if log is not None and log.tracker is not None:
+            log.tracker.finish(exit_code=0 if sys.exc_info()[0] in (None, Stopped) else 1)
+        if lock is not None:
+            os.close(lock)
+        if world > 1:  # DDP's reducer released while its group lives; no collection from here on (see the end)
+            train_model = model = None  # noqa: F841
+            gc.disable()
+            dist.destroy_process_group()
 
 
 def command(argv=None):

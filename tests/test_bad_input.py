@@ -45,7 +45,7 @@ def test_bad_keys_are_one_line_before_any_compute(data_dir, tmp_path, capsys, no
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("text, message", [("n_layer = 2 +\n", "SyntaxError"), ("n_layer = undefined\n", "NameError"),
+@pytest.mark.parametrize("text, message", [("n_layer = 2 +\n", "line 1: syntax error"), ("n_layer = undefined\n", "NameError"),
                                            ("import sys\nsys.exit(3)\n", "config file")])
 def test_a_config_file_that_fails_is_one_line(tmp_path, capsys, text, message):
     path = tmp_path / "bad.py"

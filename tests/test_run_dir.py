@@ -1,6 +1,7 @@
 """The run directory: never replaced unasked, one process at a time, its files whole, a resume that drops what came
 after its checkpoint, and no code run from a checkpoint."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -138,3 +139,25 @@ def test_the_files_of_a_finished_run(straight):
     model, _ = load_model(straight)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state["model"].items())
     assert train.TrainConfig(**state["train_config"]).steps == 6
+
+
+def test_a_resumed_run_s_summary_adds_up_its_segments_and_records_where_it_ran(data_dir, tmp_path, straight):
+    """seconds and tokens/s over every segment (a resume of a finished run keeps them); the first start, the last
+    finish, every segment's commit (+dirty), torch and host."""
+    first = json.loads((straight / "summary.json").read_text())
+    assert first["commits"] and first["torch"] == [str(torch.__version__)] and len(first["hosts"]) == 1
+    assert first["started_utc"] <= first["finished_utc"] and first["tokens_per_s"] > 0
+    d = tmp_path / "straight"
+    shutil.copytree(straight, d)
+    again = run(data_dir, tmp_path, "--run_name=straight", "--resume=true")  # finished: the final scores only
+    assert again["seconds"] > ckpt(straight)["segments"]["seconds"] and again["tokens_per_s"] == first["tokens_per_s"]
+    assert again["started_utc"] == first["started_utc"] and again["commits"] == first["commits"]
+
+
+def test_final_eval_tokens_scores_the_whole_split_once_at_the_end(data_dir, tmp_path):
+    summary = run(data_dir, tmp_path, "--run_name=whole", "--final_eval_tokens=0")
+    val = [r for r in records(tmp_path / "whole", "eval") if r["split"] == "val"]
+    whole, _ = train.evaluate(load_model(tmp_path / "whole")[0], train.TokenData(data_dir), "val", 4, 32)
+    assert val[-1]["tokens"] > val[-2]["tokens"] and val[-1]["step"] == val[-2]["step"] == summary["step"]
+    assert summary["val_loss"] == val[-1]["loss"] and abs(whole - summary["val_loss"]) < 1e-6
+    assert summary["final_eval_tokens"] == 0

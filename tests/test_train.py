@@ -103,11 +103,12 @@ def test_overrides_are_typed_and_checked(data_dir, tmp_path):
                                     "--residual=rd_attnres", "--n_embd=64"])
     assert (tc.max_steps, tc.lr, tc.compile, tc.run_name) == (100000, 2e-3, True, "test") and type(tc.max_steps) is int
     assert model == {"residual": "rd_attnres", "rd_mode": None, "n_layer": 2, "n_head": 2, "n_embd": 64}
+    assert train.parse_config([CONFIG, "--max_steps", "50", "--lr=2e-3"])[0].max_steps == 50  # --key value too
     for text, value in [("true", True), ("False", False), ("1", True), ("0", False)]:
         assert train.parse_config([CONFIG, f"--compile={text}"])[0].compile is value
     for arg, message in [("--lr=fast", "lr expects float"), ("--max_steps=1.5", "max_steps expects int"),
                          ("--compile=yes", "compile expects true/false"), ("--batchsize=8", "did you mean batch_size"),
-                         ("--n_layers=3", "did you mean n_layer"), ("--lr", "expected --key=value"),
+                         ("--n_layers=3", "did you mean n_layer"), ("--lr", "--lr needs a value: --lr=VALUE"),
                          ("--lr_schedule=linear", "lr_schedule must be cosine or wsd")]:
         with pytest.raises(UserError, match=message):
             train.parse_config([CONFIG, arg])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools/diagnose.py` as `python -m tools.diagnose`
 # common first: it quiets a Ctrl-C while torch imports
-from common import ROOT, UserError, cli, log_records, need, os_error_message
+from common import ROOT, UserError, cli, log_records, need, os_error_message, perplexity
 from common import write_atomic as write_file
 
 # isort: split
@@ -32,7 +32,6 @@ from data import eval_batches, load_meta
 from model import DARStream
 from model_fast import load_model
 from tools import pyplot, write_figure
-from train import perplexity
 
 # --- the measures ---------------------------------------------------------------------------------
 
@@ -424,9 +423,10 @@ def check_args(args):
 
 
 def val_curve(d):
-    return [(r["step"], r["loss"]) for r in log_records(d)
-            if r.get("kind") == "eval" and r.get("split") == "val" and isinstance(r.get("step"), int)
-            and isinstance(r.get("loss"), (int, float))]
+    """(step, val loss) of every evaluation on the run's eval_tokens (not a final score on other tokens)."""
+    evals = [r for r in log_records(d) if r.get("kind") == "eval" and r.get("split") == "val"
+             and isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float))]
+    return [(r["step"], r["loss"]) for r in evals if r.get("tokens") == evals[0].get("tokens")]
 
 
 def curve_labels(runs):
