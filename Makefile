@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-all gpu-check clean
+.PHONY: demo test test-all experiments-deps gpu-check clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,8 +14,11 @@ $(VENV)/.installed: requirements.txt
 # the tests' extras: pytest, pytest-xdist (one test process per core), ruff (the linter), and wandb
 # (optional for users: wandb_log=true), so its tests run
 $(VENV)/.test-installed: $(VENV)/.installed Makefile
-	$(PY) -m pip install -q pytest pytest-xdist ruff==0.17.6 wandb matplotlib
+	$(PY) -m pip install -q pytest pytest-xdist ruff==0.17.6 wandb scipy matplotlib
 	touch $@
+
+experiments-deps: $(VENV)/.installed  # what the sweeps' report needs beside the core: scipy (its tests), matplotlib
+	$(PY) -m pip install -q scipy matplotlib
 
 demo: $(VENV)/.installed
 	test -f data/shakespeare/meta.json || $(PY) prepare_data.py

@@ -1,7 +1,7 @@
 # The README's CPU experiment: every variant x 5 paired seeds on configs/exp_cpu.py, plus a
 # parameter-matched standard control for each variant with more than 1% extra parameters.
 #   python prepare_data.py --tokenizer byte && python -m experiments.sweep experiments/configs/sweep_cpu.py
-# 85 runs, about 3 hours as two processes of one thread each (they share the runs):
+# 80 runs, about 3 hours as two processes of one thread each (they share the runs):
 #   OMP_NUM_THREADS=1 python -m experiments.sweep experiments/configs/sweep_cpu.py &
 #   OMP_NUM_THREADS=1 python -m experiments.sweep experiments/configs/sweep_cpu.py
 base = "configs/exp_cpu.py"
@@ -10,7 +10,6 @@ variants = {
     "full_attnres": "residual=full_attnres",
     "block_attnres": "residual=block_attnres",
     "rd_attnres": "residual=rd_attnres",
-    "rd_tied": "residual=rd_attnres rd_mode=tied",
     "rd_average": "residual=rd_attnres rd_mode=average",
     "rd_frozen_v": "residual=rd_attnres rd_mode=frozen_v",
     "dar": "residual=dar dar_block_size=2",  # Block DAR: one history entry per 2 layers (exp_cpu's value)
@@ -39,8 +38,7 @@ primary = [
 ]
 # a control is a gate: "variant - control" is tested once the variant's primary test rejects
 controls = {"muddformer": "standard_mlp549", "mhc": "standard_mlp608"}  # variant -> its parameter-matched control
-twins = {"rd_tied": "block_attnres"}  # trains bit for bit as Block AttnRes: checked equal, in no family
-score = "val"  # the whole validation split (each run's scores.json); the whole test split is reported beside it
+score = "val"  # the whole validation split (each run's final evaluation); the whole test split is reported beside it
 # everything else (the RD and DAR ablations, dar_full, delta_block, each variant against both references) is exploratory
 seeds = [0, 1, 2, 3, 4]
 reference = "standard"

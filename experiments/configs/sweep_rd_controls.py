@@ -15,5 +15,4 @@ seeds = [0, 1, 2, 3, 4]
 reference = "block_attnres"
 overrides = "max_tokens=500000000 warmup_steps=100"
 primary = [("rd_decoupled", "block_attnres")]  # the claim; average and frozen_v are exploratory
-twins = {"rd_tied": "block_attnres"}  # trains bit for bit as Block AttnRes: checked equal, in no family
 out_dir = "runs/sweep_rd_controls"

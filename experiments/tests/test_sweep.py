@@ -1,532 +1,243 @@
-"""experiments/sweep.py: its progress lines, its claims, bad sweep files, a tiny sweep end to end, the
-sweep's reliability rounds; tools/diagnose.py on a sweep's runs."""
+"""experiments/sweep.py and experiments/report.py: the sweep file's checks, the pairing, resumes shared by processes
+through train.py's own lock, the design check, and the report's verdicts, tables, files and provenance."""
 
-import contextlib
 import json
-import os
-import re
-import shlex
-import signal
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 import train
-from common import Stopped, UserError, cli
-from experiments import sweep
-from model_fast import make_model
-from tools import diagnose
+from common import ROOT, UserError, cli
+from experiments import report, sweep
 
-from runs import poll
-from sweeps import fake_train, finished_run, sweep_file, sweep_spec
-
-ROOT = Path(__file__).resolve().parents[2]
+from runs import run
 
 
-def test_the_sweep_controls_match_their_variants_parameters():
-    spec = sweep.load_sweep("experiments/configs/sweep_cpu.py")
-    assert spec["controls"] and spec["seeds"] == [0, 1, 2, 3, 4] and spec["second_reference"] == "block_attnres"
-
-    def params(variant):
-        argv = [spec["base"]] + [f"--{kv}" for kv in sweep.overrides(spec, variant)]
-        tc, model_settings = train.parse_config(argv)
-        return make_model(train.build_model_config(model_settings, tc, dict(vocab_size=257, tokenizer="byte"))).num_params()
-
-    standard = params("standard")
-    controls = set(spec["controls"].values())
-    for variant in set(spec["variants"]) - controls:  # every variant with over 1% extra parameters has a control
-        assert (params(variant) > 1.01 * standard) == (variant in spec["controls"]), variant
-    for variant, control in spec["controls"].items():
-        assert abs(params(control) / params(variant) - 1) < 0.005, (variant, control)
-        residual, width = sweep.overrides(spec, control)  # standard, with only the MLP's hidden width changed
-        assert residual == "residual=standard" and re.fullmatch(r"mlp_hidden=\d+", width)
+def finished_run(d, val, test=None, params=1000, commits=("abc1234",), started="2026-01-01T00:00:00+00:00"):
+    """A run directory as a finished sweep run leaves it: whole-split final scores, provenance, a val curve."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"tokenizer": "byte"}))
+    (d / "log.jsonl").write_text("".join(json.dumps({"kind": "eval", "split": "val", "step": s, "loss": val + 1 / s,
+                                                     "tokens": 64}) + "\n" for s in (2, 4)))
+    (d / "summary.json").write_text(json.dumps(dict(
+        step=4, val_loss=val, test_loss=val + 0.01 if test is None else test, final_eval_tokens=0, params=params,
+        tokens_per_s=100.0, peak_memory_bytes=10, started_utc=started, finished_utc=started, commits=list(commits),
+        torch=["2.13.0"], hosts=["h"])))
 
 
-# --- the sweep's progress lines ----------------------------------------------------------------------
-
-def test_eta_is_the_mean_duration_times_the_runs_left():
-    assert sweep.eta_seconds([10.0, 20.0], 3) == pytest.approx(45.0)
-    assert sweep.eta_seconds([7.0], 0) == 0
-    assert sweep.eta_seconds([], 3) is None
-    assert sweep.hms(0) == "0:00:00" and sweep.hms(59.6) == "0:01:00" and sweep.hms(3725.4) == "1:02:05"
-    assert sweep.hms(30 * 3600 + 61) == "30:01:01"
+def spec_of(tmp_path, variants=("a", "b"), seeds=(0, 1, 2), **kw):
+    return dict(dict(base="configs/test.py", variants={v: "" for v in variants}, seeds=list(seeds), overrides="",
+                     reference=variants[0], out_dir=str(tmp_path / "runs"), primary=[], controls={}, score="val",
+                     alpha=0.05, equivalence_margin=None), **kw)
 
 
-def test_progress_lines_count_finished_runs_as_done(tmp_path, monkeypatch, capsys):
-    """2 variants x 2 seeds, one finished before: three runs of 60, 120 and 30 seconds (a fake clock)."""
-    spec = dict(base="configs/test.py", variants={"a": "", "b": ""}, seeds=[0, 1], overrides="",
-                out_dir=str(tmp_path))
-    (tmp_path / "b" / "seed0").mkdir(parents=True)
-    (tmp_path / "b" / "seed0" / "summary.json").write_text("{}")
-    now, durations = [1000.0], iter([60, 120, 30])
-
-    def fake_run(cmd):
-        out_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--out_dir="))
-        name = next(a.split("=", 1)[1] for a in cmd if a.startswith("--run_name="))
-        (Path(out_dir) / name).mkdir(parents=True)
-        (Path(out_dir) / name / "summary.json").write_text("{}")
-        now[0] += next(durations)
-        return 0
-
-    monkeypatch.setattr(sweep, "run_child", fake_run)
-    monkeypatch.setattr(sweep, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    sweep.run_all(spec, launcher="")
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("sweep:")]
-    assert lines == ["sweep: 2/4 runs done, 0:01:00 elapsed, ETA 0:02:00",  # a, seed 0; 2 left at 60 s
-                     "sweep: 3/4 runs done, 0:03:00 elapsed, ETA 0:01:30",  # a, seed 1; 1 left at 90 s
-                     "sweep: 4/4 runs done, 0:03:30 elapsed, ETA 0:00:00"]  # b, seed 1
+def runs_with(tmp_path, deltas, base=3.0):
+    """Finished runs of "a" and of each variant in deltas {variant: [Δ per seed]}."""
+    for s in range(len(next(iter(deltas.values())))):
+        finished_run(tmp_path / "runs" / "a" / f"seed{s}", base + 0.1 * s)
+        for v, d in deltas.items():
+            finished_run(tmp_path / "runs" / v / f"seed{s}", base + 0.1 * s + d[s])
 
 
-def test_ctrl_c_waits_for_the_run_to_checkpoint_and_the_sweep_says_so(tmp_path, monkeypatch):
-    class Child:  # a training run that gets the terminal's SIGINT too: it checkpoints and exits 130
-        waits = 0
-
-        def __init__(self, cmd, **kwargs):  # (cwd, preexec_fn)
-            pass
-
-        def wait(self):
-            Child.waits += 1
-            if Child.waits == 1:
-                raise KeyboardInterrupt  # Ctrl-C while the sweep waits
-            return 130
-    monkeypatch.setattr(sweep.subprocess, "Popen", Child)
-    spec = dict(base="configs/test.py", variants={"a": ""}, seeds=[0], overrides="", out_dir=str(tmp_path))
-    with pytest.raises(Stopped, match="run a seed 0 stopped with a checkpoint; run the sweep again to resume it"):
-        sweep.run_all(spec, launcher="")
-    assert Child.waits == 2  # waited for, not killed
-
-
-def test_sweep_processes_share_the_runs_of_one_sweep_file(tmp_path, monkeypatch, capsys):
-    spec = dict(base="configs/test.py", variants={"a": "", "b": ""}, seeds=[0, 1], overrides="",
-                out_dir=str(tmp_path))
-    other = sweep.claim(spec, "a", 1)  # another sweep process is running a, seed 1
-    ran = []
-
-    def fake_run(cmd):
-        name = next(a.split("=", 1)[1] for a in cmd if a.startswith("--run_name="))
-        variant = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("--out_dir="))).name
-        ran.append((variant, name))
-        (tmp_path / variant / name).mkdir(parents=True)
-        (tmp_path / variant / name / "summary.json").write_text("{}")
-        return 0
-
-    monkeypatch.setattr(sweep, "run_child", fake_run)
-    sweep.run_all(spec, launcher="")
-    assert ran == [("a", "seed0"), ("b", "seed0"), ("b", "seed1")]
-    assert "sweep: 1 run(s) were taken by another sweep process" in capsys.readouterr().out
-    assert sweep.claim(spec, "b", 0) is not None  # this process let go of its claims
-    os.close(other)
-    assert sweep.claim(spec, "a", 1) is not None
-
-
-ABC = 'base = "configs/test.py"\nvariants = {"a": "", "b": "", "c": ""}\nseeds = [0]\nreference = "a"\n'
-BAD_SWEEPS = {
-    "missing": (None, "not found"),
-    "syntax": ('base = "configs/test.py"\nvariants = {"a": ""\n', "line 2: syntax error"),
-    "raises": ('base = "configs/test.py"\nvariants = {"a": ""}\nseeds = [0]\nreference = "a"\nx = 1 / 0\n',
-               "line 5: ZeroDivisionError"),
-    "exits": ('import sys\nbase = "configs/test.py"\nsys.exit(3)\n', "line 3: SystemExit: 3"),  # (round five)
-    "variants_list": ('base = "configs/test.py"\nvariants = ["a", "b"]\nseeds = [0]\nreference = "a"\n',
-                      'variants must be a dict of {name: "key=value ..."} strings'),
-    "seeds": ('base = "configs/test.py"\nvariants = {"a": ""}\nseeds = "0 1"\nreference = "a"\n',
-              "seeds must be a non-empty list of whole numbers >= 0"),
-    "quote": ('base = "configs/test.py"\nvariants = {"a": "", "b": "run_name=\'x"}\nseeds = [0]\nreference = "a"\n',
-              "sweep variant 'b' (\"run_name='x\"): No closing quotation"),
-    "unknown_key": ('base = "configs/test.py"\nvariants = {"a": "", "b": "", "c": "n_layers=4"}\nseeds = [0]\n'
-                    'reference = "a"\n', "sweep variant 'c' ('n_layers=4'): unknown key 'n_layers' in the command line; "
-                                          "did you mean n_layer"),
-    "bad_value": ('base = "configs/test.py"\nvariants = {"a": "", "c": "residual=dar rd_mode=tied"}\nseeds = [0]\n'
-                  'reference = "a"\n', "rd_mode='tied' only applies to residual='rd_attnres'"),
-    # keys the sweep sets for every run: its pairing (round three)
-    "owned_seed": ('base = "configs/test.py"\nvariants = {"standard": "residual=standard", '
-                   '"dar_seedfix": "residual=dar seed=7 data_seed=7"}\nseeds = [0, 1]\nreference = "standard"\n',
-                   "sweep variant 'dar_seedfix' ('residual=dar seed=7 data_seed=7') sets seed, which the sweep owns"),
-    "owned_data_seed": ('base = "configs/test.py"\nvariants = {"a": "", "b": "data_seed=3"}\nseeds = [0, 1]\n'
-                        'reference = "a"\n', "sweep variant 'b' ('data_seed=3') sets data_seed, which the sweep owns"),
-    "owned_run_name": ('base = "configs/test.py"\nvariants = {"a": "", "b": "run_name=fixed"}\nseeds = [0, 1]\n'
-                       'reference = "a"\n', "sweep variant 'b' ('run_name=fixed') sets run_name, which the sweep owns"),
-    "owned_out_dir": ('base = "configs/test.py"\nvariants = {"a": "", "b": "out_dir=/tmp/elsewhere"}\nseeds = [0]\n'
-                      'reference = "a"\n', "sets out_dir, which the sweep owns"),
-    "owned_in_overrides": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 1]\nreference = "a"\n'
-                           'overrides = "max_steps=2 seed=7"\n',
-                           "the sweep's overrides ('max_steps=2 seed=7') set seed, which the sweep owns"),
-    # round five: the sweep resumes or starts over each run itself (overwrite=true failed only at a resume)
-    "owned_overwrite": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0]\nreference = "a"\n'
-                        'overrides = "overwrite=true"\n',
-                        "the sweep's overrides ('overwrite=true') set overwrite, which the sweep owns"),
-    "owned_resume": ('base = "configs/test.py"\nvariants = {"a": "", "b": "resume=runs/x"}\nseeds = [0]\n'
-                     'reference = "a"\n', "sweep variant 'b' ('resume=runs/x') sets resume, which the sweep owns"),
-    # round four: the overrides and every seed, before the first run, each named as what is wrong
-    "overrides_quote": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0]\nreference = "a"\n'
-                        'overrides = "max_steps=2 run_name=\'x"\n',
-                        "error: the overrides (\"max_steps=2 run_name='x\") of every run: No closing quotation"),
-    "seed_too_large": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 2**32]\nreference = "a"\n',
-                       "error: seed 4294967296 (each run's seed and data_seed): seed must be in [0, 2**32), got "
-                       "4294967296"),
-    "seeds_twice": ('base = "configs/test.py"\nvariants = {"a": "", "b": ""}\nseeds = [0, 0]\nreference = "a"\n',
-                    "seeds [0, 0] name 0 more than once"),
-    "variant_path": ('base = "configs/test.py"\nvariants = {"a": "", "../escape": ""}\nseeds = [0]\nreference = "a"\n',
-                     "variant name '../escape' is not a plain directory name"),
-    "variant_newline": ('base = "configs/test.py"\nvariants = {"a": "", "b\\ndone: FAKE": ""}\nseeds = [0]\n'
-                        'reference = "a"\n', "variant name 'b\\ndone: FAKE' is not a plain directory name"),
-    # the declared comparison (experiments/report.py)
-    "primary_typo": (ABC + 'primary = [("b", "a"), ("cc", "a")]\n', "primary names 'cc', which is not one of the variants"),
-    "primary_self": (ABC + 'primary = [("b", "b")]\n', "primary compares 'b' with itself"),
-    "primary_shape": (ABC + 'primary = ["b"]\n', "primary must be a list of (variant, baseline) pairs"),
-    "primary_twice": (ABC + 'primary = [("b", "a"), ("b", "c")]\n', "primary tests a variant twice"),
-    "control_ungated": (ABC + 'primary = [("b", "a")]\ncontrols = {"c": "a"}\n',
-                        "controls gives 'c' a control, but 'c' has no primary test"),
-    "twin_in_family": (ABC + 'primary = [("b", "a")]\ntwins = {"b": "c"}\n', "twin 'b' is in a family"),
-    "twin_unknown": (ABC + 'twins = {"b": "zz"}\n', "twins must be a dict {variant: the variant it trains bit for bit as}"),
-    "twin_baseline": (ABC + 'primary = [("b", "c")]\ntwins = {"c": "b"}\n', "twin 'c' is in a family"),
-    "control_self": (ABC + 'primary = [("b", "a")]\ncontrols = {"b": "b"}\n', "the control of 'b' is 'b', itself"),
-    "control_baseline": (ABC + 'primary = [("b", "a")]\ncontrols = {"b": "a"}\n', "the control of 'b' is 'a', its baseline"),
-    "score": (ABC + 'score = "validation"\n', "score must be one of val, test, val_prefix, test_prefix, got 'validation'"),
-    "alpha": (ABC + 'alpha = 5\n', "alpha must be a number between 0 and 1, got 5"),
-    "margin_negative": (ABC + 'primary = [("b", "a")]\nequivalence_margin = -0.01\n',
-                        "equivalence_margin must be a positive number of nats (e.g. 0.006), got -0.01"),
-    "margin_text": (ABC + 'primary = [("b", "a")]\nequivalence_margin = "0.01"\n',
-                    "equivalence_margin must be a positive number of nats (e.g. 0.006), got '0.01'"),
-    "margin_no_primary": (ABC + 'equivalence_margin = 0.01\n', "equivalence_margin is set but primary is empty"),
-}
-
-
-@pytest.mark.parametrize("case", BAD_SWEEPS)
-def test_a_bad_sweep_file_is_one_line_before_any_run(case, tmp_path, monkeypatch):
-    text, message = BAD_SWEEPS[case]
-    path = tmp_path / "sweep_bad.py"
-    if text is not None:
-        path.write_text(text)
-    monkeypatch.setattr(sweep, "run_child", None)  # never reached
-    with pytest.raises(UserError) as e:
-        sweep.main([str(path), "--out_dir", str(tmp_path / "runs")])
-    assert message.removeprefix("error: ") in str(e.value) and "\n" not in str(e.value)
-    assert not (tmp_path / "runs").exists()
-
-
-def test_a_sweep_file_may_compute_its_settings(tmp_path):
-    """A comprehension sees the file's names, as in any Python file (exec'd with separate globals and locals,
-    it raised NameError)."""
+def sweep_file(tmp_path, extra=""):
     path = tmp_path / "sweep_x.py"
-    path.write_text('base = "configs/test.py"\nnames = ["a", "b"]\ndepth = 3\n'
-                    'variants = {v: f"n_layer={depth}" for v in names}\nseeds = [0, 1]\nreference = names[0]\n')
-    spec = sweep.load_sweep(path)
-    assert spec["variants"] == {"a": "n_layer=3", "b": "n_layer=3"} and spec["reference"] == "a"
+    path.write_text('base = "configs/test.py"\nvariants = {"a": "residual=standard", "b": "residual=block_attnres"}\n'
+                    f'seeds = [0, 1]\nreference = "a"\nout_dir = {str(tmp_path / "runs")!r}\n' + extra)
+    return path
 
 
-def test_sweep_runs_log_to_wandb_in_one_group_when_asked(tmp_path):
-    spec = dict(base="configs/test.py", variants={"a": "", "b": "wandb_log=true", "c": "wandb_group=mine"},
-                seeds=[0], overrides="", out_dir=str(tmp_path / "sweep_x"))
+# --- the sweep file ------------------------------------------------------------------------------------------------
 
-    def wandb_keys(variant, seed=0):
-        cmd = sweep.train_command(spec, variant, seed, launcher="")
-        tc, _ = train.parse_config(cmd[2:])  # train.py reads every key it is given
-        return tc.wandb_log, tc.wandb_group, [t for t in tc.wandb_tags.split(",") if t], tc.wandb_run_name
-
-    assert wandb_keys("a") == (False, "", [], "")  # not asked: nothing added
-    assert wandb_keys("b") == (True, "sweep_x", ["b", "seed0"], "b-seed0")  # asked by the variant
-    spec["wandb"] = True  # --wandb, or `wandb = True` in the sweep file
-    assert wandb_keys("a", seed=2) == (True, "sweep_x", ["a", "seed2"], "a-seed2")
-    assert wandb_keys("c") == (True, "mine", ["c", "seed0"], "c-seed0")  # the sweep's overrides win
-    spec["overrides"] = "wandb_log=false"
-    assert wandb_keys("a")[0] is False and wandb_keys("b")[0] is True  # the variant's word is the last
-
-
-def test_a_wandb_sweep_without_wandb_stops_before_any_run(tmp_path, monkeypatch):
-    spec = dict(base="configs/test.py", variants={"a": ""}, seeds=[0], overrides="", out_dir=str(tmp_path),
-                wandb=True)
-    monkeypatch.setattr(sweep.importlib.util, "find_spec", lambda name: None)
+@pytest.mark.parametrize("extra, message", [
+    ('seeds = [0, 0]\n', "name a seed twice"),
+    ('variants = {"x" * 300: ""}\nreference = "x" * 300\n', "not a plain directory name"),
+    ('variants = {"a/b": ""}\nreference = "a/b"\n', "not a plain directory name"),
+    ('overrides = "seed=3"\n', "sets seed, which the sweep sets"),
+    ('variants = {"a": "final_eval_tokens=100", "b": ""}\n', "sets final_eval_tokens"),
+    ('primary = [("b", "c")]\n', "primary must be a list"),
+    ('equivalence_margin = 0.01\n', "with primary tests"),
+    ('primary = [("b", "a")]\ncontrols = {"b": "a"}\n', "not its baseline"),
+    ('score = "val_prefix"\n', "score must be one of val, test"),
+    ('reference = "z"\n', "reference 'z' is not one of the variants"),
+    ('1 / 0\n', "line 6: ZeroDivisionError"),
+])
+def test_a_bad_sweep_file_is_one_line_before_any_run(tmp_path, monkeypatch, extra, message):
     monkeypatch.setattr(sweep, "run_child", None)  # never reached
-    with pytest.raises(UserError, match="the sweep logs to W&B .* wandb package is not installed"):
-        sweep.run_all(spec, launcher="")
+    with pytest.raises(UserError, match=message):
+        sweep.main([str(sweep_file(tmp_path, extra))])
 
 
-# --- diagnose on a sweep's runs ----------------------------------------------------------------------
-
-def diagnose_cli(capsys, *args):
-    rc = diagnose.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
+def test_a_bad_variant_is_refused_before_the_first_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "run_child", None)
+    with pytest.raises(UserError, match="sweep variant 'b' .*lr"):
+        sweep.main([str(sweep_file(tmp_path, 'variants = {"a": "", "b": "lr=-1"}\n'))])
 
 
-def test_diagnose_curves_label_a_sweeps_runs_by_variant_and_seed(tmp_path, capsys, monkeypatch):
-    """A sweep's runs are <variant>/seed<s>: labelled by folder name, the runs of one seed collided and only
-    the last was drawn. Each is labelled by its path from the runs' common parent; a lone run by its name."""
-    drawn = []
-    monkeypatch.setattr(diagnose, "plot_curves", lambda groups, path: drawn.append(groups) or path)
-    runs = [tmp_path / "sweep" / variant / f"seed{s}" for variant in ("a", "b") for s in (0, 1)]
-    for run in runs:
-        run.mkdir(parents=True)
-        (run / "log.jsonl").write_text('{"kind": "eval", "split": "val", "step": 2, "loss": 3.0}\n')
-    for given, labels in ((runs, ["a/seed0", "a/seed1", "b/seed0", "b/seed1"]), (runs[:1], ["seed0"])):
-        assert diagnose_cli(capsys, "--curves", *given, "--out", tmp_path / "curves.png")[0] == 0
-        assert drawn.pop() == {label: [str(run)] for label, run in zip(labels, given, strict=True)}
+def test_run_by_its_path_it_answers_help():
+    out = subprocess.run([sys.executable, "experiments/sweep.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "sweep file" in out.stdout
 
 
-# --- a tiny sweep, end to end -----------------------------------------------------------------------
+# --- the runs ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_tiny_sweep_end_to_end_and_resume(tmp_path, byte_data):
-    spec = tmp_path / "sweep.py"
-    spec.write_text(f'base = "configs/test.py"\n'
-                    f'variants = {{"block": "", "tied": "residual=rd_attnres rd_mode=tied"}}\n'
-                    f'seeds = [0, 1]\nreference = "block"\ntwins = {{"tied": "block"}}\n'
-                    f'overrides = "data_dir={byte_data} max_steps=4 eval_interval=2 ckpt_interval=2"\n'
-                    f'out_dir = "{tmp_path / "runs"}"\n')
-    cmd = [sys.executable, "-m", "experiments.sweep", str(spec)]
-    died_early = tmp_path / "runs" / "tied" / "seed1"  # a run killed before its first checkpoint
-    died_early.mkdir(parents=True)
-    (died_early / "log.jsonl").write_text('{"kind": "train", "step": 1, "lo')
-    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert first.returncode == 0, first.stderr[-2000:]
-    progress = re.findall(r"^sweep: (\d+)/(\d+) runs done, \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d$",
-                          first.stdout, re.M)
-    assert progress == [("1", "4"), ("2", "4"), ("3", "4"), ("4", "4")]
-    assert "sweep: scoring up to 4 finished run(s) on the whole validation and test splits" in first.stdout
-    results = json.loads((tmp_path / "runs" / "results.json").read_text())
-    assert all(set(r["whole"]) == {"val", "test"} for r in results["runs"])
-    tied = {t["variant"]: t for t in results["tests"]}["tied"]
-    # rd_attnres with tied queries is exactly block_attnres: a twin, checked equal and in no family
-    # twins run the same float32 ops on the same data: 0; 1e-5 admits a sum another build orders otherwise (a few u a
-    # step over 4 steps, as tests/test_fsdp.py's runs), far below any difference between variants
-    assert tied["kind"] == "twin" and tied["paired_seeds"] == 2 and abs(tied["delta_mean"]) < 1e-5
-    assert [t["kind"] for t in results["tests"]] == ["twin"]
-    assert (tmp_path / "runs" / "results.csv").read_text().count("\n") == 5
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # everything finished: nothing reruns
-    assert again.returncode == 0 and "===" not in again.stdout and "sweep:" not in again.stdout
+def fake_train(ran, diverging=()):
+    """A run_child playing train.py: its run directory's lock held while it runs, a finished run or a divergence."""
+    def run_child(cmd):
+        arg = dict(a[2:].split("=", 1) for a in cmd if a.startswith("--"))
+        d = Path(arg["out_dir"]) / arg["run_name"]
+        ran.append((d.parent.name, int(arg["seed"]), int(arg["data_seed"]), arg["final_eval_tokens"],
+                    "resume" in arg, "overwrite" in arg))
+        if d.parent.name in diverging:
+            d.mkdir(parents=True)
+            (d / "log.jsonl").write_text(json.dumps({"kind": "diverged", "step": 3, "error": "loss nan"}) + "\n")
+            return 2
+        finished_run(d, 3.0 + 0.01 * int(arg["seed"]) + 0.001 * (d.parent.name == "b"))
+        return 0
+    return run_child
 
 
-def test_a_sweep_whose_design_changed_under_its_runs_refuses_before_any_run(tmp_path, byte_data, monkeypatch):
-    """A sweep file edited between invocations (max_steps 2 -> 4): the runs left trained at the new length
-    and were pooled with the finished ones, exit 0. Each run's config.json is compared with what the sweep
-    would run now: a change of what a run computes is one line before any run, --table_only too; a change of
-    how it computes or logs (ckpt_interval) is not."""
-    from experiments import rescore
-
-    def in_process(cmd):  # train.py and experiments.rescore as the sweep runs them, in this process
-        return rescore.main(cmd[3:]) if cmd[1:3] == ["-m", "experiments.rescore"] else cli(train.main, cmd[2:])
-    monkeypatch.setattr(sweep, "run_child", in_process)
-    path = sweep_file(tmp_path, seeds=(0,), extra=f'overrides = "data_dir={byte_data} max_steps=2"\n')
-    assert sweep.main([str(path)]) == 0
-    path.write_text(path.read_text().replace("max_steps=2", "max_steps=2 ckpt_interval=1"))
-    assert sweep.main([str(path)]) == 0  # nothing to run: a finished sweep, of the same design
-    path.write_text(path.read_text().replace("max_steps=2", "max_steps=4"))
-    (tmp_path / "runs" / "b" / "seed0" / "summary.json").unlink()  # b's last run is unfinished: it would resume
-    monkeypatch.setattr(sweep, "run_child", None)  # never reached
-    for args in ([], ["--table_only"]):
-        with pytest.raises(UserError) as e:
-            sweep.main([str(path), *args])
-        assert str(e.value) == (
-            "the sweep's design changed since some of its runs ran: a seed 0 ran with max_steps 2 (now 4), "
-            "b seed 0 ran with max_steps 2 (now 4); a sweep never pools runs of different designs: restore the "
-            f"sweep file's settings, or give the new design its own out_dir (not {tmp_path / 'runs'}), or delete "
-            "those runs to run them again")
-
-
-@pytest.mark.slow
-def test_a_sweep_with_a_diverging_variant_end_to_end(tmp_path, byte_data):
-    """train.py's log tells the sweep that a run diverged: the sweep tabulates it and exits 3, every time."""
-    spec = tmp_path / "sweep.py"
-    spec.write_text(f'base = "configs/test.py"\n'
-                    f'variants = {{"ok": "", "bad": "lr=3e3 min_lr=0 grad_clip=0 warmup_steps=0"}}\n'
-                    f'seeds = [0]\nreference = "ok"\n'
-                    f'overrides = "data_dir={byte_data} max_steps=8 eval_interval=4 ckpt_interval=4"\n'
-                    f'out_dir = "{tmp_path / "runs"}"\n')
-    cmd = [sys.executable, "-m", "experiments.sweep", str(spec)]
-    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert first.returncode == 3, first.stderr[-2000:]
-    assert re.search(r"^sweep: bad seed 0 diverged at step \d: tabulated as diverged; the sweep goes on", first.stdout, re.M)
-    assert "| `bad` (diverged: seed 0) | diverged |" in first.stdout and "Traceback" not in first.stderr
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert again.returncode == 3 and "===" not in again.stdout and "| `bad` (diverged: seed 0) |" in again.stdout
-
-
-@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT))
-                                        for p in (ROOT / "experiments" / "configs").glob("sweep_*.py")))
-def test_every_sweep_variant_is_a_valid_config(path):
-    spec = sweep.load_sweep(path)
-    for overrides in spec["variants"].values():
-        argv = [spec["base"]] + [f"--{kv}" for kv in shlex.split(spec["overrides"]) + shlex.split(overrides)]
-        tc, model_settings = train.parse_config(argv)
-        train.build_model_config(model_settings, tc, dict(vocab_size=50257, tokenizer="gpt2"))
-
-
-# --- the sweep, round three: runs that die with it, odd claims, read-only, divergence, one seed -----------
-
-def test_a_sweep_run_dies_with_the_sweep(tmp_path):
-    """kill -9 of the sweep: its training run gets SIGTERM (train.py then checkpoints and stops), never
-    an orphan that holds the run and makes the next sweep stop on 'in use by another run'."""
-    child = ("import os, sys, time; print(os.getpid(), flush=True); time.sleep(120)")
-    sweeper = subprocess.Popen([sys.executable, "-c", "import sys; from experiments import sweep; "
-                                f"sweep.run_child([sys.executable, '-c', {child!r}])"],
-                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        pid = int(sweeper.stdout.readline())
-        sweeper.kill()  # kill -9
-        sweeper.wait()
-
-        def gone():
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except FileNotFoundError:
-                return True
-            return state in ("Z", "X")  # a zombie waits for init to reap it: it runs no more
-        poll(gone, timeout=20)
-    finally:
-        with contextlib.suppress(ProcessLookupError, NameError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def test_a_run_held_by_another_process_is_skipped_not_fatal(tmp_path, monkeypatch, capsys):
-    from experiments.rundirs import try_lock
-    spec = sweep_spec(tmp_path)
-    busy = tmp_path / "runs" / "a" / "seed0"
-    busy.mkdir(parents=True)
-    orphan = try_lock(busy / ".lock")  # a train.py still running it (an orphan of a killed sweep, or by hand)
+def test_runs_are_paired_by_seed_scored_whole_and_resumed_or_started_over(tmp_path, monkeypatch, capsys):
+    (tmp_path / "runs" / "a" / "seed1").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "seed1" / "ckpt.pt").write_bytes(b"")  # a run to resume
+    (tmp_path / "runs" / "b" / "seed0").mkdir(parents=True)  # died before its first checkpoint: started over
     ran = []
-    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
-    try:
-        sweep.run_all(spec, launcher="")
-    finally:
-        os.close(orphan)
-    assert ran == [("b", 0), ("a", 1), ("b", 1)]
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran))
+    assert sweep.main([str(sweep_file(tmp_path))]) == 0
+    assert ran == [("a", 0, 0, "0", False, False), ("b", 0, 0, "0", False, True), ("a", 1, 1, "0", True, False),
+                   ("b", 1, 1, "0", False, False)]
     out = capsys.readouterr().out
-    assert "sweep: a seed 0 is in use by another process: skipped" in out
-    sweep.run_all(spec, launcher="")  # once it is free, the next invocation runs it
-    assert ran[-1] == ("a", 0) and sweep.status(spec, "a", 0) == "finished"
+    assert "sweep: 4/4 runs done" in out and "| `b` | 2 |" in out
+    ran.clear()
+    assert sweep.main([str(sweep_file(tmp_path))]) == 0 and ran == []  # finished runs are skipped
 
 
-def test_a_claim_entry_that_is_a_directory_is_not_a_claim(tmp_path, monkeypatch):
-    spec = sweep_spec(tmp_path, variants=("a",), seeds=(0,))
-    (tmp_path / "runs" / "a" / ".seed0.sweep-lock" / "junk").mkdir(parents=True)  # no process holds it
+def test_a_run_another_process_holds_is_skipped_and_counted_busy(tmp_path, monkeypatch, capsys):
+    import fcntl
+    import os
+    d = tmp_path / "runs" / "a" / "seed0"
+    d.mkdir(parents=True)
+    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a live train.py holds it
     ran = []
-    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
-    sweep.run_all(spec, launcher="")
-    assert ran == [("a", 0)]
-    held = sweep.claim(spec, "a", 0)  # a live claim on it still keeps other sweep processes off
-    assert held is not None and sweep.claim(spec, "a", 0) is None
-    os.close(held)
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran))
+    try:
+        with pytest.raises(UserError, match="no finished run of the reference"):  # its one run is busy
+            sweep.main([str(sweep_file(tmp_path, 'seeds = [0]\n'))])
+    finally:
+        os.close(fd)
+    assert ran == [("b", 0, 0, "0", False, False)] and "1 busy" in capsys.readouterr().out
 
 
-def test_a_read_only_out_dir_is_one_line_and_the_table_still_prints(tmp_path, monkeypatch, capsys, read_only):
-    spec = sweep_spec(tmp_path)
-    for v, s in (("a", 0), ("b", 0)):
-        finished_run(tmp_path / "runs" / v / f"seed{s}", 3.0 + 0.1 * s + (v == "b") * 0.01)
-    monkeypatch.setattr(sweep, "run_child", None)  # never reached
-    read_only(tmp_path / "runs")
-    with pytest.raises(UserError) as e:  # the unfinished seed 1 cannot be run there
-        sweep.run_all(spec, launcher="")
-    assert str(e.value) == (f"cannot write {tmp_path / 'runs'}: read-only file system: "
-                            f"the sweep writes its runs under {tmp_path / 'runs'}; make it writable, or choose another "
-                            "out_dir (--table_only only reads the runs)")
-    spec["out_dir"] = str(tmp_path / "runs" / "new" / "sweep")  # a new out_dir under the read-only mount
-    with pytest.raises(UserError, match=r"^cannot write .*/runs/new: read-only file system: the sweep writes"):
-        sweep.run_all(spec, launcher="")
-
-    path = sweep_file(tmp_path, seeds=(0,))  # the finished part of the sweep: its table
-    assert sweep.main([str(path), "--table_only"]) == 0
-    out, err = capsys.readouterr()
-    assert "| `b` − `a` | +0.0100 [needs 2 seeds] | 0/1 | n/a |" in out
-    plots = ", curves.png, forest.png, gap_over_training.png" if "matplotlib is not installed" not in err else ""
-    assert err.splitlines()[-1] == (f"warning: could not write results.md, results.json, results.csv{plots} in "
-                                    f"{tmp_path / 'runs'} (read-only file system); the tables above are complete")
-    assert not list((tmp_path / "runs").glob("*.tmp*")) and not (tmp_path / "runs" / "results.json").exists()
-
-
-def test_a_diverged_run_is_tabulated_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
-    path = sweep_file(tmp_path, variants=("a", "bad", "c"))
+def test_a_diverged_run_is_final_tabulated_and_exit_3(tmp_path, monkeypatch, capsys):
     ran = []
-    monkeypatch.setattr(sweep, "run_child", fake_train(diverging={"bad"}, ran=ran))
-    assert sweep.main([str(path)]) == sweep.EXIT_DIVERGED == 3
-    assert ran == [("a", 0), ("bad", 0), ("c", 0), ("a", 1), ("bad", 1), ("c", 1)]
-    out = capsys.readouterr().out
-    assert "sweep: bad seed 0 diverged at step 3: tabulated as diverged; the sweep goes on" in out
-    assert "sweep: 6/6 runs done (2 diverged)" in out
-    assert "| `bad` (diverged: seed 0, 1) | diverged | diverged |" in out
-    assert "| `bad` | diverged | diverged |" in out  # each seed's difference
-    results = json.loads((tmp_path / "runs" / "results.json").read_text())
-    assert [(d["variant"], d["seed"], d["step"]) for d in results["diverged"]] == [("bad", 0, 3), ("bad", 1, 3)]
-    assert (tmp_path / "runs" / "results.csv").read_text().count(",diverged\n") == 2
-    assert sweep.main([str(path)]) == 3  # a rerun does not stop on it again, nor runs it again
-    assert len(ran) == 6 and "===" not in capsys.readouterr().out
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran, diverging=("b",)))
+    assert sweep.main([str(sweep_file(tmp_path))]) == sweep.EXIT_DIVERGED
+    assert "(diverged: seed 0, 1)" in capsys.readouterr().out
+    ran.clear()
+    assert sweep.main([str(sweep_file(tmp_path))]) == sweep.EXIT_DIVERGED and ran == []  # not run again
 
 
-def test_a_truncated_summary_is_an_unfinished_run(tmp_path, monkeypatch, capsys):
-    path = sweep_file(tmp_path, seeds=(0,))
-    finished_run(tmp_path / "runs" / "a" / "seed0", 3.0)
-    finished_run(tmp_path / "runs" / "b" / "seed0", 3.01)
-    summary = tmp_path / "runs" / "b" / "seed0" / "summary.json"
-    summary.write_text(summary.read_text()[:20])  # a torn write (a copy cut short, a disk that filled)
-    assert sweep.main([str(path), "--table_only"]) == 0
-    out, err = capsys.readouterr()
-    assert f"note: {summary} is not a readable summary (torn or damaged): b seed 0 counts as unfinished" in err
-    assert "| `a` | +0.0% | 3.0010 (1 seed) | 3.0020 (1 seed) | 3.0000 (1 seed) | 3.0000 (1 seed) |" in out
-    assert "`b`" not in out
-    ran = []
-    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
-    assert sweep.main([str(path)]) == 0 and ran == [("b", 0)]  # the sweep runs it again (a resume, for train.py)
-    assert "| `b` − `a` | +0.0100 [needs 2 seeds] | 0/1 | n/a |" in capsys.readouterr().out
+def test_a_failed_run_stops_the_sweep_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "run_child", lambda cmd: 1)
+    with pytest.raises(UserError, match="run a seed 0 failed"):
+        sweep.main([str(sweep_file(tmp_path))])
 
 
-def test_sweep_paths_and_where_table_only_looked(tmp_path, monkeypatch, capsys):
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    monkeypatch.chdir(elsewhere)
-    path = sweep_file(tmp_path, out_dir="runs/sweep_nowhere_28")  # relative: to the project root
+def test_a_design_changed_under_its_runs_is_refused_before_runs_and_tables(tmp_path, monkeypatch, data_dir):
+    monkeypatch.chdir(tmp_path)
+    path = sweep_file(tmp_path, f'overrides = "max_steps=2 data_dir={data_dir}"\n')
     spec = sweep.load_sweep(str(path))
-    assert spec["out_dir"] == str(ROOT / "runs" / "sweep_nowhere_28") and spec["base"] == str(ROOT / "configs" / "test.py")
-    with pytest.raises(UserError) as e:
-        sweep.main([str(path), "--table_only"])
-    assert str(e.value) == (f"no finished run of the reference 'a' in {ROOT / 'runs' / 'sweep_nowhere_28'} "
-                            "(looked for a/seed<s>/summary.json there): run the sweep first, or pass the --out_dir "
-                            f"that holds its runs (a relative out_dir in a sweep file is relative to {ROOT})")
-    ran = []
-    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
-    assert sweep.main([str(path), "--out_dir", "mine"]) == 0  # from another directory: base found, --out_dir here
-    assert len(ran) == 4 and (elsewhere / "mine" / "results.json").exists()
-    assert not (ROOT / "runs" / "sweep_nowhere_28").exists()
+    for variant, seed in (("a", 0), ("b", 0)):  # a real run's config.json, as the sweep ran it
+        cmd = sweep.train_command(spec, variant, seed, "")
+        assert cli(train.main, cmd[2:]) == 0
+    path.write_text(path.read_text().replace("max_steps=2", "max_steps=3"))
+    monkeypatch.setattr(sweep, "run_child", None)
+    for argv in ([str(path)], [str(path), "--table_only"]):
+        with pytest.raises(UserError, match="design changed.*a seed 0 ran with max_steps 2 \\(now 3\\)"):
+            sweep.main(argv)
 
 
-def test_a_link_planted_as_a_claim_is_refused_not_followed(tmp_path, monkeypatch):
-    spec = sweep_spec(tmp_path, variants=("a",), seeds=(0,))
-    outside = tmp_path / "outside.txt"
-    outside.write_text("a user's file\n")
-    (tmp_path / "runs" / "a").mkdir(parents=True)
-    (tmp_path / "runs" / "a" / ".seed0.sweep-lock").symlink_to(outside)
-    ran = []
-    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
-    with pytest.raises(UserError, match=".*seed0.sweep-lock: too many levels of symbolic links"):
-        sweep.run_all(spec, launcher="")
-    assert ran == [] and outside.read_text() == "a user's file\n"
+@pytest.mark.slow
+def test_a_quick_sweep_of_train_py_gives_the_table_plots_and_provenance(tmp_path, data_dir, monkeypatch, capsys):
+    """Two variants, two seeds, a declared primary pair, the real train.py: the report names the commit."""
+    path = sweep_file(tmp_path, f'primary = [("b", "a")]\nequivalence_margin = 0.05\n'
+                                f'overrides = "data_dir={data_dir} max_steps=3"\n')
+    assert sweep.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| `b` − `a` |" in out and "Provenance (4 of 4 runs)" in out
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert git[:7] in out
+    assert {p.name for p in (tmp_path / "runs").iterdir()} >= {"results.md", "results.json", "results.csv", "forest.png",
+                                                               "curves.png"}
+    whole = json.loads((tmp_path / "runs" / "a" / "seed0" / "summary.json").read_text())
+    assert whole["final_eval_tokens"] == 0 and whole["val_loss"] == report.collect(sweep.load_sweep(str(path)))[0]["val_loss"]
 
 
-@pytest.mark.parametrize("command", ["rescore", "sweep"])
-def test_a_path_longer_than_the_os_allows_is_one_line(command, tmp_path, capsys):
-    """Round five: a traceback in each. As every command, through common.cli: one line, exit 2."""
-    from experiments import rescore
-    path = str(tmp_path / ("x" * 300))  # longer than a path component may be (255 bytes on Linux)
-    main = {"rescore": rescore.main, "sweep": sweep.main}[command]
-    assert cli(main, [path]) == 2
+# --- the report ----------------------------------------------------------------------------------------------------
+
+def test_each_primary_test_shows_a_difference_equivalence_or_neither(tmp_path):
+    runs_with(tmp_path, {"big": [-0.05, -0.06, -0.055, -0.052], "same": [0.0001, -0.0002, 0.0001, 0.0],
+                         "noisy": [0.02, -0.03, 0.01, -0.005]})
+    spec = spec_of(tmp_path, ("a", "big", "same", "noisy"), (0, 1, 2, 3), equivalence_margin=0.01,
+                   primary=[("big", "a"), ("same", "a"), ("noisy", "a")])
+    shows = {c["variant"]: (c["shows"], c["beyond_margin"]) for c in report.report(spec) if c["kind"] == "primary"}
+    assert shows == {"big": ("difference", True), "same": ("equivalence", False), "noisy": ("neither", False)}
+
+
+def test_a_control_is_tested_only_once_its_variant_s_test_rejects(tmp_path, capsys):
+    runs_with(tmp_path, {"v": [-0.05, -0.06, -0.055], "w": [0.01, -0.01, 0.02], "cv": [-0.051, -0.06, -0.056],
+                         "cw": [0.0, 0.0, 0.01]})
+    spec = spec_of(tmp_path, ("a", "v", "w", "cv", "cw"), primary=[("v", "a"), ("w", "a")], controls={"v": "cv", "w": "cw"})
+    ts = {(c["kind"], c["variant"]): c for c in report.report(spec)}
+    assert ts["primary", "v"]["rejected"] and not ts["primary", "w"]["rejected"]
+    assert ts["control", "v"]["rejected"] is False and ts["control", "w"]["rejected"] is None
+    assert "not tested: its primary test did not reject" in capsys.readouterr().out
+
+
+def test_the_report_s_numbers_are_the_paired_t_test_on_whole_split_scores(tmp_path):
+    runs_with(tmp_path, {"b": [-0.05, 0.02, -0.10]})
+    spec = spec_of(tmp_path, second_reference="b")
+    (c,) = report.report(spec)
+    assert c["kind"] == "exploratory" and c["deltas"] == pytest.approx({"0": -0.05, "1": 0.02, "2": -0.10})
+    assert c["wins"] == 2 and c["p"] == pytest.approx(report.paired_t([-0.05, 0.02, -0.10])["p"])
+    saved = json.loads((tmp_path / "runs" / "results.json").read_text(), parse_constant=lambda c: 1 / 0)  # strict
+    assert saved["tests"][0]["p"] == c["p"] and saved["unit"] == "nats per byte"
+    rows = (tmp_path / "runs" / "results.csv").read_text().splitlines()
+    assert rows[0].startswith("variant,seed,val_loss") and len(rows) == 7
+
+
+def test_a_run_scored_on_a_prefix_is_not_paired_and_the_report_says_so(tmp_path, capsys):
+    runs_with(tmp_path, {"b": [-0.05, 0.02, -0.10]})
+    summary = tmp_path / "runs" / "b" / "seed0" / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "final_eval_tokens": 1024}))
+    (c,) = report.report(spec_of(tmp_path))
+    assert c["paired_seeds"] == 2 and "1 finished runs have no score" in capsys.readouterr().err
+
+
+def test_provenance_flags_runs_before_the_declaration_and_from_changed_trees(tmp_path, monkeypatch):
+    finished_run(tmp_path / "runs" / "a" / "seed0", 3.0, commits=("abc1234+dirty",))
+    finished_run(tmp_path / "runs" / "a" / "seed1", 3.1, started="2025-01-01T00:00:00+00:00")
+    monkeypatch.setattr(report, "declared_at", lambda path: ("f" * 40, "2025-06-01T00:00:00+00:00"))
+    p = report.provenance(spec_of(tmp_path, path="x.py"), report.collect(spec_of(tmp_path, seeds=(0, 1))))
+    assert p["dirty"] == ["a/seed0"] and p["started_before_declaration"] == ["a/seed1"]
+    text = report.provenance_text(p)
+    assert "**1 run started before that commit**" in text and "**1 run ran from a tree with uncommitted" in text
+
+
+def test_no_run_of_the_reference_is_one_line_and_unwritable_outputs_one_warning(tmp_path, capsys, read_only):
+    with pytest.raises(UserError, match="no finished run of the reference 'a'"):
+        report.report(spec_of(tmp_path))
+    runs_with(tmp_path, {"b": [-0.05, 0.02, -0.10]})
+    read_only(tmp_path / "runs")
+    report.report(spec_of(tmp_path))
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "file name too long" in err, err
+    assert err.count("warning:") == 1 and "results.md" in err
 
 
-def test_two_sweeps_of_different_designs_on_one_out_dir_refuse_before_either_has_a_run(tmp_path, monkeypatch):
-    """Two sweep processes started together on one out_dir (max_steps 2 and 4): neither run had a config.json
-    yet, so both passed the design check, shared the runs and each printed a table pooling both lengths. The
-    first records its design (design.json) before any run; the second is one line."""
-    first = sweep_file(tmp_path, seeds=(0,), extra='overrides = "max_steps=2"\n')
-    spec = sweep.load_sweep(str(first))
-    (tmp_path / "runs").mkdir()
-    sweep.record_design(spec)  # the first process, about to start its first run
-    second = tmp_path / "sweep_y.py"
-    second.write_text(first.read_text().replace("max_steps=2", "max_steps=4"))
-    monkeypatch.setattr(sweep, "run_child", None)  # never reached
-    with pytest.raises(UserError, match="design changed.*a ran with max_steps 2 \\(now 4\\)"):
-        sweep.main([str(second)])
-    ran = []
-    monkeypatch.setattr(sweep, "run_child", fake_train(ran=ran))
-    assert sweep.main([str(first)]) == 0 and len(ran) == 2  # the same design runs
+def test_a_sweep_file_s_runs_go_through_train_py_s_own_checks(tmp_path, data_dir):
+    """The sweep reads every variant as train.py does (train.read_settings, parse_config)."""
+    spec = sweep.load_sweep(str(sweep_file(tmp_path)))
+    assert sweep.design(spec, "b", 1)["residual"] == "block_attnres"
+    assert run(data_dir, tmp_path, "--max_steps=1", "--final_eval_tokens=0")["final_eval_tokens"] == 0
