@@ -152,6 +152,14 @@ def on_rank0(fn, shared=None):
     return result
 
 
+def say(text):
+    """print(text), flushed; a closed pipe (`| head`) discards the rest of the output instead of stopping the work."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def perplexity(loss):
     return math.exp(loss) if loss < 709 else math.inf
 

@@ -44,8 +44,8 @@ class ByteTokenizer:
     def __init__(self):
         self.fingerprint = _fingerprint(self.name, self.vocab_size, self.eot)
 
-    def encode(self, text):
-        return list(text.encode("utf-8"))
+    def encode(self, text):  # (a command line's bytes that are not UTF-8: as it gave them)
+        return list(text.encode("utf-8", "surrogateescape"))
 
     def decode_bytes(self, ids):
         return b"".join(b"<|endoftext|>" if i == self.eot else bytes([i]) for i in ids)
@@ -94,7 +94,7 @@ def get_tokenizer(name):
 # shards and meta.json
 
 def write_shard(path, tokens, tokenizer):
-    """Write `tokens` as one shard at `path`, flushed to disk."""
+    """Write `tokens` as one shard at `path`, flushed to disk; the blake2b digest of its bytes (meta.json keeps it)."""
     tokens = np.asarray(tokens, dtype=np.uint16)
     header = HEADER.pack(SHARD_MAGIC, FORMAT_VERSION, tokenizer.vocab_size, len(tokens),
                          tokenizer.name.encode(), bytes.fromhex(tokenizer.fingerprint))
@@ -102,6 +102,7 @@ def write_shard(path, tokens, tokenizer):
         f.writelines([header, memoryview(tokens)])
         f.flush()
         os.fsync(f.fileno())
+    return hashlib.blake2b(header + memoryview(tokens).cast("B"), digest_size=16).hexdigest()
 
 
 def open_shard(path, fingerprint=None):
@@ -172,6 +173,9 @@ def load_meta(data_dir):
             names = isinstance(info["files"], list) and all(Path(f).name == f for f in info["files"])
             _need(names, f"split {split!r}: files {info['files']!r} is not a list of file names")
             _need(isinstance(info["tokens"], int), f"split {split!r}: tokens is not a count")
+            digests = info.get("blake2b", [])
+            _need(isinstance(digests, list) and len(digests) in (0, len(info["files"])),
+                  f"split {split!r}: blake2b is not one digest per file")
         baseline = meta.get("unigram_baseline_nats")  # train.py prints it
         _need(baseline is None or type(baseline) in (int, float), f"unigram_baseline_nats {baseline!r} is not a number")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -181,12 +185,22 @@ def load_meta(data_dir):
     return meta
 
 
+def data_fingerprint(meta):
+    """What identifies prepared data, from its meta.json alone: the tokenizer and every shard's name and digest
+    (written by prepare_data.py; an older preparation without digests: None)."""
+    digests = [(f, d) for info in meta["splits"].values() for f, d in zip(info["files"], info.get("blake2b") or [])]
+    if len(digests) != sum(len(info["files"]) for info in meta["splits"].values()):
+        return None
+    return hashlib.blake2b(json.dumps([meta["tokenizer_fingerprint"], digests]).encode(), digest_size=16).hexdigest()
+
+
 class TokenData:
-    """A prepared directory opened once: meta.json and every split's shards, memory-mapped."""
+    """A prepared directory opened once: meta.json and every split's shards, memory-mapped; the shards' stat, so
+    that a shard rewritten in place under a run is noticed (`changed`)."""
 
     def __init__(self, data_dir):
         self.dir, self.meta = Path(data_dir), load_meta(data_dir)
-        self.splits = {}
+        self.fingerprint, self.splits, self.stats = data_fingerprint(self.meta), {}, {}
         for split, info in self.meta["splits"].items():
             shards = [open_shard(self.dir / f, self.meta["tokenizer_fingerprint"]) for f in info["files"]]
             if sum(map(len, shards)) != info["tokens"]:
@@ -194,6 +208,23 @@ class TokenData:
                                 f"but its meta.json says {info['tokens']:,}: re-create it with "
                                 f"`{prepare_command(data_dir)} --overwrite`")
             self.splits[split] = shards
+            self.stats |= {f: self._stat(f) for f in info["files"]}
+
+    def _stat(self, name):
+        st = os.stat(self.dir / name)
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def changed(self):
+        """The first shard rewritten in place since it was opened (same file, other size or time), or None. A shard
+        replaced by another file (prepare_data.py --overwrite) is not: this run keeps reading the one it mapped."""
+        for name, (ino, size, mtime) in self.stats.items():
+            try:
+                now = self._stat(name)
+            except OSError:
+                continue  # removed or replaced: the map holds the file this run opened
+            if now[0] == ino and now != (ino, size, mtime):
+                return self.dir / name
+        return None
 
     def shards(self, split):
         """The memory-mapped shards of a split that holds tokens."""
@@ -237,7 +268,7 @@ class TokenLoader:
         self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
         self.rank, self.world_size, self.seed = rank, world_size, seed
         data = opened(data)
-        self.shards = data.shards(split)
+        self.shards, self.data = data.shards(split), data
         per_shard = [(len(s) - 1) // seq_len for s in self.shards]
         self.starts = np.cumsum([0] + per_shard)  # first window id of each shard
         self.n_windows = int(self.starts[-1])
@@ -272,7 +303,7 @@ class TokenLoader:
         self.epoch, self.pos = divmod(start + self.world_size * B, self.n_windows)
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         offset = (ids - self.starts[shard]) * T
-        buf = np.stack([self.shards[s][o:o + T + 1] for s, o in zip(shard, offset)]).astype(np.int64)
+        buf = check_ids(self.data, np.stack([self.shards[s][o:o + T + 1] for s, o in zip(shard, offset)]))
         return torch.from_numpy(buf[:, :-1].copy()), torch.from_numpy(buf[:, 1:].copy())
 
     def state_dict(self):
@@ -292,12 +323,22 @@ class TokenLoader:
         self.epoch, self.pos = epoch, pos
 
 
+def check_ids(data, tokens):
+    """tokens as int64, each checked to be an id of the data's tokenizer (a damaged shard is one line)."""
+    if tokens.size and int(tokens.max()) >= data.meta["vocab_size"]:
+        raise UserError(f"{data.dir} holds token id {int(tokens.max())}, beyond its {data.meta['tokenizer']} tokenizer's "
+                        f"{data.meta['vocab_size']} ids (a damaged shard): re-create it with "
+                        f"`{prepare_command(data.dir)} --overwrite`")
+    return tokens.astype(np.int64)
+
+
 def eval_batches(data, split, batch_size, seq_len, max_tokens, rank=0, world_size=1):
     """(x, y) batches over the first max_tokens targets of a split (None: all), in order; rank r gets
     windows r, r + world_size, ... (sum losses and token counts over ranks, then divide)."""
     if not 0 <= rank < world_size:
         raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
-    shards = opened(data).shards(split)
+    data = opened(data)
+    shards = data.shards(split)
     total = sum(len(s) for s in shards)
     n = (total - 1 if max_tokens is None else min(max_tokens, total - 1)) // seq_len
     if n == 0 and max_tokens is not None and max_tokens < seq_len:
@@ -312,7 +353,7 @@ def eval_batches(data, split, batch_size, seq_len, max_tokens, rank=0, world_siz
         left -= len(parts[-1])
         if left == 0:
             break
-    tokens = np.concatenate(parts).astype(np.int64)
+    tokens = check_ids(data, np.concatenate(parts))
     x, y = tokens[:-1].reshape(n, seq_len), tokens[1:].reshape(n, seq_len)
     mine = np.arange(rank, n, world_size)
 

@@ -690,6 +690,20 @@ def plain_stream_note(cls):
               f"path's speed and memory: {why}; write its twin and register it in model_fast.TWINS", file=sys.stderr)
 
 
+def checkpoint_problem(ckpt):
+    """What makes a checkpoint dict unusable by any reader (a key missing, a bad step, a non-finite weight), or None."""
+    missing = [k for k in ("model", "model_config", "tokenizer", "step") if k not in ckpt]
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    if type(ckpt["step"]) is not int or ckpt["step"] < 0:
+        return f"its step is {ckpt['step']!r}, not a count"
+    if not isinstance(ckpt.get("train_config", {}), dict) or not isinstance(ckpt["model"], dict):
+        return "its train_config or model is not a dict"
+    bad = next((k for k, v in ckpt["model"].items() if torch.is_tensor(v) and v.is_floating_point()
+                and not torch.isfinite(v).all()), None)
+    return f"its weight {bad} is not finite" if bad else None
+
+
 def load_model(path, device="cpu"):
     """(the model of a checkpoint file or run directory, in eval mode; the checkpoint dict)."""
     file = Path(path) / "ckpt.pt" if Path(path).is_dir() else Path(path)
@@ -699,6 +713,7 @@ def load_model(path, device="cpu"):
     except Exception as e:  # (torch's message may advise weights_only=False, which is unsafe: not quoted)
         raise UserError(f"{file} is not a readable checkpoint ({type(e).__name__}): truncated, or not train.py's") from None
     need(isinstance(ckpt, dict) and {"model", "model_config"} <= set(ckpt), f"{file} is not a train.py checkpoint")
+    need((why := checkpoint_problem(ckpt)) is None, f"{file} is damaged ({why}): it cannot be used")
     try:
         net = make_model(model.GPTConfig(**ckpt["model_config"]))
         net.load_state_dict(ckpt["model"])

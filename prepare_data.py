@@ -12,6 +12,7 @@ Sources, splits and format: docs/data.md.
 """
 
 import argparse
+import ctypes
 import glob
 import json
 import multiprocessing
@@ -25,7 +26,7 @@ from itertools import chain, islice
 from pathlib import Path
 
 # common first: it quiets a Ctrl-C while torch imports
-from common import UserError, cli
+from common import ROOT, UserError, cli, need
 
 # isort: split
 import numpy as np
@@ -151,7 +152,7 @@ class SplitWriter:
 
     def __init__(self, out_dir, split, tokenizer, shard_tokens):
         self.out_dir, self.split, self.tok, self.shard_tokens = out_dir, split, tokenizer, shard_tokens
-        self.held, self.fill, self.files, self.docs, self.tokens = [], 0, [], 0, 0
+        self.held, self.fill, self.files, self.digests, self.docs, self.tokens = [], 0, [], [], 0, 0
         self.counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
 
     def add(self, ids):
@@ -170,7 +171,7 @@ class SplitWriter:
             for i in range(0, len(shard), 1 << 22):  # bincount makes an int64 copy: a slice at a time
                 self.counts += np.bincount(shard[i:i + (1 << 22)], minlength=len(self.counts))
             self.files.append(f"{self.split}_{len(self.files):06d}.bin")
-            write_shard(self.out_dir / self.files[-1], shard, self.tok)
+            self.digests.append(write_shard(self.out_dir / self.files[-1], shard, self.tok))
 
 
 def unigram_baseline(train_counts, val_counts):
@@ -180,14 +181,28 @@ def unigram_baseline(train_counts, val_counts):
 
 
 def replace_dir(new, out_dir):
-    """Rename the complete directory `new` into out_dir's place."""
-    if out_dir.exists():
+    """Put the complete directory `new` in out_dir's place: one atomic exchange where the OS has it (Linux
+    renameat2), so a kill at any moment leaves the old data or the new at out_dir, never neither."""
+    if not out_dir.exists():
+        os.rename(new, out_dir)
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        exchanged = libc.renameat2(-100, os.fsencode(new), -100, os.fsencode(out_dir), 2) == 0  # AT_FDCWD, EXCHANGE
+    except (OSError, AttributeError):
+        exchanged = False
+    if not exchanged:  # two renames: a kill between them leaves both copies beside out_dir, hidden
         old = new.with_name(new.name + ".old")
         os.rename(out_dir, old)
         os.rename(new, out_dir)
-        shutil.rmtree(old)  # a run that opened the old shards keeps them: open maps keep their files
-    else:
-        os.rename(new, out_dir)
+        new = old
+    shutil.rmtree(new)  # now the old data (a run that opened its shards keeps them: open maps keep their files)
+
+
+def portable(paths):
+    """The corpus files as meta.json records them: relative to the repository where they are inside it, so a moved
+    checkout keeps its preparation."""
+    return [os.path.relpath(p, ROOT) if Path(p).is_relative_to(ROOT) else p for p in paths]
 
 
 def prepare(dataset=None, name=None, data_files=None, source_split="train", text_column="text",
@@ -200,15 +215,20 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
                         "their sum below 1, to leave documents for train")
     if dataset is None and data_files is None:
         data_files = [str(DEFAULT_CORPUS)]
-    if dataset is None or dataset in BUILDERS.values():  # local files
+    local = dataset is None or dataset in BUILDERS.values()
+    if local:
         data_files = local_files(data_files or [])
         dataset, stem = dataset or builder_of(data_files), Path(data_files[0]).name.split(".")[0]
     else:
         stem = dataset.split("/")[-1] + (f"-{name}" if name else "")
     out_dir = Path(out_dir or DATA_DIR / (stem if tok.name == "gpt2" else f"{stem}_{tok.name}"))
     check_tokenizer(out_dir, tok.name)
+    inside = [f for f in data_files if Path(f).is_relative_to(out_dir.resolve())] if local else []
+    need(not inside, f"{inside[:1]} is inside --out_dir {out_dir}, which a preparation replaces whole: move the corpus "
+                     "out of it, or choose another --out_dir")
     settings = {"format_version": FORMAT_VERSION, "split_rule": SPLIT_RULE,
-                "source": {"dataset": dataset, "name": name, "data_files": data_files, "split": source_split,
+                "source": {"dataset": dataset, "name": name, "data_files": portable(data_files) if local else data_files,
+                           "split": source_split,
                            "text_column": text_column},
                 "tokenizer": tok.name, "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
                 "eot": tok.eot, "val_fraction": val_fraction, "test_fraction": test_fraction,
@@ -241,7 +261,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         if writers["train"].tokens == 0:
             raise UserError(f"the train split of {out_dir} would be empty ({sum(w.docs for w in writers.values())} "
                             "documents with text): pass more documents, or lower --val_fraction / --test_fraction")
-        splits = {s: {"docs": w.docs, "tokens": w.tokens, "shards": len(w.files), "files": w.files}
+        splits = {s: {"docs": w.docs, "tokens": w.tokens, "shards": len(w.files), "files": w.files, "blake2b": w.digests}
                   for s, w in writers.items()}
         val = writers["val"]
         baseline = unigram_baseline(writers["train"].counts, val.counts) if val.tokens else None

@@ -165,7 +165,7 @@ def run(args):
             if all(done):
                 break
         for i, sample in zip(rows, samples):
-            print(("-" * 40 + "\n") * (i > 0) + (text or "") + tok.decode(sample), flush=True)
+            print(("-" * 40 + "\n") * (i > 0) + tok.decode(prompt * bool(text) + sample), flush=True)
     dt = time.perf_counter() - t0
     batch = (f"{n} samples in batches of {batch_size}, " if n > batch_size else
              f"{n} samples in one batch, " if n > 1 else "")

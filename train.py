@@ -15,6 +15,7 @@ after signal N.
 """
 
 import difflib
+import errno
 import fcntl
 import gc
 import inspect
@@ -36,7 +37,20 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 # common first: it quiets a Ctrl-C while torch imports
-from common import Stopped, UserError, any_rank, cli, log_records, need, on_rank0, perplexity, provenance, utc_now, write_atomic
+from common import (
+    Stopped,
+    UserError,
+    any_rank,
+    cli,
+    log_records,
+    need,
+    on_rank0,
+    perplexity,
+    provenance,
+    say,
+    utc_now,
+    write_atomic,
+)
 
 # isort: split
 import numpy as np
@@ -52,7 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from data import TokenData, TokenLoader, check_data, eval_batches
 from model import DAR_STREAMS, RD_MODES, RESIDUALS, DeltaAttnRes, DenseFormer, DualAttnRes, GPTConfig, InitialWeights, RDAttnRes
-from model_fast import compile_model, make_model
+from model_fast import checkpoint_problem, compile_model, make_model
 
 # ----------------------------------------------------------------------------------------------
 # Config: the training keys (TrainConfig), the model keys (model.GPTConfig), a config file, --key=value.
@@ -270,6 +284,9 @@ def usage():
 def setup_ranks(tc):
     """(rank, world_size, device) from torchrun's environment."""
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    unset = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    need(world == 1 or not unset, f"WORLD_SIZE={world} is set, but not by torchrun ({', '.join(unset)} missing): "
+         "start the ranks with torchrun, or unset WORLD_SIZE for one process")
     cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
     need(not cuda or torch.cuda.is_available(), "device=cuda, but CUDA is not available")
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -384,7 +401,7 @@ def evaluate(model, data, split, batch_size, seq_len, max_tokens=None, device="c
 # The run directory: its lock, its checkpoint, its log.
 
 
-def claim_run_dir(tc, run_dir, mc, tokenizer):
+def claim_run_dir(tc, run_dir, mc, data):
     """Rank 0: lock the run directory for this run's life and read it. Returns (the lock's fd, checkpoint or None)."""
     if tc.wandb_log:
         try:
@@ -402,15 +419,16 @@ def claim_run_dir(tc, run_dir, mc, tokenizer):
         for name in ("ckpt.pt", "config.json", "log.jsonl", "summary.json"):  # a killed save's (common.write_atomic)
             for tmp in run_dir.glob(f".{name}.*.tmp"):
                 tmp.unlink(missing_ok=True)
-        return fd, read_run_dir(tc, run_dir, mc, tokenizer)
+        return fd, read_run_dir(tc, run_dir, mc, data)
     except BaseException:
         os.close(fd)
         raise
 
 
-def read_run_dir(tc, run_dir, mc, tokenizer):
-    """The checkpoint a resume continues, checked against this run; None for a fresh run, refused over a run."""
-    path = run_dir / "ckpt.pt"
+def read_run_dir(tc, run_dir, mc, data):
+    """The checkpoint a resume continues, checked against this run and its data; None for a fresh run, refused over
+    a run."""
+    path, tokenizer = run_dir / "ckpt.pt", data.meta["tokenizer"]
     held = [n for n in ("ckpt.pt", "log.jsonl", "summary.json") if (run_dir / n).exists()]
     if tc.resume and path.exists():
         try:
@@ -420,6 +438,7 @@ def read_run_dir(tc, run_dir, mc, tokenizer):
                             "train.py's; start over with --overwrite=true") from None
         need(isinstance(ckpt, dict) and ckpt.get("format") == CKPT_FORMAT, f"{path} is not a checkpoint of this "
              f"train.py (format {CKPT_FORMAT}): resume it with the version that wrote it, or start over with --overwrite=true")
+        need((why := checkpoint_problem(ckpt)) is None, f"{path} is damaged ({why}): start over with --overwrite=true")
         try:
             need(ckpt["tokenizer"] == tokenizer, f"{path} was trained on {ckpt['tokenizer']} tokens, but "
                  f"{tc.data_dir} holds {tokenizer} tokens")
@@ -429,6 +448,9 @@ def read_run_dir(tc, run_dir, mc, tokenizer):
                        for k in ("seed", "data_seed", "batch_tokens") if ckpt["train_config"][k] != getattr(tc, k)]
             need(not differ, f"{path} holds another run ({'; '.join(differ)}): resume with its config, or choose "
                  "another run_name")
+            need(ckpt.get("data_fingerprint") in (None, data.fingerprint), f"{path} was trained on other data than "
+                 f"{tc.data_dir} holds now (prepared again since?): resume it on the data it trained on, or start over "
+                 "with --overwrite=true")
             need(ckpt["step"] <= tc.steps, f"{path} is at step {ckpt['step']}, past this run's last step {tc.steps}")
             wrong = misfit(ckpt, mc)
         except (KeyError, TypeError, AttributeError) as e:
@@ -436,6 +458,12 @@ def read_run_dir(tc, run_dir, mc, tokenizer):
         need(wrong is None, f"{path} does not fit this run ({wrong}): it is damaged, or not this train.py's; start "
              "over with --overwrite=true")
         return ckpt
+    first_ckpt = tc.ckpt_interval or tc.steps  # a run whose records reach it wrote a checkpoint, now gone
+    ran = [r.get("step", 0) for r in log_records(run_dir) if isinstance(r.get("step"), int)]
+    lost = [n for n in ("summary.json", "ckpt") if (run_dir / n).exists()] + ["log.jsonl"] * (max(ran, default=0) >= first_ckpt)
+    if tc.resume and lost:
+        raise UserError(f"{run_dir} holds a run's records ({', '.join(lost)}) but no ckpt.pt to resume: nothing was "
+                        "changed; start it over with --overwrite=true")
     if tc.resume:
         print(f"note: {run_dir} holds no checkpoint yet: starting the run from step 0", file=sys.stderr)
     elif held and not tc.overwrite:
@@ -489,7 +517,14 @@ def save_checkpoint(path, model, optimizer, state):
     """One file for one process, DDP and FSDP alike: the whole state gathered on rank 0 and written atomically."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                   cpu_offload=True))
-    on_rank0(lambda: write_atomic(path, lambda f: torch.save({**state, "model": model_sd, "optimizer": optim_sd}, f)))
+    def write(f):
+        try:
+            torch.save({**state, "model": model_sd, "optimizer": optim_sd}, f)
+        except RuntimeError as e:  # torch's writer reports a refused write (a full disk) as an "enforce fail"
+            cause = e.__cause__ or e.__context__
+            raise OSError(getattr(cause, "errno", None) or errno.EIO, getattr(cause, "strerror", None) or
+                          f"the write failed ({str(e).splitlines()[0][:80]})", str(path)) from None
+    on_rank0(lambda: write_atomic(path, write))
 
 
 def load_checkpoint(ckpt, model, optimizer, world):
@@ -512,7 +547,7 @@ class Log:
         if not self.enabled:
             return
         if line is not None:
-            print(line, flush=True)
+            say(line)
         if record is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -587,12 +622,36 @@ def start_run_dir(tc, run_dir, ckpt, step, resolved):
 def check_diverged(log, what, loss, norm, step, max_loss, saved, run_dir):
     """A loss non-finite or above max_loss (or a non-finite gradient norm) stops the run, its last checkpoint kept."""
     if not (math.isfinite(loss) and loss <= max_loss and math.isfinite(norm)):
-        kept = "no checkpoint was written" if saved is None else (f"the checkpoint of step {saved[0]} (val loss "
-                                                                  f"{saved[1]:.4f}, evaluated finite) is kept in {run_dir}")
-        error = (f"{what} {loss:.4g} (gradient norm {norm:.4g}) at step {step} is non-finite or above {max_loss:.1f} "
-                 f"nats: training diverged and stopped without saving step {step}; {kept}. Try a lower lr or a longer warmup")
-        log(None, {"kind": "diverged", "step": step, "error": error})  # (experiments/sweep.py tabulates it)
-        raise UserError(error)
+        stop_with(log, step, f"{what} {loss:.4g} (gradient norm {norm:.4g}) at step {step} is non-finite or above "
+                             f"{max_loss:.1f} nats: training diverged and stopped without saving step {step}; "
+                             f"{kept(saved, run_dir)}. Try a lower lr or a longer warmup")
+
+
+def kept(saved, run_dir):
+    return "no checkpoint was written" if saved is None else (f"the checkpoint of step {saved[0]} (val loss "
+                                                               f"{saved[1]:.4f}, evaluated finite) is kept in {run_dir}")
+
+
+def stop_with(log, step, error):
+    log(None, {"kind": "diverged", "step": step, "error": error})  # (experiments/sweep.py tabulates it)
+    raise UserError(error)
+
+
+def check_data_unchanged(log, data, step, saved, run_dir):
+    """A shard rewritten in place under the run (a stat, before each evaluation and checkpoint) stops it."""
+    if (shard := data.changed()) is not None:
+        stop_with(log, step, f"{shard} changed under this run (rewritten in place since it was opened): stopped at "
+                             f"step {step} without saving; {kept(saved, run_dir)}. Restore the data it trained on to "
+                             "resume, or start a new run on the new data")
+
+
+def check_better(log, val_loss, step, saved, uniform, run_dir):
+    """A checkpoint replaces the last one only with good weights: a val loss above a uniform guess's (ln V), or more
+    than ln 2 above the last checkpoint's (twice its perplexity), stops the run and keeps the last one."""
+    if saved is not None and saved[1] is not None and (val_loss > uniform or val_loss > saved[1] + math.log(2)):
+        stop_with(log, step, f"val loss {val_loss:.4f} at step {step} is worse than a uniform guess ({uniform:.2f}) or "
+                             f"more than ln 2 above the last checkpoint's: stopped without replacing it; "
+                             f"{kept(saved, run_dir)}. Try a lower lr or a longer warmup")
 
 
 def log_eval(log, split, loss, tokens, step, max_steps, elapsed):
@@ -622,7 +681,7 @@ def main(argv=None):
              f"seq_len * world_size = {per_micro} (e.g. batch_tokens={max(1, round(tc.batch_tokens / per_micro)) * per_micro})")
         accum, sharded = tc.batch_tokens // per_micro, tc.fsdp and world > 1
         # the run directory: rank 0 locks it and reads its checkpoint; the other ranks get all but the weights
-        lock, ckpt = on_rank0(lambda: claim_run_dir(tc, run_dir, mc, meta["tokenizer"]),
+        lock, ckpt = on_rank0(lambda: claim_run_dir(tc, run_dir, mc, data),
                               lambda claimed: (None, without_weights(claimed[1])))
 
         # model, optimizer, data: the seed fixes the weights, data_seed the batches, on any number of ranks
@@ -647,6 +706,7 @@ def main(argv=None):
 
         # the run directory's files and the log: config.json, the records up to the checkpoint, W&B
         resolved = {"config_file": argv[0], "train": asdict(tc), "model": asdict(mc), "tokenizer": meta["tokenizer"],
+                    "data_fingerprint": data.fingerprint,
                     "world_size": world, "grad_accum": accum, "max_steps": max_steps, "threads": torch.get_num_threads()}
         log = Log(run_dir / "log.jsonl", master)
         log.tracker = on_rank0(lambda: start_run_dir(tc, run_dir, ckpt, step, resolved), lambda tracker: None)
@@ -686,16 +746,18 @@ def main(argv=None):
                 stopping = signum and not last
                 checkpointing = (tc.ckpt_interval and step % tc.ckpt_interval == 0) or last or stopping
                 if step % tc.eval_interval == 0 or checkpointing:  # a checkpoint holds weights just evaluated finite
+                    check_data_unchanged(log, data, step, saved, run_dir)
                     val_loss, tokens = evaluate(model, data, "val", tc.batch_size, tc.seq_len, tc.eval_tokens, device,
                                                 autocast(device), lockstep=sharded)
                     check_diverged(log, "val loss", val_loss, 0.0, step, max_loss, saved, run_dir)
                     log_eval(log, "val", val_loss, tokens, step, max_steps, time.perf_counter() - t_start)
                     evaluated = step
                 if checkpointing:
+                    check_better(log, val_loss, step, saved, math.log(mc.vocab_size), run_dir)
                     seconds = before.get("seconds", 0.0) + time.perf_counter() - t_start
                     state = {"format": CKPT_FORMAT, "model_config": asdict(mc), "train_config": asdict(tc), "step": step,
                              "tokenizer": meta["tokenizer"], "loader": loader.state_dict(), "rng": rng_state(device),
-                             "world_size": world, "val_loss": val_loss,
+                             "world_size": world, "val_loss": val_loss, "data_fingerprint": data.fingerprint,
                              "segments": {**segments, "seconds": seconds, "speeds": speeds}}
                     save_checkpoint(run_dir / "ckpt.pt", raw_model, optimizer, state)
                     saved = (step, val_loss)

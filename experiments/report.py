@@ -27,7 +27,7 @@ from pathlib import Path
 
 from scipy import stats as scipy_stats
 
-from common import ROOT, UserError, log_records, write_atomic
+from common import ROOT, UserError, log_records, say, write_atomic
 from experiments.stats import gated_holm, holm, paired_t, tost
 from tools import pyplot, write_figure
 from tools.diagnose import plot_curves, val_curve
@@ -390,7 +390,7 @@ def report(spec):
     sections = [family_table(ts, spec, unit), exploratory_table(ts, spec, unit), variant_table(rows, reference),
                 seed_table(ts, spec), provenance_text(prov)]
     text = "\n\n".join(s for s in sections if s)
-    print(text, flush=True)
+    say(text)
 
     table = io.StringIO()
     w = csv.writer(table)

@@ -21,6 +21,7 @@ that diverged (final, tabulated as such; delete a run's directory to run it agai
 import argparse
 import ctypes
 import fcntl
+import functools
 import importlib.util
 import os
 import shlex
@@ -35,7 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python experiments/sweep.py` as `python -m ...`
 
-from common import ROOT, Stopped, UserError, cli, need, os_error_message
+from common import ROOT, Stopped, UserError, cli, need, os_error_message, say
+from data import data_fingerprint, load_meta
 from experiments.report import SCORES, divergence, read_json, report, run_dir
 from model import GPTConfig
 from tools import check_writable
@@ -129,11 +131,23 @@ def check_design(spec):
             ran = {**{f.name: f.default for cls in (TrainConfig, GPTConfig) for f in fields(cls)},
                    **recorded["train"], **recorded["model"]}
             now = design(spec, variant, seed, recorded["model"].get("vocab_size", 1))
-            if diff := [f"{k} {ran.get(k)!r} (now {v!r})" for k, v in now.items() if ran.get(k) != v]:
+            diff = [f"{k} {ran.get(k)!r} (now {v!r})" for k, v in now.items() if ran.get(k) != v]
+            if recorded.get("data_fingerprint") not in (None, data_now(now["data_dir"])):
+                diff.append(f"other data (its data_dir {now['data_dir']} was prepared again since)")
+            if diff:
                 changed.append(f"{variant} seed {seed} ran with {', '.join(diff[:3])}")
     need(not changed, f"the sweep's design changed since some of its runs ran: {'; '.join(changed[:3])}"
                       f"{f' and {len(changed) - 3} more runs' if len(changed) > 3 else ''}; restore the sweep file, give "
                       f"the new design its own out_dir (not {spec['out_dir']}), or delete those runs")
+
+
+@functools.cache
+def data_now(data_dir):
+    """The fingerprint of the prepared data a run of the sweep would open (None: not prepared, or no digests)."""
+    try:
+        return data_fingerprint(load_meta(ROOT / data_dir))
+    except UserError:
+        return None
 
 
 def held(d):
@@ -214,7 +228,7 @@ def run_all(spec, launcher):
         if status(spec, variant, seed):
             continue
         cmd = train_command(spec, variant, seed, launcher)
-        print(f"\n=== {variant}, seed {seed}: {' '.join(cmd)}", flush=True)
+        say(f"\n=== {variant}, seed {seed}: {' '.join(cmd)}")
         start, returncode = time.monotonic(), run_child(cmd)
         if returncode in (130, 143):
             raise Stopped(f"run {variant} seed {seed} stopped with a checkpoint; run the sweep again to resume it",
@@ -226,9 +240,9 @@ def run_all(spec, launcher):
         states = Counter(status(spec, v, s) for v, s in runs)
         done = states["finished"] + states["diverged"]
         eta = statistics.fmean(durations) * (len(runs) - done - states["busy"]) if durations else None
-        print(f"sweep: {done}/{len(runs)} runs done" + "".join(f", {states[k]} {k}" for k in ("diverged", "busy")
-                                                                if states[k])
-              + f", {hms(time.monotonic() - t0)} elapsed, ETA {hms(eta)} (this process)", flush=True)
+        say(f"sweep: {done}/{len(runs)} runs done" + "".join(f", {states[k]} {k}" for k in ("diverged", "busy")
+                                                              if states[k])
+            + f", {hms(time.monotonic() - t0)} elapsed, ETA {hms(eta)} (this process)")
 
 
 def main(argv=None):

@@ -1,6 +1,7 @@
 """Bad input is one `error:` line and exit 2, before any compute: keys, types, configs, the data, the vocabulary; a
 tool run by its path, and a Ctrl-C while torch imports, are no tracebacks either."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -94,3 +95,22 @@ def test_a_tool_runs_by_its_path_as_by_its_module(tool):
                                          timeout=120) for how in ([f"tools/{tool}.py"], ["-m", f"tools.{tool}"]))
     assert by_path.returncode == by_module.returncode == 0, by_path.stderr
     assert by_path.stdout.partition("-h, --help")[2] == by_module.stdout.partition("-h, --help")[2] != ""  # (not the prog)
+
+
+def test_a_stray_world_size_without_torchrun_is_one_line(data_dir, tmp_path, monkeypatch, capsys, no_compute):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for k in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert cli(train.main, [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "WORLD_SIZE=2 is set, but not by torchrun" in err
+
+
+def test_a_closed_pipe_discards_the_output_and_the_run_finishes(data_dir, tmp_path):
+    """`python train.py ... | head -1`: the run goes on to its end, its output discarded (as a sweep's does)."""
+    p = subprocess.Popen([sys.executable, "train.py", CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p.stdout.readline()
+    p.stdout.close()  # what head does after its line
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    assert json.loads((tmp_path / "test" / "summary.json").read_text())["step"] == 6

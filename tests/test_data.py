@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import prepare_data
+import train
 from common import UserError
 from data import (
     DATA_DIR,
@@ -31,6 +32,8 @@ from data import (
     prepare_command,
 )
 from prepare_data import main, split_of
+
+from runs import run
 
 ROOT = Path(__file__).resolve().parent.parent
 _rng = random.Random(0)
@@ -209,7 +212,7 @@ def test_a_failed_preparation_leaves_out_dir_as_it_was(tmp_path, monkeypatch, fa
             os.kill(os.getpid(), failure)
         elif len(calls) == 3:
             raise failure
-        real(*args)
+        return real(*args)
     monkeypatch.setattr(prepare_data, "write_shard", fail_at_the_third)
     assert prep(src, out, "--shard_tokens", 400, "--overwrite") == status
     assert files_of(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "out"]
@@ -232,6 +235,84 @@ def test_a_preparation_over_opened_data_changes_nothing_for_its_reader(tmp_path)
                 "--overwrite") == 0
     assert all(torch.equal(a, b) for a, b in zip(before, read(data)))
     assert not all(torch.equal(a, b) for a, b in zip(before, read(out)))  # opened anew: the new data
+
+
+def test_a_resume_on_data_prepared_again_is_refused(tmp_path):
+    """Promise 6: a run records its data's fingerprint (meta.json's shard digests, no read of the corpus); changed
+    text of the same size, prepared again under a killed run, is other data."""
+    src = write_jsonl(tmp_path / "a.jsonl", DOCS)
+    assert prep(src, tmp_path / "d_byte") == 0
+    run(tmp_path / "d_byte", tmp_path, "--max_steps=6", "--ckpt_interval=3")
+    (tmp_path / "test" / "summary.json").unlink()
+    ckpt = torch.load(tmp_path / "test" / "ckpt.pt", weights_only=True)
+    torch.save({**ckpt, "step": 3}, tmp_path / "test" / "ckpt.pt")  # as if killed after step 3
+    write_jsonl(tmp_path / "a.jsonl", [d.swapcase() for d in DOCS])  # same size, other text
+    assert prep(src, tmp_path / "d_byte", "--overwrite") == 0
+    with pytest.raises(UserError, match="trained on other data than .* holds now.*--overwrite=true"):
+        run(tmp_path / "d_byte", tmp_path, "--max_steps=6", "--ckpt_interval=3", "--resume=true")
+    config = json.loads((tmp_path / "test" / "config.json").read_text())
+    assert config["data_fingerprint"] == ckpt["data_fingerprint"] != TokenData(tmp_path / "d_byte").fingerprint
+
+
+def test_a_shard_rewritten_under_a_live_run_stops_it_and_keeps_its_checkpoint(data_dir, tmp_path, monkeypatch):
+    """A shard changed in place (cp over it, dd conv=notrunc) is noticed at the next evaluation by a stat, no read."""
+    d = tmp_path / "data_byte"
+    copy_dir(data_dir, d)
+    real = train.train_step
+
+    def step_then_rewrite(*args, **kw):
+        out = real(*args, **kw)
+        if args[2].epoch * args[2].n_windows + args[2].pos >= 4 * 8:  # after step 4: the first val shard, in place
+            shard = d / load_meta(d)["splits"]["val"]["files"][0]
+            with open(shard, "r+b") as f:
+                f.seek(-2, os.SEEK_END)
+                f.write(b"\x01\x00")
+        return out
+    monkeypatch.setattr(train, "train_step", step_then_rewrite)
+    with pytest.raises(UserError, match="val_000000.bin changed under this run.*checkpoint of step 3"):
+        run(d, tmp_path, "--max_steps=6", "--ckpt_interval=3", "--batch_tokens=256")
+    assert torch.load(tmp_path / "test" / "ckpt.pt", weights_only=True)["step"] == 3
+
+
+def test_a_preparation_killed_after_its_exchange_leaves_the_new_data(tmp_path):
+    """The replace is one atomic exchange (renameat2): a kill at any moment leaves the old data or the new at out_dir."""
+    src, out = write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "out"
+    assert prep(src, out) == 0
+    child = subprocess.run([sys.executable, "-c", "import os, signal, shutil, prepare_data\n"
+                            "rmtree = shutil.rmtree\n"  # the old data's removal, after the exchange: killed there
+                            "shutil.rmtree = lambda p, **k: rmtree(p, **k) if k else os.kill(os.getpid(), signal.SIGKILL)\n"
+                            f"prepare_data.main(['--data_files', {src!r}, '--out_dir', {str(out)!r}, '--tokenizer', "
+                            "'byte', '--shard_tokens', '500', '--overwrite'])"], cwd=ROOT, capture_output=True)
+    assert child.returncode == -signal.SIGKILL
+    assert load_meta(out)["shard_tokens"] == 500 and TokenData(out).splits["train"]  # the new data, whole
+
+
+def test_an_input_inside_out_dir_is_never_deleted_with_it(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), out) == 0
+    kept = write_jsonl(out / "mine.jsonl", DOCS)
+    assert prep(kept, out, "--overwrite") == 2
+    assert "inside --out_dir" in capsys.readouterr().err and Path(kept).exists() and load_meta(out)
+
+
+def test_ids_beyond_the_tokenizer_s_vocabulary_are_one_line(data_dir, tmp_path):
+    """Header and size intact, an id of 300 in byte data: refused as the batch is read, in training and evaluation."""
+    d = tmp_path / "bad_byte"
+    copy_dir(data_dir, d)
+    for split in ("train", "val"):
+        shard = d / load_meta(d)["splits"][split]["files"][0]
+        tokens = np.array(open_shard(shard))
+        tokens[:] = 300
+        prepare_data.write_shard(shard, tokens, get_tokenizer("byte"))
+    with pytest.raises(UserError, match="token id 300, beyond its byte tokenizer's 257 ids"):
+        next(eval_batches(d, "val", 2, 8, 64))
+    with pytest.raises(UserError, match="token id 300"):
+        run(d, tmp_path, "--max_steps=1")
+
+
+def test_meta_json_names_the_embedded_corpus_relative_to_the_repository(tmp_path):
+    meta = prepare_data.prepare(tokenizer="byte", out_dir=tmp_path / "x_byte")
+    assert meta["source"]["data_files"] == ["data/shakespeare.jsonl.gz"]
 
 
 # -----------------------------------------------------------------------------

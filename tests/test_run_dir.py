@@ -13,6 +13,7 @@ import sample
 import train
 from common import UserError, write_atomic
 from model_fast import load_model
+from tools import diagnose
 
 from runs import Payload, ckpt, records, run, steps
 
@@ -45,10 +46,18 @@ def test_a_second_process_on_a_live_run_is_refused(data_dir, tmp_path):
     run(data_dir, tmp_path, "--run_name=busy", "--max_steps=1")  # the lock went with its process
 
 
-def test_resume_true_without_a_checkpoint_starts_the_run(data_dir, tmp_path, capsys):
+def test_resume_true_without_a_checkpoint_starts_the_run_unless_the_run_had_one(data_dir, tmp_path, straight, capsys):
+    """A requeue may always pass --resume=true; a run whose checkpoint is gone (deleted, an older FSDP ckpt/) is refused
+    and nothing in it changes."""
     run(data_dir, tmp_path, "--run_name=new", "--resume=true", "--max_steps=1")
     assert "holds no checkpoint yet: starting the run from step 0" in capsys.readouterr().err
     assert steps(tmp_path / "new") == [1]
+    d = shutil.copytree(straight, tmp_path / "straight")
+    (d / "ckpt.pt").unlink()
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    with pytest.raises(UserError, match="holds a run's records .*summary.json.* but no ckpt.pt to resume"):
+        run(data_dir, tmp_path, "--run_name=straight", "--resume=true")
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
 
 
 def test_a_resume_of_another_run_or_past_its_end_is_refused(data_dir, tmp_path, straight):
@@ -118,6 +127,38 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_before_any_step(data_dir, tm
     with pytest.raises(UserError, match=named):
         run(data_dir, tmp_path, "--run_name=straight", "--resume=true", "--max_steps=8")
     assert steps(d) == steps(straight)
+
+
+@pytest.mark.parametrize("damage, named", [(dict(step=-2), "step is -2"), (dict(step=3.0), "step is 3.0"),
+                                           (dict(tokenizer=None), "lacks tokenizer"), ("nan", "is not finite")])
+def test_a_damaged_checkpoint_is_one_line_in_every_reader(data_dir, tmp_path, straight, capsys, damage, named):
+    """A bad step, a missing key, a NaN weight (in a row no token reads, too): refused by the resume, sample.py and
+    tools.diagnose, never carried into a new checkpoint."""
+    d = shutil.copytree(straight, tmp_path / "straight")
+    state = ckpt(d)
+    if damage == "nan":
+        state["model"]["wte.weight"][-1, 0] = float("nan")  # a padded row: no byte id reads it
+    else:
+        state = {k: v for k, v in {**state, **damage}.items() if v is not None}
+    torch.save(state, d / "ckpt.pt")
+    with pytest.raises(UserError, match=named):
+        run(data_dir, tmp_path, "--run_name=straight", "--resume=true", "--max_steps=8")
+    capsys.readouterr()
+    for main, argv in ((sample.main, ["--ckpt", str(d), "--max_new_tokens", "2"]),
+                       (diagnose.main, ["--ckpt", str(d), "--data_dir", str(data_dir)])):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and named in err, err
+
+
+def test_diagnose_writes_over_no_file_it_did_not_make(straight, tmp_path, capsys):
+    d = shutil.copytree(straight, tmp_path / "straight")
+    for name in ("ckpt.pt", "log.jsonl", "summary.json"):
+        before = (d / name).read_bytes()
+        assert diagnose.main(["--curves", str(d), "--out", str(d / name)]) == 2
+        assert "not a PNG" in capsys.readouterr().err and (d / name).read_bytes() == before
+    assert diagnose.main(["--curves", str(d), "--out", str(tmp_path / "c.png")]) == 0
+    assert diagnose.main(["--curves", str(d), "--out", str(tmp_path / "c.png")]) == 0  # its own PNG: replaced
 
 
 def test_a_failed_write_leaves_the_previous_file(tmp_path):

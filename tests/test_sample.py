@@ -1,6 +1,8 @@
 """sample.py: cached decoding equals full forward passes for every variant (float64), a batch equals
 its samples decoded one at a time, the sampling filters, and the command line on a tiny fake checkpoint."""
 
+import os
+
 import pytest
 import torch
 
@@ -274,6 +276,14 @@ def test_cli_bad_input_gives_one_clear_error(case, match, run_dir, tmp_path, cap
     rc, out, err = cli(capsys, "--ckpt", ckpt, *extra.get(case, []))
     assert rc == 2 and out == ""
     assert err.startswith("error: ") and match in err and "Traceback" not in err
+
+
+def test_a_prompt_byte_that_is_not_utf8_reaches_a_byte_model_as_given(run_dir, capsys):
+    """A command line's bytes arrive as surrogate escapes: a byte-level model reads them as the bytes they were."""
+    rc, out, err = cli(capsys, "--ckpt", run_dir, "--prompt", os.fsdecode(b"ROMEO\xff:"), "--max_new_tokens", 2,
+                       "--temperature", 0)
+    assert rc == 0 and "Traceback" not in err
+    assert get_tokenizer("byte").encode(os.fsdecode(b"ROMEO\xff:")) == list(b"ROMEO\xff:")
 
 
 def test_a_tiny_temperature_samples_the_most_likely_token(run_dir, capsys):

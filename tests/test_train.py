@@ -138,6 +138,27 @@ def test_a_diverging_run_keeps_a_checkpoint_of_weights_just_evaluated_finite(dat
     assert steps(tmp_path / "test")[-1] == 30
 
 
+def test_a_checkpoint_far_worse_than_the_last_never_replaces_it(data_dir, tmp_path):
+    """One step at lr 1 after a checkpoint: a finite val loss above a uniform guess's (ln V) stops the run, the
+    good checkpoint kept; a normal run's checkpoints are written as before."""
+    run(data_dir, tmp_path, "--max_steps=3")
+    good = ckpt(tmp_path / "test")
+    with pytest.raises(UserError, match="val loss .* at step 4 is worse than a uniform guess.*checkpoint of step 3"):
+        run(data_dir, tmp_path, "--resume=true", "--max_steps=4", "--ckpt_interval=1", "--lr=1", "--min_lr=1")
+    assert ckpt(tmp_path / "test")["step"] == 3 and torch.equal(ckpt(tmp_path / "test")["model"]["wte.weight"],
+                                                                 good["model"]["wte.weight"])
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last(data_dir, tmp_path, full_disk, capsys):
+    run(data_dir, tmp_path, "--run_name=probe", "--max_steps=3")
+    size = (tmp_path / "probe" / "ckpt.pt").stat().st_size
+    full_disk(tmp_path / "test", size + 20000)  # room for the first checkpoint, not the second
+    assert cli(train.main, [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot write") and "no space left" in err[0], err
+    assert ckpt(tmp_path / "test")["step"] == 3 and not list((tmp_path / "test").glob(".*.tmp"))
+
+
 def test_runs_that_differ_only_in_residual_are_paired(data_dir):
     built = []
     for residual in ("standard", "block_attnres"):

@@ -301,7 +301,7 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
     """A checkpoint's diagnostics, written into out_dir; every check first."""
     model, ckpt = load_model(ckpt_path, device)
     cfg = model.cfg
-    data_dir, note = find_data_dir(ckpt["train_config"].get("data_dir", "data/shakespeare"), data_dir)
+    data_dir, note = find_data_dir(ckpt.get("train_config", {}).get("data_dir", "data/shakespeare"), data_dir)
     meta = load_meta(data_dir)
     if meta["tokenizer"] != ckpt["tokenizer"] or meta["vocab_size"] > cfg.vocab_size:
         raise UserError(f"{data_dir} holds {meta['tokenizer']} tokens ({meta['vocab_size']} ids), but the checkpoint's "
@@ -463,8 +463,11 @@ def run(argv):
     check_args(args)
     wrote = []
     if args.curves:
+        path = curves_path(args)
+        need(not os.path.isfile(path) or Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} exists and is "
+             "not a PNG: diagnose writes over no file it did not make; pass --out with a new .png path")
         try:
-            wrote.append(plot_curves(curve_labels(args.curves), curves_path(args)))
+            wrote.append(plot_curves(curve_labels(args.curves), path))
         except OSError as e:
             raise UserError(os_error_message(e, curves_path(args))) from None
     if args.ckpt:

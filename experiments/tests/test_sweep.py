@@ -241,3 +241,20 @@ def test_a_sweep_file_s_runs_go_through_train_py_s_own_checks(tmp_path, data_dir
     spec = sweep.load_sweep(str(sweep_file(tmp_path)))
     assert sweep.design(spec, "b", 1)["residual"] == "block_attnres"
     assert run(data_dir, tmp_path, "--max_steps=1", "--final_eval_tokens=0")["final_eval_tokens"] == 0
+
+
+def test_runs_on_data_prepared_again_are_not_pooled(tmp_path, monkeypatch):
+    """The design check compares each run's data fingerprint, not data_dir's path."""
+    from prepare_data import prepare
+    source = tmp_path / "c.txt"
+    source.write_text("to be or not to be " * 400)
+    prepare(data_files=[str(source)], tokenizer="byte", out_dir=tmp_path / "d_byte")
+    path = sweep_file(tmp_path, f'overrides = "max_steps=1 data_dir={tmp_path / "d_byte"} seq_len=16 eval_tokens=64"\n')
+    spec = sweep.load_sweep(str(path))
+    assert cli(train.main, sweep.train_command(spec, "a", 0, "")[2:]) == 0
+    source.write_text("TO BE OR NOT TO BE " * 400)  # same size, other text
+    prepare(data_files=[str(source)], tokenizer="byte", out_dir=tmp_path / "d_byte", overwrite=True)
+    sweep.data_now.cache_clear()
+    monkeypatch.setattr(sweep, "run_child", None)
+    with pytest.raises(UserError, match="a seed 0 ran with other data"):
+        sweep.main([str(path), "--table_only"])
