@@ -8,7 +8,7 @@ model_fast.py holds the fast twins, tested equal.
 import hashlib
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -16,32 +16,59 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 
-@dataclass
-class GPTConfig:
-    vocab_size: int = 50304  # GPT-2's 50257, padded to a multiple of 64
-    block_size: int = 1024  # context length
-    n_layer: int = 12
-    n_head: int = 6  # head dim 128
-    n_embd: int = 768
-    mlp_ratio: int = 4
-    mlp_hidden: int | None = None  # the MLP's hidden width; None means mlp_ratio * n_embd (parameter-matched controls set it)
-    tie_embeddings: bool = False  # share wte and lm_head
-    rope_base: float = 10000.0
-    logit_softcap: float = 0.0  # 0 = off; else logits = c * tanh(logits / c)
-    residual: str = "standard"  # a name in RESIDUALS (the table of variants, after them)
-    attnres_block_size: int = 4  # S, in sublayers (4 = two transformer layers); block_attnres, rd_attnres
-    rd_mode: str | None = None  # rd_attnres only; None means "decoupled"
-    dar_block_size: int = 2  # K, in transformer layers (2K sublayers); 1 is Full DAR
-    dar_include_partial: bool = True  # the current in-block state is a candidate source
-    dar_routing: str | None = None  # dar only; None means "cross"
-    hc_streams: int = 4  # n, for hc and mhc (mhc with 2 is the DAR paper's mHC-2 baseline)
-    denseformer_dilation: int | None = None  # k, in transformer layers; denseformer only; None means 1
-    denseformer_period: int | None = None  # p, a DWA after every p-th layer; denseformer only; None means 1
-    delta_block_size: int | None = None  # S, in sublayers; delta_attnres only; None means 1 (per sublayer)
-    depth_impl: str = "two_phase"  # model_fast.make_model: "two_phase" (the fast twins) or "reference"; GPT: plain
-    depth_chunk: int = 4  # two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)
-    activation_checkpointing: bool = False  # recompute each sublayer's internals in backward (memory only)
+def need(ok, message):
+    if not ok:
+        raise ValueError(message)
 
+
+def key(default, help):
+    """A config key: its default and its meaning (python train.py --help prints it)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class GPTConfig:  # the model's keys; a bad value is a ValueError naming it (train.py: one `error:` line)
+    vocab_size: int = key(50304, "GPT-2's 50257, padded to a multiple of 64 (train.py: the data's, padded)")
+    block_size: int = key(1024, "context length")
+    n_layer: int = key(12, "transformer layers (two sublayers each)")
+    n_head: int = key(6, "attention heads (head dim n_embd / n_head, even)")
+    n_embd: int = key(768, "model width")
+    mlp_ratio: int = key(4, "MLP width / n_embd")
+    mlp_hidden: int | None = key(None, "the MLP's hidden width; None: mlp_ratio * n_embd (parameter-matched controls)")
+    tie_embeddings: bool = key(False, "share wte and lm_head")
+    rope_base: float = key(10000.0, "rotary embeddings' base")
+    logit_softcap: float = key(0.0, "0 = off; else logits = c * tanh(logits / c)")
+    residual: str = key("standard", "a name in RESIDUALS (the table of variants; VARIANTS.md)")
+    attnres_block_size: int = key(4, "S, in sublayers (4 = two transformer layers); block_attnres, rd_attnres")
+    rd_mode: str | None = key(None, "rd_attnres only: decoupled (None), tied, average or frozen_v")
+    dar_block_size: int = key(2, "K, in transformer layers (2K sublayers); 1 is Full DAR")
+    dar_include_partial: bool = key(True, "the current in-block state is a candidate source")
+    dar_routing: str | None = key(None, "dar only: cross (None), self_kv, cross_v, fixed_kv or sep_v")
+    hc_streams: int = key(4, "n, for hc and mhc (mhc with 2 is the DAR paper's mHC-2 baseline)")
+    denseformer_dilation: int | None = key(None, "k, in transformer layers; denseformer only; None means 1")
+    denseformer_period: int | None = key(None, "p, a DWA after every p-th layer; denseformer only; None means 1")
+    delta_block_size: int | None = key(None, "S, in sublayers; delta_attnres only; None means 1 (per sublayer)")
+    depth_impl: str = key("two_phase", "model_fast.make_model: two_phase (the fast twins) or reference (plain)")
+    depth_chunk: int = key(4, "two_phase: sites that share one phase 1, rounded up to whole blocks (speed only)")
+    activation_checkpointing: bool = key(False, "recompute each sublayer's internals in backward (memory only)")
+
+    def __post_init__(self):
+        need(self.residual in RESIDUALS, f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
+        for name, owner in FLAG_OWNERS.items():  # a flag of one family refuses every other variant
+            owners = " or ".join(repr(r) for r, cls in RESIDUALS.items() if issubclass(cls, owner))
+            need(getattr(self, name) is None or issubclass(RESIDUALS[self.residual], owner), f"{name}="
+                 f"{getattr(self, name)!r} only applies to residual={owners} (got residual={self.residual!r}); drop {name}")
+        for name, choices in (("rd_mode", RD_MODES), ("dar_routing", DAR_STREAMS), ("depth_impl", DEPTH_IMPLS)):
+            need(getattr(self, name) in (None, *choices), f"unknown {name} {getattr(self, name)!r}: one of {', '.join(choices)}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "mlp_hidden", "hc_streams",
+                     "dar_block_size", "attnres_block_size", "delta_block_size", "depth_chunk"):
+            need(getattr(self, name) is None or getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("denseformer_dilation", "denseformer_period"):
+            need(getattr(self, name) is None or 1 <= getattr(self, name) <= self.n_layer,
+                 f"{name} counts transformer layers: between 1 and n_layer={self.n_layer}, got {getattr(self, name)}")
+        need(self.n_embd % self.n_head == 0 and self.n_embd // self.n_head % 2 == 0,
+             f"n_embd={self.n_embd} / n_head={self.n_head} must be a whole, even head dim (rotary)")
+        need(self.logit_softcap >= 0 and self.rope_base > 0, "logit_softcap must be >= 0 and rope_base > 0")
 
 # The transformer: RMSNorm pre-norms without gains, rotary attention with QK-norm, ReLU^2 MLP.
 
@@ -62,10 +89,7 @@ class CausalSelfAttention(nn.Module):
         d = cfg.n_embd
         self.n_head, self.head_dim = cfg.n_head, d // cfg.n_head
         self.norm_project = norm_project  # FastGPT's linear(norm(h)) (model_fast.norm_project, the same numbers)
-        self.c_q = nn.Linear(d, d, bias=False)
-        self.c_k = nn.Linear(d, d, bias=False)
-        self.c_v = nn.Linear(d, d, bias=False)
-        self.c_proj = nn.Linear(d, d, bias=False)
+        self.c_q, self.c_k, self.c_v, self.c_proj = (nn.Linear(d, d, bias=False) for _ in range(4))
 
     def forward(self, h, cos, sin, layer, cache=None):
         """h: h_j, or (h_QK, h_V) (RD-AttnRes), or (h_Q, h_K, h_V)."""
@@ -216,6 +240,7 @@ class FullAttnRes(AttnRes):
 
 
 RD_MODES = ("decoupled", "tied", "average", "frozen_v")
+DEPTH_IMPLS = ("two_phase", "reference")  # model_fast.make_model's fast twins, or the plain streams
 
 
 class RDAttnRes(AttnRes):
@@ -354,12 +379,14 @@ class DARStream:
         note(self.record, site_name(j, self.mod.L) + "/alpha", alpha)
         return alpha[0] * r[0] + alpha[1] * r[1]
 
+    transport = staticmethod(transport)  # (the fast twin writes with its elementwise one)
+
     def write(self, j, y):
         beta = 2 * torch.sigmoid(self.mod.theta_beta[j])
         if self.partial is None:  # first sublayer of a block
             self.partial = beta.view(2, 1, 1, 1) * y
         else:
-            self.partial = transport(self.partial, torch.sigmoid(self.mod.theta_rho[j]), beta, y)
+            self.partial = self.transport(self.partial, torch.sigmoid(self.mod.theta_rho[j]), beta, y)
         if self.record is not None:  # each stream's state: x0 + its blocks + P_m
             note(self.record, f"state.{j}", sum(self.blocks) + self.partial)
 
@@ -631,16 +658,16 @@ RESIDUALS = {
     "muddformer": MUDDFormer,
     "delta_attnres": DeltaAttnRes,
 }
+# a flag of one family of variants -> the class its residual must be (or subclass)
+FLAG_OWNERS = {"rd_mode": RDAttnRes, "dar_routing": DualAttnRes, "denseformer_dilation": DenseFormer,
+               "denseformer_period": DenseFormer, "delta_block_size": DeltaAttnRes}
 
 
 def make_residual(cfg):
-    if cfg.residual not in RESIDUALS:
-        raise ValueError(f"unknown residual {cfg.residual!r}; choose one of {', '.join(RESIDUALS)}")
-    return RESIDUALS[cfg.residual](cfg)
+    return RESIDUALS[cfg.residual](cfg)  # (GPTConfig checked the name)
 
 
-# The model: the sublayers in order on a variant's stream; then what it needs besides (activation
-# checkpointing, rotary tables, the initial weights).
+# The model: the sublayers in order on a variant's stream; then activation checkpointing, rotary tables, init.
 
 
 class GPT(nn.Module):

@@ -391,6 +391,46 @@ class TwoPhaseRouter:
 
 
 # ----------------------------------------------------------------------------------------------
+# DAR's write, elementwise.
+
+
+def _transport(P, rho, beta, y):
+    out = torch.empty_like(P)
+    torch.lerp(P[1], P[0], rho, out=out[0])  # P_o + rho (P_m - P_o)
+    torch.lerp(P[0], P[1], rho, out=out[1])
+    return out.addcmul_(beta.to(P.dtype).view(2, *[1] * y.dim()), y.to(P.dtype))
+
+
+class _Transport(Function):
+    """DAR's write P'_m = rho P_m + (1 - rho) P_o + beta_m y, elementwise forward and backward (autograd's
+    2 x 2 matmul is several times slower on CPU)."""
+
+    @staticmethod
+    def forward(ctx, P, rho, beta, y):  # P [2, *, d], rho [], beta [2], y [*, d]
+        ctx.save_for_backward(P, rho, beta, y)
+        return _transport(P, rho, beta, y)
+
+    @staticmethod
+    def backward(ctx, g):
+        P, rho, beta, y = ctx.saved_tensors
+        with autocast_off(P):
+            g = g.to(P.dtype)
+            g_P = torch.empty_like(g)
+            torch.lerp(g[1], g[0], rho, out=g_P[0])
+            torch.lerp(g[0], g[1], rho, out=g_P[1])
+            g_rho = ((g[0] - g[1]) * (P[0] - P[1])).sum()  # dP'_m/drho = P_m - P_o
+            g_beta = g.flatten(1) @ y.to(P.dtype).flatten()
+            g_y = (beta[0] * g[0]).addcmul_(beta[1].to(g.dtype), g[1])
+        return g_P, g_rho.to(rho.dtype), g_beta.to(beta.dtype), g_y.to(y.dtype)
+
+
+def transport(P, rho, beta, y):
+    """model.transport, elementwise, in P's dtype."""
+    with float32_routing(P):
+        return _Transport.apply(P, rho, beta, y) if needs_grad(P, rho, beta, y) else _transport(P, rho, beta, y)
+
+
+# ----------------------------------------------------------------------------------------------
 # The fast twins of model.py's AttnRes, DAR and Delta AttnRes streams, routed a chunk at a time.
 
 
@@ -491,12 +531,8 @@ class FastDARStream(_BlockHistory):
             self._open_chunk(self.mod.w[j:j + self.chunk])
         return self._retrieve(j)
 
-    def write(self, j, y):
-        beta = 2 * torch.sigmoid(self.mod.theta_beta[j])
-        if self.partial is None:  # first sublayer of a block
-            self.partial = beta.view(2, 1, 1, 1) * y
-        else:
-            self.partial = transport(self.partial, torch.sigmoid(self.mod.theta_rho[j]), beta, y)
+    record, transport = None, staticmethod(transport)  # DAR's write (no record), its transport elementwise
+    write = model.DARStream.write
 
     def readout(self):
         self._close_block()
@@ -538,46 +574,6 @@ def twin_of(cls):
             own = sorted({n for c in cls.__mro__[:i] for n, v in vars(c).items() if callable(v) and hasattr(base, n)})
             return (None, f"it overrides {', '.join(own)} of model.{base.__name__}") if own else (TWINS[base], None)
     return None, None
-
-
-# ----------------------------------------------------------------------------------------------
-# DAR's write, elementwise.
-
-
-def _transport(P, rho, beta, y):
-    out = torch.empty_like(P)
-    torch.lerp(P[1], P[0], rho, out=out[0])  # P_o + rho (P_m - P_o)
-    torch.lerp(P[0], P[1], rho, out=out[1])
-    return out.addcmul_(beta.to(P.dtype).view(2, *[1] * y.dim()), y.to(P.dtype))
-
-
-class _Transport(Function):
-    """DAR's write P'_m = rho P_m + (1 - rho) P_o + beta_m y, elementwise forward and backward (autograd's
-    2 x 2 matmul is several times slower on CPU)."""
-
-    @staticmethod
-    def forward(ctx, P, rho, beta, y):  # P [2, *, d], rho [], beta [2], y [*, d]
-        ctx.save_for_backward(P, rho, beta, y)
-        return _transport(P, rho, beta, y)
-
-    @staticmethod
-    def backward(ctx, g):
-        P, rho, beta, y = ctx.saved_tensors
-        with autocast_off(P):
-            g = g.to(P.dtype)
-            g_P = torch.empty_like(g)
-            torch.lerp(g[1], g[0], rho, out=g_P[0])
-            torch.lerp(g[0], g[1], rho, out=g_P[1])
-            g_rho = ((g[0] - g[1]) * (P[0] - P[1])).sum()  # dP'_m/drho = P_m - P_o
-            g_beta = g.flatten(1) @ y.to(P.dtype).flatten()
-            g_y = (beta[0] * g[0]).addcmul_(beta[1].to(g.dtype), g[1])
-        return g_P, g_rho.to(rho.dtype), g_beta.to(beta.dtype), g_y.to(y.dtype)
-
-
-def transport(P, rho, beta, y):
-    """model.transport, elementwise, in P's dtype."""
-    with float32_routing(P):
-        return _Transport.apply(P, rho, beta, y) if needs_grad(P, rho, beta, y) else _transport(P, rho, beta, y)
 
 
 # ----------------------------------------------------------------------------------------------
