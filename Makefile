@@ -1,4 +1,5 @@
-# Two commands for a fresh clone:  make demo  (train the CPU demo on the embedded corpus)  and  make test
+# Two commands for a fresh clone:  make demo  (train the CPU demo on the embedded corpus; run again, it continues the
+# demo it finds; FRESH=1 starts it over)  and  make test
 # (the linter and the fast tests, 1.5 to 2 minutes); make test-all runs every test (CI, 6-9 minutes)
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,7 +23,7 @@ experiments-deps: $(VENV)/.installed  # what the sweeps' report needs beside the
 
 demo: $(VENV)/.installed
 	test -f data/shakespeare/meta.json || $(PY) prepare_data.py
-	$(PY) train.py configs/demo.py --overwrite=true
+	$(PY) train.py configs/demo.py $(if $(FRESH),--overwrite=true,$(if $(wildcard runs/demo),--resume=true))
 	$(PY) sample.py --ckpt runs/demo --prompt "ROMEO:" --max_new_tokens 100
 
 test: $(VENV)/.test-installed  # the linter, then every test not marked slow: one process per core, one thread each

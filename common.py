@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
@@ -158,6 +159,28 @@ def say(text):
         print(text, flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def busy_cores(seconds=0.25):
+    """How many cores other work keeps busy now: /proc/stat sampled over `seconds` (else the 1-minute load)."""
+    def sample():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+    try:
+        (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(t1 - t0, 1))
+
+
+def cpu_threads(ranks=1):
+    """Intra-op threads for a CPU process: OMP_NUM_THREADS where set, else the cores this process may use that other
+    work leaves free, shared among the node's `ranks` (at least one)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, round(cores - busy_cores()) // ranks)
 
 
 def perplexity(loss):

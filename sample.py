@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 # common first: it quiets a Ctrl-C while torch imports
-from common import UserError, cli, need, os_error_message
+from common import UserError, cli, cpu_threads, need, os_error_message
 
 # isort: split
 import torch
@@ -143,6 +143,8 @@ def run(args):
         except OSError as e:  # (missing, a directory, unreadable)
             raise UserError(os_error_message(e, args.prompt_file, "read the prompt file")) from None
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cpu":
+        torch.set_num_threads(cpu_threads())
     model, ckpt = load_model(args.ckpt, device)
     tok = get_tokenizer(ckpt["tokenizer"])
     prompt = tok.encode(text) if text else [tok.eot]  # no prompt: the start of a new document

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import random
-import re
 import resource
 import signal
 import statistics
@@ -33,7 +32,7 @@ import time
 import traceback
 import typing
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 # common first: it quiets a Ctrl-C while torch imports
@@ -42,6 +41,7 @@ from common import (
     UserError,
     any_rank,
     cli,
+    cpu_threads,
     log_records,
     need,
     on_rank0,
@@ -65,15 +65,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 from data import TokenData, TokenLoader, check_data, eval_batches
-from model import DAR_STREAMS, RD_MODES, RESIDUALS, DeltaAttnRes, DenseFormer, DualAttnRes, GPTConfig, InitialWeights, RDAttnRes
+from model import RESIDUALS, GPTConfig, InitialWeights, key
 from model_fast import checkpoint_problem, compile_model, make_model
 
 # ----------------------------------------------------------------------------------------------
 # Config: the training keys (TrainConfig), the model keys (model.GPTConfig), a config file, --key=value.
-
-
-def key(default, help):
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -102,6 +98,7 @@ class TrainConfig:
     grad_clip: float = key(1.0, "max global gradient norm; 0: off")
     eval_interval: int = key(250, "steps between validation evaluations (and one at the end)")
     eval_tokens: int = key(65536, "tokens per evaluation: a fixed prefix of the split, shared among ranks")
+    threads: int = key(0, "CPU intra-op threads; 0: the cores other work leaves free (OMP_NUM_THREADS wins)")
     final_eval_tokens: int | None = key(None, "tokens of the final val and test scores (summary.json): None = "
                                               "eval_tokens, 0 = the whole split")
     log_interval: int = key(10, "steps between log lines")
@@ -122,7 +119,8 @@ class TrainConfig:
             need(0 <= getattr(self, name) < 2**32, f"{name} must be in [0, 2**32), got {getattr(self, name)}")
         for name in ("batch_tokens", "batch_size", "seq_len", "eval_interval", "eval_tokens", "log_interval"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "max_tokens", "warmup_steps", "ckpt_interval", "weight_decay", "grad_clip", "eps"):
+        for name in ("max_steps", "max_tokens", "warmup_steps", "ckpt_interval", "weight_decay", "grad_clip", "eps",
+                     "threads"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.max_steps > 0 or self.max_tokens >= self.batch_tokens,
              f"set max_steps, or max_tokens of at least batch_tokens={self.batch_tokens}")
@@ -149,9 +147,6 @@ MODEL_TYPES = typing.get_type_hints(GPTConfig)
 # model keys that change how the model computes, not what: a resume may change them
 EXECUTION_KEYS = ("depth_impl", "depth_chunk", "activation_checkpointing")
 CKPT_FORMAT = "depthres-ckpt-3"  # one file of torch.distributed.checkpoint's full state dicts (issue 53)
-# a flag of one family of variants: the class its residual must be (or subclass)
-FLAG_OWNERS = {"rd_mode": RDAttnRes, "dar_routing": DualAttnRes, "denseformer_dilation": DenseFormer,
-               "denseformer_period": DenseFormer, "delta_block_size": DeltaAttnRes}
 
 
 def type_name(typ):
@@ -228,27 +223,11 @@ def parse_config(argv):
 
 
 def model_config(settings):
-    """model.GPTConfig(**settings), each value checked: a bad one is one UserError line."""
-    c = GPTConfig(**settings)
-    need(c.residual in RESIDUALS, f"unknown residual {c.residual!r}; choose one of {', '.join(RESIDUALS)}")
-    for name, owner in FLAG_OWNERS.items():
-        owners = " or ".join(repr(r) for r, cls in RESIDUALS.items() if issubclass(cls, owner))
-        need(getattr(c, name) is None or issubclass(RESIDUALS[c.residual], owner),
-             f"{name}={getattr(c, name)!r} only applies to residual={owners} (got residual={c.residual!r}); drop {name}")
-    for name, choices in (("rd_mode", RD_MODES), ("dar_routing", tuple(DAR_STREAMS)),
-                          ("depth_impl", ("two_phase", "reference"))):
-        value = getattr(c, name)
-        need(value is None or value in choices, f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
-    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "mlp_hidden", "hc_streams",
-                 "dar_block_size", "attnres_block_size", "delta_block_size", "depth_chunk"):
-        need(getattr(c, name) is None or getattr(c, name) >= 1, f"{name} must be >= 1, got {getattr(c, name)}")
-    for name in ("denseformer_dilation", "denseformer_period"):
-        need(getattr(c, name) is None or 1 <= getattr(c, name) <= c.n_layer,
-             f"{name} counts transformer layers: between 1 and n_layer={c.n_layer}, got {getattr(c, name)}")
-    need(c.n_embd % c.n_head == 0, f"n_embd={c.n_embd} is not divisible by n_head={c.n_head}")
-    need(c.n_embd // c.n_head % 2 == 0, f"head dim n_embd/n_head={c.n_embd // c.n_head} must be even (rotary)")
-    need(c.logit_softcap >= 0 and c.rope_base > 0, "logit_softcap must be >= 0 and rope_base > 0")
-    return c
+    """model.GPTConfig(**settings), which checks itself: a bad value is one UserError line."""
+    try:
+        return GPTConfig(**settings)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def build_model_config(model_settings, tc, meta):
@@ -262,17 +241,11 @@ def build_model_config(model_settings, tc, meta):
 
 def usage():
     """--help: the docstring, then every key with its type, default and meaning."""
-    notes = {"n_layer": "transformer layers (two sublayers each)", "n_embd": "model width", "mlp_ratio": "MLP width / "
-             "n_embd", "rope_base": "rotary embeddings' base"}
-    notes |= dict(re.findall(r"^\s+(\w+): [^=]+=[^#\n]*#\s*(.*)$", inspect.getsource(GPTConfig), re.M))
-    notes["residual"] = "one of " + ", ".join(RESIDUALS) + " (VARIANTS.md)"
-    for name, choices in (("rd_mode", RD_MODES), ("dar_routing", DAR_STREAMS)):
-        notes[name] = notes.get(name, "") + f"; one of {', '.join(choices)}"
     lines = [__doc__.strip(), "", "training keys:"]
     lines += [f"  {f.name:<14} {type_name(TRAIN_TYPES[f.name]):<6} {f.default!r:<18} {f.metadata['help']}"
               for f in fields(TrainConfig)]
-    lines += ["", "model keys (model.GPTConfig; vocab_size defaults to the data's, padded to a multiple of 64):"]
-    lines += [f"  {f.name:<24} {type_name(MODEL_TYPES[f.name]):<11} {f.default!r:<12} {notes.get(f.name, '')}"
+    lines += ["", f"model keys (model.GPTConfig; residual: one of {', '.join(RESIDUALS)}):"]
+    lines += [f"  {f.name:<24} {type_name(MODEL_TYPES[f.name]):<11} {f.default!r:<12} {f.metadata['help']}"
               for f in fields(GPTConfig)]
     return "\n".join(lines)
 
@@ -292,6 +265,8 @@ def setup_ranks(tc):
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:  # what is free, shared among this node's ranks
+        torch.set_num_threads(tc.threads or cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
     return rank, world, device
@@ -633,7 +608,7 @@ def kept(saved, run_dir):
 
 
 def stop_with(log, step, error):
-    log(None, {"kind": "diverged", "step": step, "error": error})  # (experiments/sweep.py tabulates it)
+    log(None, {"kind": "diverged", "step": step, "error": error})  # a sweep tabulates the run as diverged
     raise UserError(error)
 
 

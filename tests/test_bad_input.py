@@ -28,7 +28,7 @@ def no_compute(monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--batchsize=8"], "unknown key 'batchsize' in the command line; did you mean batch_size"),
     (["--lr=fast"], "lr expects float, got 'fast'"),
-    (["--n_embd=33"], "n_embd=33 is not divisible by n_head=2"),
+    (["--n_embd=33"], "n_embd=33 / n_head=2 must be a whole, even head dim"),
     (["--vocab_size=64"], "vocab_size=64 is smaller than the byte tokenizer's"),
     (["--batch_tokens=300"], "batch_tokens=300 is not a multiple"),
     (["--eval_tokens=16"], "eval_tokens=16 is less than seq_len=32"),

@@ -210,7 +210,7 @@ def test_variant_specs_parse_every_field_type():
     (["--variants", "standard:activation_checkpointing=yes"], "activation_checkpointing expects true/false"),
     (["--variants", "standard:n_layer=4"], "n_layer is set for every variant by bench's flags"),
     (["--n_layer", "0"], "--n_layer must be at least 1, got 0"),
-    (["--n_embd", "30", "--n_head", "4"], "n_embd=30 is not divisible by n_head=4"),
+    (["--n_embd", "30", "--n_head", "4"], "n_embd=30 / n_head=4 must be a whole, even head dim"),
     (["--device", "cuda"], "--device cuda: no CUDA device is available"),
     (["--device", "tpu"], "--device tpu is not a device: use auto, cpu, cuda or cuda:N"),
     (["--repeats", "0"], "--repeats must be at least 1, got 0"),

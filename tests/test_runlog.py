@@ -51,3 +51,15 @@ def test_wandb_gets_every_record_at_its_step(data_dir, tmp_path, monkeypatch):
     assert [(s, m["train/loss"]) for s, m in logged if "train/loss" in m] == \
         [(r["step"], r["loss"]) for r in records(tmp_path / "test")]
     assert {"val/loss", "test/loss"} <= {k for _, m in logged for k in m}
+
+
+def test_cpu_threads_take_the_free_cores_shared_among_ranks_unless_omp_num_threads_says(monkeypatch):
+    import common
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    for busy, ranks, threads in ((0.2, 1, 8), (3.0, 1, 5), (3.0, 2, 2), (7.9, 1, 1), (20.0, 4, 1)):
+        monkeypatch.setattr(common, "busy_cores", lambda busy=busy: busy)
+        assert common.cpu_threads(ranks) == threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert common.cpu_threads() == common.torch.get_num_threads()
+    assert 0 <= common.busy_cores(0.01) <= (common.os.cpu_count() or 1) + 0.5

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools/bench.py` as `python -m tools.bench`
 # common first: it quiets a Ctrl-C while torch imports
-from common import UserError, cli, need, os_error_message, write_atomic
+from common import UserError, cli, cpu_threads, need, os_error_message, write_atomic
 
 # isort: split
 import torch
@@ -221,6 +221,8 @@ def main(argv=None):
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                                8 * len(specs))
         torch._dynamo.config.fail_on_recompile_limit_hit = True
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads())
     load, cores, threads = os.getloadavg()[0], os.cpu_count(), torch.get_num_threads()
     print(f"device {device}, {dtype}, compile={args.compile}: {args.n_layer} layers, width {args.n_embd}, "
           f"{args.batch_size} x {args.seq_len} tokens, vocab {args.vocab_size}; load {load:.1f} on {cores} cores, "

@@ -226,6 +226,13 @@ def plot_routing_maps(maps, path, title, kind, names):
     return path
 
 
+def read_config(run):
+    try:
+        return json.loads((Path(run) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def plot_curves(groups, path):
     """Validation loss against step, the mean of each group of runs."""
     plt = pyplot()
@@ -239,7 +246,8 @@ def plot_curves(groups, path):
         ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], style, label=f"{label} ({len(runs)})",
                 marker="o" if len(steps) == 1 else None)  # one evaluation: a point, not an invisible line
     ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/token)")
+    units = {(read_config(run) or {}).get("tokenizer") == "byte" for runs in groups.values() for run in runs}
+    ax.set_ylabel(f"validation loss (nats/{'byte' if units == {True} else 'token'})")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -360,7 +368,8 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
 
 
 def summary(d):
-    lines = [f"{d['residual']} at step {d['step']}: val loss {d['val_loss']:.4f} (ppl {perplexity(d['val_loss']):.2f})"]
+    lines = [f"{d['residual']} at step {d['step']}: val loss {d['val_loss']:.4f} on the first {d['tokens']:,} val tokens "
+             f"(ppl {perplexity(d['val_loss']):.2f}; summary.json's val loss may read other tokens)"]
     for pair, js in d.get("js_per_site", {}).items():
         lines.append(f"JS({pair.replace('||', ' || ')}) per site: " + " ".join(f"{k} {x:.3f}" for k, x in js.items())
                      + f"  mean {d['js_mean'][pair]:.3f} (max ln 2 = 0.693)")
