@@ -1,6 +1,6 @@
-"""Fixtures the tests share: one thread per test process, the tiny byte corpus, one uninterrupted run,
-a read-only mount and a full disk;
-and the order in which `make test-all` (pytest -n auto --dist loadgroup) hands the tests to its processes."""
+"""What the tests share: the tolerances, one tiny model, one routing randomiser, the dtype rule's instrument; fixtures
+(one thread per test process, the tiny byte corpus, one uninterrupted run, a read-only mount, a full disk); and the
+order in which `make test-all` (pytest -n auto --dist loadgroup) hands the tests to its processes."""
 
 import builtins
 import errno
@@ -13,9 +13,91 @@ from pathlib import Path
 import pytest
 import torch
 
+from model import GPTConfig
+from model_fast import make_model
 from prepare_data import DEFAULT_CORPUS, prepare
 
 from runs import run
+
+# --- tolerances: each from the rounding of the arithmetic it compares -------------------------------------
+# u, the unit roundoff: float64 2^-53 = 1.1e-16, float32 2^-24 = 6.0e-8, bfloat16 2^-8 = 3.9e-3. The models here
+# are tiny (width <= 32, <= 8 layers, values below ~10), and a sum of n terms below X rounds to within n u X.
+F64 = 1e-10  # one function in float64 through other ops (a fast path, a textbook, a reduction, a cache): the
+#              logits chain ~10^2 ops, each a sum of <= 10^2 terms below 10, so they differ by <= 10^5 u = 1e-11;
+#              1e-10 is 10x that, and 600x below float32's u: one float32 op on either side fails it
+F64_OP = 1e-12  # one float64 op or sublayer in another order (<= 10^2 terms below 10): <= 10^3 u = 1e-13, 10x that
+F64_ZERO = 1e-13  # a gradient that is zero by construction: its terms cancel exactly in exact arithmetic, and its
+#                   sum of <= 10^2 of them below 1 rounds to <= 10^2 u = 1e-14
+F64_EPS = 1e-9  # a reduction through RMSNorm(c h) = RMSNorm(h) (c > 0, uniform routing: c >= 1/9 on <= 9 sources):
+#                 the norm's eps (2.2e-16) makes them differ by (1/c^2 - 1) eps / (2 ms(h)) <= 80 x 2.2e-16 / 8e-4
+#                 = 2e-11 relative (ms(h) >= 4e-4: embeddings of std 0.02), a few norms deep: below 1e-9
+
+# A stream that rounds a depth mix or a state write to bf16 (u = 2^-8) departs by a fraction of u: DAR's plain write,
+# rounding beta_m y alone, by 6.7e-4 to 9.7e-4 relative. Float32 routing in another order: ~10 float32 u (measured
+# <= 1.6e-7). u / 64 = 6.1e-5 lies between, 11x below the first and 380x above the second.
+BF16_PATHS = 2 ** -8 / 64
+
+
+def zero_grad_at_init(exempt, name):
+    """Whether parameter `name` starts with a zero gradient by construction, as `exempt` (an entry of
+    ZERO_GRAD_AT_INIT) says."""
+    return exempt(name) if callable(exempt) else name.startswith(tuple(exempt))
+
+
+def tiny(seed=0, dtype=torch.float64, **kw):
+    """A 3-layer model: 6 sublayers, so block size 4 gives a full block and a short one."""
+    kw = dict(dict(vocab_size=61, block_size=24, n_layer=3, n_head=2, n_embd=32, attnres_block_size=4), **kw)
+    return make_model(GPTConfig(**kw), seed=seed).to(dtype)
+
+
+def tokens(B=2, T=12, seed=0):
+    return torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def randomize_routing(model, seed=1, scale=1.0, add=False):
+    """Random routing parameters, standard normal times `scale` (add: added to the init, each gate kept near its own
+    start): routing away from its uniform start. Returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.residual.parameters():
+        noise = scale * torch.randn(p.shape, generator=g, dtype=torch.float64)
+        p.add_(noise) if add else p.copy_(noise)
+    return model
+
+
+def bf16_routing_error(model, monkeypatch):
+    """Under bf16 autocast, with stub sublayers whose outputs are bf16: the site inputs' dtypes, and their largest
+    relative distance (the readout's too) from a run without autocast fed the same outputs in float32."""
+    seen, ys, replay = [], [], []
+
+    def stub(h, *args):
+        seen.extend(h if isinstance(h, tuple) else (h,))
+        if replay:
+            return replay.pop(0).float()
+        ys.append(torch.tanh(sum(h) if isinstance(h, tuple) else h).to(torch.bfloat16))  # as bf16 as a sublayer's y
+        return ys[-1]
+
+    for block in model.blocks:
+        monkeypatch.setattr(block.attn, "forward", stub)
+        monkeypatch.setattr(block.mlp, "forward", stub)
+    start = model.start_stream
+
+    def recording(x0, record=None):  # the stream, its readout seen too
+        stream = start(x0, record)
+        readout = stream.readout
+        stream.readout = lambda: seen.append(readout()) or seen[-1]
+        return stream
+
+    monkeypatch.setattr(model, "start_stream", recording)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(tokens())
+        mixed, seen, replay[:] = seen, [], ys
+        model(tokens())
+    assert len(seen) == len(mixed) > 2 * model.cfg.n_layer
+    return {h.dtype for h in mixed}, max(((h - w).norm() / w.norm()).item() for h, w in zip(mixed, seen))
+
+
 
 
 @pytest.fixture(autouse=True)
@@ -140,15 +222,3 @@ def pytest_collection_modifyitems(config, items):
     Otherwise the tests keep their files' order."""
     if getattr(config.option, "loadgroup", False):  # set in xdist's test processes
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files' order within
-
-
-@pytest.fixture(scope="session")
-def byte_data(tmp_path_factory):
-    from prepare_data import main as prepare
-    out = tmp_path_factory.mktemp("data") / "bytes"
-    src = tmp_path_factory.mktemp("src") / "docs.jsonl"
-    text = "To be, or not to be, that is the question. " * 40
-    src.write_text("\n".join(json.dumps({"text": f"{i}: {text}"}) for i in range(30)))
-    assert prepare(["--data_files", str(src), "--tokenizer", "byte", "--out_dir", str(out),
-                    "--val_fraction", "0.2", "--test_fraction", "0.1"]) == 0
-    return out

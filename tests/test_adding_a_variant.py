@@ -15,9 +15,8 @@ import model_fast
 import sample
 import train
 from common import cli
-from model import AttnRes, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes, SumStream, depth_attention, note, site_name
-from model_fast import make_model
-from test_equivalence import BF16_PATHS, F64, F64_OP, F64_ZERO, bf16_routing_error, zero_grad_at_init
+from conftest import BF16_PATHS, F64, F64_OP, F64_ZERO, bf16_routing_error, tiny, tokens, zero_grad_at_init
+from model import AttnRes, AttnResStream, FullAttnRes, RDAttnRes, SumStream, depth_attention, note, site_name
 from tools import bench, diagnose
 from train import model_config
 
@@ -171,15 +170,6 @@ def registered(monkeypatch):
     monkeypatch.setitem(model.RESIDUALS, "depth_alibi", DepthALiBi)
 
 
-def tiny(residual, **kw):
-    cfg = dict(vocab_size=61, block_size=24, n_layer=3, n_head=2, n_embd=32, attnres_block_size=4)
-    return make_model(GPTConfig(residual=residual, **{**cfg, **kw}), seed=0).double()
-
-
-def tokens():
-    return torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
-
-
 def test_an_unregistered_name_is_refused():
     with pytest.raises(ValueError, match="unknown residual 'rezero'; choose one of standard, "):
         model_config(dict(residual="rezero"))
@@ -187,7 +177,7 @@ def test_an_unregistered_name_is_refused():
 
 def unlearned(residual, exempt=()):
     """The parameters of a variant's model that get no gradient at init, or one where `exempt` expects none."""
-    net, idx = tiny(residual), tokens()
+    net, idx = tiny(residual=residual), tokens()
     net(idx, idx.roll(-1, 1))[1].backward()
     return [f"{residual}: {name}" for name, p in net.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()
             or (p.grad.abs().max() < F64_ZERO) != zero_grad_at_init(exempt, name)]
@@ -213,7 +203,7 @@ def test_depth_alibi_matches_its_textbook_definition_and_runs_plain(registered, 
     """The guide's worked example of a variant that changes the logits: a subclass overriding `site` runs as
     written on both paths (a note says so once), and equals its definition at random queries and slopes."""
     model_fast.plain_stream_note.cache_clear()
-    net, idx = tiny("depth_alibi", depth_impl=impl, attnres_block_size=2), tokens()
+    net, idx = tiny(residual="depth_alibi", depth_impl=impl, attnres_block_size=2), tokens()
     assert ("DepthALiBiStream runs as the plain stream" in capsys.readouterr().err) == (impl == "two_phase")
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
@@ -231,7 +221,7 @@ def test_a_stream_routing_in_a_source_s_bf16_fails_the_dtype_rule(registered, mo
         return site(self, j, [s.to(sources[-1].dtype) for s in sources])
 
     monkeypatch.setattr(DepthALiBiStream, "site", one_dtype)
-    net = tiny("depth_alibi").float()
+    net = tiny(residual="depth_alibi").float()
     with torch.no_grad():
         net.residual.w.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
     assert bf16_routing_error(net, monkeypatch)[1] > 10 * BF16_PATHS
@@ -268,7 +258,7 @@ def test_an_edit_to_a_shared_stream_that_its_twin_does_not_follow_is_refused(dat
 
 def test_rezero_starts_as_the_embedding_alone(registered):
     """alpha = 0: every sublayer's output is hidden, the logits are lm_head(norm(x0))."""
-    net, idx = tiny("rezero"), tokens()
+    net, idx = tiny(residual="rezero"), tokens()
     expected = net.lm_head(model.norm(net.wte(idx)))
     torch.testing.assert_close(net(idx)[0], expected, rtol=0, atol=F64_OP)
 
@@ -277,13 +267,13 @@ def test_a_temperature_of_one_is_block_attnres_on_both_paths(registered):
     """At init (tau = 1) the tempered variant is Block AttnRes bit for bit in its shared weights and
     outputs; with random queries and temperatures its two-phase path equals the reference (float64)."""
     idx = tokens()
-    block, tempered = tiny("block_attnres"), tiny("tempered")
+    block, tempered = tiny(residual="block_attnres"), tiny(residual="tempered")
     shared = block.state_dict()
     assert all(torch.equal(shared[k], v) for k, v in tempered.state_dict().items() if k in shared)
     assert torch.equal(block(idx)[0], tempered(idx)[0])
     out = []
     for impl in ("two_phase", "reference"):
-        net = tiny("tempered", depth_impl=impl)
+        net = tiny(residual="tempered", depth_impl=impl)
         with torch.no_grad():
             g = torch.Generator().manual_seed(1)
             for p in net.residual.parameters():
@@ -303,7 +293,7 @@ def test_a_variant_with_several_rows_at_the_readout_matches_its_textbook_definit
     """The guide's definition test: at random, non-zero queries, both paths give the logits of the
     variant's own definition (a fast-vs-plain test cannot see a variant wrong the same way on both).
     The readout is a site: its two rows and combine count, as at every other site."""
-    net, idx = tiny("multihead", depth_impl=impl, attnres_block_size=3), tokens()
+    net, idx = tiny(residual="multihead", depth_impl=impl, attnres_block_size=3), tokens()
     with torch.no_grad():
         net.residual.w.copy_(torch.randn(net.residual.w.shape, generator=torch.Generator().manual_seed(1)))
         torch.testing.assert_close(net(idx)[0], multihead_textbook_logits(net, idx), rtol=0, atol=F64)
@@ -318,7 +308,7 @@ def test_reset_parameters_zeroes_only_what_the_papers_zero(registered):
 
     model.RESIDUALS["with_gain"] = WithGain
     try:
-        assert torch.equal(tiny("with_gain").residual.gain, torch.ones(3, dtype=torch.float64))
+        assert torch.equal(tiny(residual="with_gain").residual.gain, torch.ones(3, dtype=torch.float64))
     finally:
         del model.RESIDUALS["with_gain"]
 
@@ -337,11 +327,11 @@ def test_a_subclass_is_what_its_class_declares_not_what_its_name_says(monkeypatc
 
     for name, cls in (("my_full", MyFull), ("my_rd", MyRD), ("my_block", MyBlock)):
         monkeypatch.setitem(model.RESIDUALS, name, cls)
-    assert tiny("my_full").residual.S == 1 and tiny("my_block").residual.S == 4
+    assert tiny(residual="my_full").residual.S == 1 and tiny(residual="my_block").residual.S == 4
     idx = tokens()
     for mine, theirs, kw in (("my_full", "full_attnres", {}), ("my_rd", "block_attnres", dict(rd_mode="tied")),
                              ("my_rd", "rd_attnres", {}), ("my_block", "block_attnres", {})):
-        a, b = tiny(mine, **kw), tiny(theirs, **(kw if theirs == "rd_attnres" else {}))
+        a, b = tiny(residual=mine, **kw), tiny(residual=theirs, **(kw if theirs == "rd_attnres" else {}))
         with torch.no_grad():
             for p, q in zip(a.residual.parameters(), b.residual.parameters()):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
@@ -360,7 +350,7 @@ def test_diagnostics_name_the_routes_the_variant_declares(registered, monkeypatc
     expected = {"multihead": (("head 0", "head 1"), 7), "three_routes": (("Q route", "K route", "V route"), 3),
                 "rd_attnres": (("QK route", "V route"), 3), "block_attnres": (("routing weights",), 0)}
     for residual, (names, sites) in expected.items():
-        net, record = tiny(residual), {}
+        net, record = tiny(residual=residual), {}
         with torch.no_grad():
             for i, p in enumerate(net.residual.parameters()):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype))

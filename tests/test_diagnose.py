@@ -117,8 +117,8 @@ def test_diagnostics_of_denseformer_muddformer_and_delta():
 
 
 @pytest.mark.parametrize("residual", ["denseformer", "muddformer", "delta_attnres", "mhc"])
-def test_diagnose_command_on_a_checkpoint(residual, tmp_path, byte_data):
-    train.main(["configs/test.py", f"--data_dir={byte_data}", f"--out_dir={tmp_path}", f"--residual={residual}",
+def test_diagnose_command_on_a_checkpoint(residual, tmp_path, data_dir):
+    train.main(["configs/test.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", f"--residual={residual}",
                 "--max_steps=2", "--eval_interval=2", "--ckpt_interval=2"])
     out = diagnose.diagnose(str(tmp_path / "test"), tokens=256, batch_size=2)
     key = {"denseformer": "dwa_weights", "muddformer": "mudd_ways", "delta_attnres": "max_weight_mean",
@@ -153,9 +153,9 @@ def no_compute(monkeypatch):
 
 @pytest.mark.parametrize("case", ["tokens", "batch_size", "device", "cuda", "out_file", "curves_missing",
                                   "curves_out_dir"])
-def test_diagnose_bad_flags_are_one_line_and_exit_2_before_any_compute(case, tmp_path, byte_data, capsys,
+def test_diagnose_bad_flags_are_one_line_and_exit_2_before_any_compute(case, tmp_path, data_dir, capsys,
                                                                      monkeypatch, no_compute):
-    run = fake_run(tmp_path / "run", byte_data)
+    run = fake_run(tmp_path / "run", data_dir)
     (tmp_path / "a_file").write_text("mine")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args, message = {
@@ -191,8 +191,8 @@ def writes_fail_under(monkeypatch, directory):
     monkeypatch.setattr(builtins, "open", guarded)
 
 
-def test_diagnose_checks_its_output_directory_before_computing(tmp_path, byte_data, capsys, monkeypatch, no_compute):
-    run = fake_run(tmp_path / "run", byte_data)
+def test_diagnose_checks_its_output_directory_before_computing(tmp_path, data_dir, capsys, monkeypatch, no_compute):
+    run = fake_run(tmp_path / "run", data_dir)
     writes_fail_under(monkeypatch, run)
     rc, out, err = diagnose_cli(capsys, "--ckpt", run)
     assert (rc, out) == (2, "")
@@ -200,11 +200,11 @@ def test_diagnose_checks_its_output_directory_before_computing(tmp_path, byte_da
                    "writable directory\n"), err
 
 
-def test_diagnose_says_what_it_wrote_into_the_run_and_draws_a_lone_evaluation(tmp_path, byte_data, capsys,
+def test_diagnose_says_what_it_wrote_into_the_run_and_draws_a_lone_evaluation(tmp_path, data_dir, capsys,
                                                                               monkeypatch):
     """A new user's first diagnose: every file goes into the run's directory (curves.png too, never the
     current directory) and is named on the last line; a run evaluated once still shows its point."""
-    run = fake_run(tmp_path / "run", byte_data)
+    run = fake_run(tmp_path / "run", data_dir)
     (run / "log.jsonl").write_text(json.dumps(dict(kind="eval", split="val", step=2, loss=3.5)) + "\n")
     monkeypatch.chdir(tmp_path)
     lines, write = [], diagnose.write_figure
@@ -219,18 +219,18 @@ def test_diagnose_says_what_it_wrote_into_the_run_and_draws_a_lone_evaluation(tm
 
 
 def test_diagnose_without_matplotlib_writes_the_numbers_and_names_the_command_for_the_plots(
-        tmp_path, byte_data, capsys, monkeypatch):
-    run = fake_run(tmp_path / "run", byte_data)
+        tmp_path, data_dir, capsys, monkeypatch):
+    run = fake_run(tmp_path / "run", data_dir)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
     rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--tokens", 64, "--batch_size", 2)
     assert rc == 0 and "pip install matplotlib" in err
     assert out.splitlines()[-1] == f"wrote {run / 'diagnostics.json'}" and not (run / "routing.png").exists()
 
 
-def test_diagnose_finds_the_data_of_a_run_from_anywhere_or_is_told_where(tmp_path, byte_data, capsys, monkeypatch):
+def test_diagnose_finds_the_data_of_a_run_from_anywhere_or_is_told_where(tmp_path, data_dir, capsys, monkeypatch):
     import shutil
     repo = tmp_path / "repo"
-    shutil.copytree(byte_data, repo / "data" / "bytes")
+    shutil.copytree(data_dir, repo / "data" / "bytes")
     run = fake_run(tmp_path / "run", "data/bytes")  # recorded relative to the directory train.py ran in
     monkeypatch.setattr(diagnose, "ROOT", repo)
     elsewhere = tmp_path / "elsewhere"

@@ -11,9 +11,9 @@ import torch.utils.checkpoint
 
 import model as model_module
 import model_fast
-from model import GPTConfig, norm
-from model_fast import make_model, norm_project
-from test_equivalence import F64_OP, F64_ZERO
+from conftest import F64_OP, F64_ZERO, randomize_routing, tiny
+from model import norm
+from model_fast import norm_project
 from tools.bench import saved_activation_bytes
 
 B, T, d, n = 2, 5, 16, 12
@@ -120,14 +120,8 @@ def test_norm_project_under_plain_compile_equals_eager(plain_compile, backend):
 Bm, Tm, dm, n_layer = 2, 12, 32, 4
 
 
-def tiny(residual, **kw):
-    m = make_model(GPTConfig(vocab_size=61, block_size=24, n_layer=n_layer, n_head=2, n_embd=dm, residual=residual, **kw),
-            seed=0).double()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in m.residual.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
-    return m
+def tiny_random(residual, **kw):
+    return randomize_routing(tiny(residual=residual, n_layer=n_layer, **kw))
 
 
 IDX = torch.randint(0, 61, (Bm, Tm), generator=torch.Generator().manual_seed(0))
@@ -161,12 +155,12 @@ def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypat
     parameter, resident anyway; the checkpoint hid it), and no activation more."""
     calls = []
     monkeypatch.setattr(model_fast.FastGPT, "norm_project", staticmethod(lambda h, W: calls.append(1) or norm_project(h, W)))
-    logits, grads, saved = run(tiny(residual))
+    logits, grads, saved = run(tiny_random(residual))
     assert len(calls) == 2 * USES[residual]  # run() steps twice: counting with and without the parameters
     for path, normed in PATHS.items():
         with monkeypatch.context() as mp:
             mp.setattr(model_module.CausalSelfAttention, "normed", normed)
-            logits_p, grads_p, saved_p = run(tiny(residual))
+            logits_p, grads_p, saved_p = run(tiny_random(residual))
         assert torch.equal(logits, logits_p), path
         assert grads.keys() == grads_p.keys()
         for k in grads_p:
@@ -185,5 +179,5 @@ def test_activation_checkpointing_steps_aside(monkeypatch):
     calls = []
     monkeypatch.setattr(model_fast.FastGPT, "norm_project", staticmethod(lambda h, W: calls.append(1) or norm_project(h, W)))
     for residual in USES:
-        run(tiny(residual, activation_checkpointing=True))
+        run(tiny_random(residual, activation_checkpointing=True))
     assert calls == []

@@ -8,8 +8,9 @@ import torch
 import torch._dynamo
 
 from common import cli
-from model import GPTConfig
-from model_fast import compile_model, make_model
+from conftest import randomize_routing
+from conftest import tiny as shared_tiny
+from model_fast import compile_model
 from tools import bench
 
 FAMILIES = [  # 2 layers; 1 where every layer runs the same ops and nothing is read across layers (less to trace)
@@ -29,14 +30,11 @@ IDS = ["-".join(map(str, v.values())) for v in FAMILIES]
 
 
 def tiny(**kw):
-    return make_model(GPTConfig(**{**dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32), **kw}), seed=0)
+    return shared_tiny(dtype=torch.float32, **{"block_size": 16, "n_layer": 2, **kw})
 
 
 def randomized(model):
-    with torch.no_grad():
-        for p in model.residual.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    return model
+    return randomize_routing(model, scale=0.3, add=True)
 
 
 IDX = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))

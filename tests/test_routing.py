@@ -7,9 +7,9 @@ import torch.nn as nn
 
 import model as model_module
 import model_fast
+from conftest import F64, F64_OP
 from model import DAR_STREAMS, RESIDUALS, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes
 from model_fast import TwoPhaseRouter, make_model, rms_inv
-from test_equivalence import F64, F64_OP
 from tools.bench import ReferenceRouter, saved_activation_bytes
 
 # --- the router alone: phase 1 over the completed sources, phase 2 with the recent ones ----------------

@@ -6,11 +6,12 @@ import os
 import pytest
 import torch
 
+from conftest import F64, randomize_routing
+from conftest import tiny as shared_tiny
 from data import get_tokenizer
 from model import GPT, RD_MODES, RESIDUALS, GPTConfig, stable_seed
 from model_fast import make_model
 from sample import Window, filter_logits, generate, main, sample_logits
-from test_equivalence import F64
 
 VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]
 VARIANTS += [dict(residual="rd_attnres", rd_mode=m) for m in RD_MODES]
@@ -18,30 +19,9 @@ IDS = ["-".join(v.values()) for v in VARIANTS]
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread: more only add synchronisation (5x slower on a busy CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@torch.no_grad()
-def randomize_routing(model):
-    """Random routing parameters, so that depth routing differs from its uniform start."""
-    g = torch.Generator().manual_seed(1)
-    for p in model.residual.parameters():
-        p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
-
-
 def tiny(block_size=8, **kw):
-    """3 layers: 6 sublayers, so AttnRes block size 4 gives a full block and a short one. A context of
-    8: 20 generated tokens slide the window three or four times."""
-    cfg = GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=3, n_head=2, n_embd=32, **kw)
-    model = make_model(cfg).to(torch.float64)
-    randomize_routing(model)
-    return model
+    """3 layers, random routing: a context of 8, so that 20 generated tokens slide the window three or four times."""
+    return randomize_routing(shared_tiny(vocab_size=VOCAB, block_size=block_size, **kw))
 
 
 def tokens(n, seed=0):
