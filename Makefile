@@ -1,6 +1,6 @@
 # Two commands for a fresh clone:  make demo  (train the CPU demo on the embedded corpus; run again, it continues the
 # demo it finds; FRESH=1 starts it over)  and  make test
-# (the linter and the fast tests, 1.5 to 2 minutes); make test-all runs every test (CI, 6-9 minutes)
+# (the linter and the fast tests, about a minute); make test-all runs every test (CI, 5-9 minutes)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -29,6 +29,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.test-installed  # the linter, then every test not marked slow: one process per core, one thread each
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto -m "not slow"
+	@echo "(the tests marked slow were left out, 'deselected' above: make test-all runs them)"
 
 test-all: $(VENV)/.test-installed  # the linter, then every test, the slow ones first (conftest.py)
 	$(VENV)/bin/ruff check .

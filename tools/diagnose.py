@@ -29,7 +29,7 @@ import torch
 
 import tools as files
 from data import eval_batches, load_meta
-from model import DARStream
+from model import AttnRes, DARStream
 from model_fast import load_model
 from tools import pyplot, write_figure
 
@@ -195,7 +195,7 @@ def route_names(records, declared=None):
     return tuple(declared) if declared is not None and len(declared) == len(names) else names
 
 
-def plot_routing_maps(maps, path, title, kind, names):
+def plot_routing_maps(maps, path, title, kind, names, partial=False):
     """One heatmap per route, a row per site, a column per source (0 = embedding)."""
     plt = pyplot()
     if plt is None:
@@ -218,7 +218,7 @@ def plot_routing_maps(maps, path, title, kind, names):
             grid[r, :len(v)] = v
         im = ax.imshow(grid.numpy(), aspect="auto", **scale)
         ax.set_yticks(range(len(rows)), list(rows), fontsize=6)
-        ax.set_xlabel("source (0 = embedding)")
+        ax.set_xlabel("source (0 = embedding)" + ("; a site's last, within a block: its partial sum" if partial else ""))
         ax.set_title(name, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.6)
     fig.suptitle(title, fontsize=10)
@@ -354,8 +354,10 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
     try:
         os.makedirs(out_dir, exist_ok=True)
         if maps:
+            partial = getattr(model.residual, "include_partial", isinstance(model.residual, AttnRes)) and \
+                getattr(model.residual, "S", 1) > 1  # (Block AttnRes, RD-AttnRes, DAR)
             out["routing_plot"] = plot_routing_maps(maps, os.path.join(out_dir, "routing.png"),
-                                                    f"{cfg.residual}, step {ckpt['step']}", kind, names)
+                                                    f"{cfg.residual}, step {ckpt['step']}", kind, names, partial)
         if out.get("scalars"):
             out["scalars_plot"] = plot_scalars(out["scalars"], os.path.join(out_dir, "scalars.png"),
                                                f"{cfg.residual}, step {ckpt['step']}")
@@ -425,8 +427,11 @@ def check_args(args):
     elif args.out:
         need(not os.path.isdir(args.out),
              f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write")
-    if args.curves:
-        check_writable(os.path.dirname(curves_path(args)) or ".", "the curves")
+    if args.curves:  # a file there that is not a PNG is someone's (a checkpoint, a log): never written over
+        path = curves_path(args)
+        need(not os.path.isfile(path) or Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} exists and is "
+             "not a PNG: diagnose writes over no file it did not make; pass --out with a new .png path")
+        check_writable(os.path.dirname(path) or ".", "the curves")
     if args.ckpt:
         check_writable(args.out or default_out(args.ckpt), "the diagnostics")
 
@@ -473,8 +478,6 @@ def run(argv):
     wrote = []
     if args.curves:
         path = curves_path(args)
-        need(not os.path.isfile(path) or Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} exists and is "
-             "not a PNG: diagnose writes over no file it did not make; pass --out with a new .png path")
         try:
             wrote.append(plot_curves(curve_labels(args.curves), path))
         except OSError as e:
