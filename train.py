@@ -621,12 +621,13 @@ def check_data_unchanged(log, data, step, saved, run_dir):
 
 
 def check_better(log, val_loss, step, saved, uniform, run_dir):
-    """A checkpoint replaces the last one only with good weights: a val loss above a uniform guess's (ln V), or more
-    than ln 2 above the last checkpoint's (twice its perplexity), stops the run and keeps the last one."""
-    if saved is not None and saved[1] is not None and (val_loss > uniform or val_loss > saved[1] + math.log(2)):
-        stop_with(log, step, f"val loss {val_loss:.4f} at step {step} is worse than a uniform guess ({uniform:.2f}) or "
-                             f"more than ln 2 above the last checkpoint's: stopped without replacing it; "
-                             f"{kept(saved, run_dir)}. Try a lower lr or a longer warmup")
+    """A checkpoint replaces the last one only with good weights: a val loss more than ln 2 above the last checkpoint's
+    or a uniform guess's (ln V), twice either's perplexity, stops the run and keeps the last one (near init, the loss
+    sits at ln V: noise there is no reason)."""
+    if saved is not None and saved[1] is not None and val_loss > min(saved[1], uniform) + math.log(2):
+        stop_with(log, step, f"val loss {val_loss:.4f} at step {step} is more than ln 2 above the last checkpoint's "
+                             f"or a uniform guess's ({uniform:.2f}): stopped without replacing it; {kept(saved, run_dir)}. "
+                             "Try a lower lr or a longer warmup")
 
 
 def log_eval(log, split, loss, tokens, step, max_steps, elapsed):

@@ -143,7 +143,7 @@ def test_a_checkpoint_far_worse_than_the_last_never_replaces_it(data_dir, tmp_pa
     good checkpoint kept; a normal run's checkpoints are written as before."""
     run(data_dir, tmp_path, "--max_steps=3")
     good = ckpt(tmp_path / "test")
-    with pytest.raises(UserError, match="val loss .* at step 4 is worse than a uniform guess.*checkpoint of step 3"):
+    with pytest.raises(UserError, match="at step 4 is more than ln 2 above the last checkpoint.*checkpoint of step 3"):
         run(data_dir, tmp_path, "--resume=true", "--max_steps=4", "--ckpt_interval=1", "--lr=1", "--min_lr=1")
     assert ckpt(tmp_path / "test")["step"] == 3 and torch.equal(ckpt(tmp_path / "test")["model"]["wte.weight"],
                                                                  good["model"]["wte.weight"])
