@@ -161,17 +161,19 @@ def say(text):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def busy_cores(seconds=0.25):
-    """How many cores other work keeps busy now: /proc/stat sampled over `seconds` (else the 1-minute load)."""
+def busy_cores(cores, seconds=0.25):
+    """How many of `cores` (CPU numbers) other work keeps busy now: their /proc/stat lines sampled over `seconds` (else
+    the 1-minute load, scaled to them)."""
     def sample():
         with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+            rows = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
+        ticks = [list(map(int, r[1:])) for r in rows if int(r[0][3:]) in cores]
+        return sum(map(sum, ticks)), sum(t[3] + t[4] for t in ticks)  # all, idle + iowait
     try:
         (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
     except (OSError, ValueError, IndexError):
-        return os.getloadavg()[0]
-    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(t1 - t0, 1))
+        return os.getloadavg()[0] * len(cores) / (os.cpu_count() or 1)
+    return len(cores) * (1 - (i1 - i0) / max(t1 - t0, 1))
 
 
 def cpu_threads(ranks=1):
@@ -179,8 +181,8 @@ def cpu_threads(ranks=1):
     work leaves free, shared among the node's `ranks` (at least one)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, round(cores - busy_cores()) // ranks)
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    return max(1, round(len(cores) - busy_cores(cores)) // ranks)
 
 
 def perplexity(loss):

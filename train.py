@@ -385,11 +385,15 @@ def claim_run_dir(tc, run_dir, mc, data):
             raise UserError("wandb_log=true needs the wandb package: pip install wandb (or drop wandb_log)") from None
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    for _ in range(20):  # a sweep's probe holds it for a moment: retry for about a second
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            time.sleep(0.05)
+    else:
         os.close(fd)
-        raise UserError(f"{run_dir} is in use by another run") from None
+        raise UserError(f"{run_dir} is in use by another run")
     try:
         for name in ("ckpt.pt", "config.json", "log.jsonl", "summary.json"):  # a killed save's (common.write_atomic)
             for tmp in run_dir.glob(f".{name}.*.tmp"):
@@ -433,9 +437,11 @@ def read_run_dir(tc, run_dir, mc, data):
         need(wrong is None, f"{path} does not fit this run ({wrong}): it is damaged, or not this train.py's; start "
              "over with --overwrite=true")
         return ckpt
-    first_ckpt = tc.ckpt_interval or tc.steps  # a run whose records reach it wrote a checkpoint, now gone
-    ran = [r.get("step", 0) for r in log_records(run_dir) if isinstance(r.get("step"), int)]
-    lost = [n for n in ("summary.json", "ckpt") if (run_dir / n).exists()] + ["log.jsonl"] * (max(ran, default=0) >= first_ckpt)
+    # records past the first checkpoint's step, or a stop (written after its checkpoint): a checkpoint, now gone
+    first_ckpt, records = min(tc.ckpt_interval or tc.steps, tc.steps), log_records(run_dir)
+    ran = max([r["step"] for r in records if isinstance(r.get("step"), int)], default=0) > first_ckpt
+    lost = [n for n in ("summary.json", "ckpt") if (run_dir / n).exists()]  # (ckpt/: an older version's FSDP run)
+    lost += ["log.jsonl"] * (ran or any(r.get("kind") == "stop" for r in records))
     if tc.resume and lost:
         raise UserError(f"{run_dir} holds a run's records ({', '.join(lost)}) but no ckpt.pt to resume: nothing was "
                         "changed; start it over with --overwrite=true")
@@ -579,7 +585,7 @@ def without_weights(ckpt):
 def start_run_dir(tc, run_dir, ckpt, step, resolved):
     """Rank 0: config.json, the log up to the checkpoint (a resume's records once), W&B; returns the W&B run."""
     kept = [r for r in log_records(run_dir) if r.get("step", math.inf) < step or (r.get("step") == step and
-            r.get("split") != "test" and r.get("kind") != "resume")] if ckpt else []
+            r.get("split") != "test" and r.get("kind") != "resume" and not r.get("final"))] if ckpt else []
     for name in ("summary.json", "scores.json") + (() if ckpt else ("ckpt.pt",)):
         (run_dir / name).unlink(missing_ok=True)
     write_atomic(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
@@ -612,12 +618,13 @@ def stop_with(log, step, error):
     raise UserError(error)
 
 
-def check_data_unchanged(log, data, step, saved, run_dir):
-    """A shard rewritten in place under the run (a stat, before each evaluation and checkpoint) stops it."""
-    if (shard := data.changed()) is not None:
-        stop_with(log, step, f"{shard} changed under this run (rewritten in place since it was opened): stopped at "
-                             f"step {step} without saving; {kept(saved, run_dir)}. Restore the data it trained on to "
-                             "resume, or start a new run on the new data")
+def check_data_unchanged(data, step, saved, run_dir, device):
+    """A shard rewritten in place under the run (a stat on every rank, before each evaluation and checkpoint) stops it:
+    no divergence, the run's data changed."""
+    if any_rank((shard := data.changed()) is not None, device):
+        raise UserError(f"{shard or 'a shard of ' + str(data.dir)} changed under this run (rewritten in place since it "
+                        f"was opened): stopped at step {step} without saving; {kept(saved, run_dir)}. Restore the data "
+                        "it trained on to resume, or start a new run on the new data")
 
 
 def check_better(log, val_loss, step, saved, uniform, run_dir):
@@ -630,10 +637,10 @@ def check_better(log, val_loss, step, saved, uniform, run_dir):
                              "Try a lower lr or a longer warmup")
 
 
-def log_eval(log, split, loss, tokens, step, max_steps, elapsed):
+def log_eval(log, split, loss, tokens, step, max_steps, elapsed, final=False):
     log(f"step {step}/{max_steps} | {split} loss {loss:.4f} | ppl {perplexity(loss):.1f} | {tokens:,} tokens | "
         f"{hms(elapsed)} elapsed", {"kind": "eval", "split": split, "step": step, "loss": loss, "ppl": perplexity(loss),
-                                    "tokens": tokens, "elapsed_s": elapsed})
+                                    "tokens": tokens, "elapsed_s": elapsed, **({"final": True} if final else {})})
 
 
 def main(argv=None):
@@ -722,7 +729,7 @@ def main(argv=None):
                 stopping = signum and not last
                 checkpointing = (tc.ckpt_interval and step % tc.ckpt_interval == 0) or last or stopping
                 if step % tc.eval_interval == 0 or checkpointing:  # a checkpoint holds weights just evaluated finite
-                    check_data_unchanged(log, data, step, saved, run_dir)
+                    check_data_unchanged(data, step, saved, run_dir, device)
                     val_loss, tokens = evaluate(model, data, "val", tc.batch_size, tc.seq_len, tc.eval_tokens, device,
                                                 autocast(device), lockstep=sharded)
                     check_diverged(log, "val loss", val_loss, 0.0, step, max_loss, saved, run_dir)
@@ -750,7 +757,7 @@ def main(argv=None):
                 loss, tokens = evaluate(model, data, split, tc.batch_size, tc.seq_len, final_tokens, device,
                                         autocast(device), lockstep=sharded)
                 check_diverged(log, f"{split} loss", loss, 0.0, step, max_loss, saved, run_dir)
-                log_eval(log, split, loss, tokens, step, max_steps, time.perf_counter() - t_start)
+                log_eval(log, split, loss, tokens, step, max_steps, time.perf_counter() - t_start, final=True)
                 val_loss, test_loss = (loss, test_loss) if split == "val" else (val_loss, loss)
             signum = signum or int(any_rank(signals.signum, device))
         if signum:

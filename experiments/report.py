@@ -107,6 +107,16 @@ def compare(mine, theirs, score):
                 ci95=[t["lo"], t["hi"]])
 
 
+def tested_interval(c):
+    """A family test's interval at the level the procedure finally tested it at (it excludes 0 exactly when the test
+    rejects); an exploratory one's, or one without that level, the uncorrected 95%."""
+    n, level = c["paired_seeds"], c.get("level", 0)
+    if c["kind"] == "exploratory" or n < 2 or not level > 0:
+        return tuple(c["ci95"])
+    half = c["delta_sd"] / math.sqrt(n) * scipy_stats.t.ppf(1 - level / 2, n - 1)
+    return c["delta_mean"] - half, c["delta_mean"] + half
+
+
 def by_variant(runs):
     by = {}
     for r in runs:
@@ -151,7 +161,7 @@ def tests(spec, runs):
     if (margin := spec.get("equivalence_margin")) is not None:  # TOST, Holm within the primary tests
         ps = [tost(list(c["deltas"].values()), margin) for c in primary]
         for c, pe, a in zip(primary, ps, holm([1.0 if math.isnan(x) else x for x in ps])):
-            equivalent, (lo, hi) = bool(a <= alpha and not math.isnan(pe)), c["ci95"]
+            equivalent, (lo, hi) = bool(a <= alpha and not math.isnan(pe)), tested_interval(c)
             c.update(margin=margin, p_equiv=pe, p_equiv_adj=a,
                      shows="difference" if c["rejected"] else "equivalence" if equivalent else "neither",
                      beyond_margin=bool(c["rejected"] and (hi < -margin or lo > margin)))
@@ -269,14 +279,17 @@ def seed_table(ts, spec):
 # --- provenance: where and when the runs ran (each summary.json), and the sweep file's declaration ----------------
 
 def declared_at(path):
-    """(the commit that added the sweep file, its UTC time), or None where git cannot tell."""
-    try:
-        git = subprocess.run(["git", "log", "--diff-filter=A", "--follow", "--format=%H %cI", "--", Path(path).name],
-                             cwd=Path(path).resolve().parent, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = git.stdout.split() if git.returncode == 0 else []
-    return (lines[0], lines[1]) if len(lines) >= 2 else None
+    """(the commit that added the sweep file and its UTC time, the commit that last changed it and its time), or None
+    where git cannot tell."""
+    def log(*how):
+        try:
+            git = subprocess.run(["git", "log", *how, "--format=%H %cI", "--", Path(path).name],
+                                 cwd=Path(path).resolve().parent, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return git.stdout.split() if git.returncode == 0 else []
+    added, last = log("--diff-filter=A", "--follow"), log("-1")
+    return (*added[:2], *last[:2]) if len(added) >= 2 and len(last) >= 2 else None
 
 
 def provenance(spec, runs):
@@ -288,14 +301,16 @@ def provenance(spec, runs):
     def utc(text):
         return datetime.fromisoformat(text).astimezone(timezone.utc)
     early = [r["run_dir"] for r in recorded if declared and utc(r["started_utc"]) < utc(declared[1])]
+    edited = [r["run_dir"] for r in recorded if declared and utc(r["started_utc"]) < utc(declared[3]) and
+              r["run_dir"] not in early]
     dirty = [r["run_dir"] for r in recorded if any(c.endswith("+dirty") for c in r.get("commits") or [])]
     return dict(recorded=len(recorded), runs=len(runs), commits=sorted({c for r in recorded for c in r.get("commits") or []}),
                 torch=sorted({v for r in recorded for v in r.get("torch") or []}),
                 hosts=sorted({v for r in recorded for v in r.get("hosts") or []}),
                 first_start=min((r["started_utc"] for r in recorded), default=None),
                 last_finish=max((r.get("finished_utc") or "" for r in recorded), default=None),
-                declared=dict(commit=declared[0], utc=declared[1]) if declared else None,
-                started_before_declaration=early, dirty=dirty)
+                declared=dict(commit=declared[0], utc=declared[1], last_change=declared[2], last_utc=declared[3])
+                if declared else None, started_before_declaration=early, started_before_last_change=edited, dirty=dirty)
 
 
 def provenance_text(p):
@@ -305,9 +320,11 @@ def provenance_text(p):
             f"{'s' * (len(p['commits']) != 1)} {', '.join(c[:7] + '+dirty' * c.endswith('+dirty') for c in p['commits'])}"
             f"; torch {', '.join(p['torch'])}; host{'s' * (len(p['hosts']) != 1)} {', '.join(p['hosts'])}.")
     d = p["declared"]
-    text += (f" The sweep file was added at {d['commit'][:7]} ({d['utc']})." if d else
+    text += (f" The sweep file was added at {d['commit'][:7]} ({d['utc']}), last changed at {d['last_change'][:7]} "
+             f"({d['last_utc']})." if d else
              " The sweep file's declaration commit is not known here (not committed, no git, or a shallow clone).")
-    for runs, what in ((p["started_before_declaration"], "started before that commit"),
+    for runs, what in ((p["started_before_declaration"], "started before it was added"),
+                       (p["started_before_last_change"], "started before its last change"),
                        (p["dirty"], "ran from a tree with uncommitted changes")):
         if runs:
             text += f" **{len(runs)} run{'s' * (len(runs) != 1)} {what}**: {', '.join(runs[:5])}{' ...' * (len(runs) > 5)}."
@@ -328,10 +345,7 @@ def plot_forest(ts, score, path):
     fig, ax = plt.subplots(figsize=(7.5, 0.3 * len(rows) + 1.6))
     for y, c in enumerate(rows):
         color = {"primary": "tab:blue", "control": "tab:orange"}.get(c["kind"], "0.55")
-        lo, hi = c["ci95"]
-        if c["kind"] != "exploratory" and c["rejected"] is not None and c["paired_seeds"] > 1 and c["level"] > 0:
-            half = c["delta_sd"] / math.sqrt(c["paired_seeds"]) * scipy_stats.t.ppf(1 - c["level"] / 2, c["paired_seeds"] - 1)
-            lo, hi = c["delta_mean"] - half, c["delta_mean"] + half
+        lo, hi = tested_interval(c)
         if c["rejected"] is None or math.isnan(lo):
             ax.plot(c["delta_mean"], y, "o", color="0.55", mfc="white")
             continue

@@ -17,7 +17,7 @@ import torch
 
 import prepare_data
 import train
-from common import UserError
+from common import UserError, log_records
 from data import (
     DATA_DIR,
     GPT2_RANKS,
@@ -272,6 +272,7 @@ def test_a_shard_rewritten_under_a_live_run_stops_it_and_keeps_its_checkpoint(da
     with pytest.raises(UserError, match="val_000000.bin changed under this run.*checkpoint of step 3"):
         run(d, tmp_path, "--max_steps=6", "--ckpt_interval=3", "--batch_tokens=256")
     assert torch.load(tmp_path / "test" / "ckpt.pt", weights_only=True)["step"] == 3
+    assert not [r for r in log_records(tmp_path / "test") if r["kind"] == "diverged"]  # no divergence: other data
 
 
 def test_a_preparation_killed_after_its_exchange_leaves_the_new_data(tmp_path):

@@ -58,6 +58,11 @@ def test_resume_true_without_a_checkpoint_starts_the_run_unless_the_run_had_one(
     with pytest.raises(UserError, match="holds a run's records .*summary.json.* but no ckpt.pt to resume"):
         run(data_dir, tmp_path, "--run_name=straight", "--resume=true")
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    killed = tmp_path / "killed"  # in its first checkpoint's save (step 3): its records reach step 3, not past it
+    killed.mkdir()
+    (killed / "log.jsonl").write_text(json.dumps({"kind": "eval", "split": "val", "step": 3, "loss": 5.0}) + "\n")
+    run(data_dir, tmp_path, "--run_name=killed", "--resume=true")
+    assert steps(killed) == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_resume_of_another_run_or_past_its_end_is_refused(data_dir, tmp_path, straight):

@@ -438,9 +438,8 @@ def check_args(args):
 
 def val_curve(d):
     """(step, val loss) of every evaluation on the run's eval_tokens (not a final score on other tokens)."""
-    evals = [r for r in log_records(d) if r.get("kind") == "eval" and r.get("split") == "val"
-             and isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float))]
-    return [(r["step"], r["loss"]) for r in evals if r.get("tokens") == evals[0].get("tokens")]
+    return [(r["step"], r["loss"]) for r in log_records(d) if r.get("kind") == "eval" and r.get("split") == "val"
+            and not r.get("final") and isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float))]
 
 
 def curve_labels(runs):

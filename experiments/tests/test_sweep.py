@@ -219,11 +219,13 @@ def test_a_run_scored_on_a_prefix_is_not_paired_and_the_report_says_so(tmp_path,
 def test_provenance_flags_runs_before_the_declaration_and_from_changed_trees(tmp_path, monkeypatch):
     finished_run(tmp_path / "runs" / "a" / "seed0", 3.0, commits=("abc1234+dirty",))
     finished_run(tmp_path / "runs" / "a" / "seed1", 3.1, started="2025-01-01T00:00:00+00:00")
-    monkeypatch.setattr(report, "declared_at", lambda path: ("f" * 40, "2025-06-01T00:00:00+00:00"))
+    monkeypatch.setattr(report, "declared_at", lambda path: ("f" * 40, "2025-06-01T00:00:00+00:00", "e" * 40,
+                                                             "2026-06-01T00:00:00+00:00"))  # edited after a0 started
     p = report.provenance(spec_of(tmp_path, path="x.py"), report.collect(spec_of(tmp_path, seeds=(0, 1))))
     assert p["dirty"] == ["a/seed0"] and p["started_before_declaration"] == ["a/seed1"]
+    assert p["started_before_last_change"] == ["a/seed0"]
     text = report.provenance_text(p)
-    assert "**1 run started before that commit**" in text and "**1 run ran from a tree with uncommitted" in text
+    assert "**1 run started before it was added**" in text and "**1 run ran from a tree with uncommitted" in text
 
 
 def test_no_run_of_the_reference_is_one_line_and_unwritable_outputs_one_warning(tmp_path, capsys, read_only):
