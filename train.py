@@ -586,7 +586,7 @@ def start_run_dir(tc, run_dir, ckpt, step, resolved):
     """Rank 0: config.json, the log up to the checkpoint (a resume's records once), W&B; returns the W&B run."""
     kept = [r for r in log_records(run_dir) if r.get("step", math.inf) < step or (r.get("step") == step and
             r.get("split") != "test" and r.get("kind") != "resume" and not r.get("final"))] if ckpt else []
-    for name in ("summary.json", "scores.json") + (() if ckpt else ("ckpt.pt",)):
+    for name in ("summary.json",) + (() if ckpt else ("ckpt.pt",)):
         (run_dir / name).unlink(missing_ok=True)
     write_atomic(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
     write_atomic(run_dir / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
