@@ -693,8 +693,14 @@ def checkpoint_problem(ckpt):
         return f"it lacks {', '.join(missing)}"
     if type(ckpt["step"]) is not int or ckpt["step"] < 0:
         return f"its step is {ckpt['step']!r}, not a count"
-    if not isinstance(ckpt.get("train_config", {}), dict) or not isinstance(ckpt["model"], dict):
-        return "its train_config or model is not a dict"
+    if not all(isinstance(ckpt.get(k, {}), dict) for k in ("model", "model_config", "train_config", "segments")):
+        return "its model, model_config, train_config or segments is not a dict"
+    if ckpt.get("val_loss") is not None and not (type(ckpt["val_loss"]) is float and math.isfinite(ckpt["val_loss"])):
+        return f"its val_loss is {ckpt['val_loss']!r}, not a finite number"
+    seg = ckpt.get("segments", {})
+    if not (isinstance(seg.get("seconds", 0.0), (int, float)) and all(isinstance(seg.get(k, []), list) for k in
+            ("speeds", "commits", "torch", "hosts")) and all(isinstance(x, (int, float)) for x in seg.get("speeds", []))):
+        return "its segments (time, speeds, provenance) are malformed"
     bad = next((k for k, v in ckpt["model"].items() if torch.is_tensor(v) and v.is_floating_point()
                 and not torch.isfinite(v).all()), None)
     return f"its weight {bad} is not finite" if bad else None

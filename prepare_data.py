@@ -223,7 +223,8 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
         stem = dataset.split("/")[-1] + (f"-{name}" if name else "")
     out_dir = Path(out_dir or DATA_DIR / (stem if tok.name == "gpt2" else f"{stem}_{tok.name}"))
     check_tokenizer(out_dir, tok.name)
-    inside = [f for f in data_files if Path(f).is_relative_to(out_dir.resolve())] if local else []
+    inside = [f for f in [dataset, *(data_files or [])] if f and Path(f).exists()  # any local input, whatever reads it
+              and Path(f).resolve().is_relative_to(out_dir.resolve())]
     need(not inside, f"{inside[:1]} is inside --out_dir {out_dir}, which a preparation replaces whole: move the corpus "
                      "out of it, or choose another --out_dir")
     settings = {"format_version": FORMAT_VERSION, "split_rule": SPLIT_RULE,

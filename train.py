@@ -256,7 +256,10 @@ def usage():
 
 def setup_ranks(tc):
     """(rank, world_size, device) from torchrun's environment."""
-    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    env = {k: os.environ.get(k, d) for k, d in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"))}
+    need(all(v.isdigit() for v in env.values()) and int(env["RANK"]) < int(env["WORLD_SIZE"]), "RANK, WORLD_SIZE and "
+         f"LOCAL_RANK are {env}, not a torchrun rank: start the ranks with torchrun, or unset them for one process")
+    rank, world, local = (int(env[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     unset = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     need(world == 1 or not unset, f"WORLD_SIZE={world} is set, but not by torchrun ({', '.join(unset)} missing): "
          "start the ranks with torchrun, or unset WORLD_SIZE for one process")
@@ -421,8 +424,8 @@ def read_run_dir(tc, run_dir, mc, data):
         try:
             need(ckpt["tokenizer"] == tokenizer, f"{path} was trained on {ckpt['tokenizer']} tokens, but "
                  f"{tc.data_dir} holds {tokenizer} tokens")
-            differ = [f"{k}: {v!r} there, {getattr(mc, k)!r} here" for k, v in ckpt["model_config"].items()
-                      if k not in EXECUTION_KEYS and getattr(mc, k) != v]
+            differ = [f"{k}: {ckpt['model_config'].get(k, 'missing')!r} there, {v!r} here" for k, v in asdict(mc).items()
+                      if k not in EXECUTION_KEYS and ckpt["model_config"].get(k, "missing") != v]
             differ += [f"{k}: {ckpt['train_config'][k]!r} there, {getattr(tc, k)!r} here"
                        for k in ("seed", "data_seed", "batch_tokens") if ckpt["train_config"][k] != getattr(tc, k)]
             need(not differ, f"{path} holds another run ({'; '.join(differ)}): resume with its config, or choose "
@@ -438,7 +441,12 @@ def read_run_dir(tc, run_dir, mc, data):
              "over with --overwrite=true")
         return ckpt
     # records past the first checkpoint's step, or a stop (written after its checkpoint): a checkpoint, now gone
-    first_ckpt, records = min(tc.ckpt_interval or tc.steps, tc.steps), log_records(run_dir)
+    try:  # the run's own settings, not this command's
+        ran_with = json.loads((run_dir / "config.json").read_text())
+        interval, steps = int(ran_with["train"]["ckpt_interval"]), int(ran_with["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        interval, steps = tc.ckpt_interval, tc.steps
+    first_ckpt, records = min(interval or steps, steps), log_records(run_dir)
     ran = max([r["step"] for r in records if isinstance(r.get("step"), int)], default=0) > first_ckpt
     lost = [n for n in ("summary.json", "ckpt") if (run_dir / n).exists()]  # (ckpt/: an older version's FSDP run)
     lost += ["log.jsonl"] * (ran or any(r.get("kind") == "stop" for r in records))
@@ -463,6 +471,8 @@ def misfit(ckpt, mc):
     for k in sorted(set(want) | set(ckpt["model"])):
         if shape(ckpt["model"].get(k)) != want.get(k, "missing"):
             return f"weight {k}: {shape(ckpt['model'].get(k))} there, {want.get(k, 'missing')} here"
+    if ckpt["step"] > 0 and not ckpt["optimizer"]["state"]:
+        return "AdamW's state: empty after a step"
     for k, state in ckpt["optimizer"]["state"].items():
         for moment in ("exp_avg", "exp_avg_sq"):
             if k not in want or shape(state.get(moment)) != want[k]:

@@ -279,8 +279,8 @@ def seed_table(ts, spec):
 # --- provenance: where and when the runs ran (each summary.json), and the sweep file's declaration ----------------
 
 def declared_at(path):
-    """(the commit that added the sweep file and its UTC time, the commit that last changed it and its time), or None
-    where git cannot tell."""
+    """(the commit that added the sweep file and its UTC time, the commit that last changed it and its time, whether it
+    has uncommitted changes now), or None where git cannot tell."""
     def log(*how):
         try:
             git = subprocess.run(["git", "log", *how, "--format=%H %cI", "--", Path(path).name],
@@ -289,7 +289,11 @@ def declared_at(path):
             return []
         return git.stdout.split() if git.returncode == 0 else []
     added, last = log("--diff-filter=A", "--follow"), log("-1")
-    return (*added[:2], *last[:2]) if len(added) >= 2 and len(last) >= 2 else None
+    if len(added) < 2 or len(last) < 2:
+        return None
+    status = subprocess.run(["git", "status", "--porcelain", "--", Path(path).name], cwd=Path(path).resolve().parent,
+                            capture_output=True, text=True, timeout=60).stdout.strip()
+    return (*added[:2], *last[:2], bool(status))  # the last: uncommitted changes now
 
 
 def provenance(spec, runs):
@@ -298,8 +302,11 @@ def provenance(spec, runs):
     recorded = [r for r in runs if isinstance(r.get("started_utc"), str)]
     declared = declared_at(spec["path"]) if spec.get("path") else None
 
-    def utc(text):
-        return datetime.fromisoformat(text).astimezone(timezone.utc)
+    def utc(text):  # (a hand-edited time that is no ISO time: the earliest, so flagged)
+        try:
+            return datetime.fromisoformat(text).astimezone(timezone.utc)
+        except ValueError:
+            return datetime.min.replace(tzinfo=timezone.utc)
     early = [r["run_dir"] for r in recorded if declared and utc(r["started_utc"]) < utc(declared[1])]
     edited = [r["run_dir"] for r in recorded if declared and utc(r["started_utc"]) < utc(declared[3]) and
               r["run_dir"] not in early]
@@ -309,7 +316,8 @@ def provenance(spec, runs):
                 hosts=sorted({v for r in recorded for v in r.get("hosts") or []}),
                 first_start=min((r["started_utc"] for r in recorded), default=None),
                 last_finish=max((r.get("finished_utc") or "" for r in recorded), default=None),
-                declared=dict(commit=declared[0], utc=declared[1], last_change=declared[2], last_utc=declared[3])
+                declared=dict(commit=declared[0], utc=declared[1], last_change=declared[2], last_utc=declared[3],
+                              uncommitted=declared[4])
                 if declared else None, started_before_declaration=early, started_before_last_change=edited, dirty=dirty)
 
 
@@ -323,6 +331,8 @@ def provenance_text(p):
     text += (f" The sweep file was added at {d['commit'][:7]} ({d['utc']}), last changed at {d['last_change'][:7]} "
              f"({d['last_utc']})." if d else
              " The sweep file's declaration commit is not known here (not committed, no git, or a shallow clone).")
+    if d and d["uncommitted"]:
+        text += " **The sweep file has uncommitted changes: what it declares now is in no commit.**"
     for runs, what in ((p["started_before_declaration"], "started before it was added"),
                        (p["started_before_last_change"], "started before its last change"),
                        (p["dirty"], "ran from a tree with uncommitted changes")):
@@ -346,7 +356,7 @@ def plot_forest(ts, score, path):
     for y, c in enumerate(rows):
         color = {"primary": "tab:blue", "control": "tab:orange"}.get(c["kind"], "0.55")
         lo, hi = tested_interval(c)
-        if c["rejected"] is None or math.isnan(lo):
+        if (c["kind"] != "exploratory" and c["rejected"] is None) or math.isnan(lo):
             ax.plot(c["delta_mean"], y, "o", color="0.55", mfc="white")
             continue
         ax.plot([lo, hi], [y, y], color=color, lw=1.5)

@@ -242,7 +242,7 @@ def run_all(spec, launcher):
         eta = statistics.fmean(durations) * (len(runs) - done - states["busy"]) if durations else None
         say(f"sweep: {done}/{len(runs)} runs done" + "".join(f", {states[k]} {k}" for k in ("diverged", "busy")
                                                               if states[k])
-            + f", {hms(time.monotonic() - t0)} elapsed, ETA {hms(eta)} (this process)")
+            + f", {hms(time.monotonic() - t0)} elapsed, ETA {'?' if eta is None else hms(eta)} (this process)")
 
 
 def main(argv=None):

@@ -97,13 +97,17 @@ def test_a_tool_runs_by_its_path_as_by_its_module(tool):
     assert by_path.stdout.partition("-h, --help")[2] == by_module.stdout.partition("-h, --help")[2] != ""  # (not the prog)
 
 
-def test_a_stray_world_size_without_torchrun_is_one_line(data_dir, tmp_path, monkeypatch, capsys, no_compute):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    for k in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+@pytest.mark.parametrize("env, message", [(dict(WORLD_SIZE="2"), "WORLD_SIZE=2 is set, but not by torchrun"),
+                                          (dict(RANK="1"), "not a torchrun rank"), (dict(WORLD_SIZE="abc"), "not a torchrun"),
+                                          (dict(LOCAL_RANK="x"), "not a torchrun rank")])
+def test_a_stray_launcher_variable_is_one_line(data_dir, tmp_path, monkeypatch, capsys, no_compute, env, message):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     assert cli(train.main, [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "WORLD_SIZE=2 is set, but not by torchrun" in err
+    assert err.count("\n") == 1 and message in err
 
 
 def test_a_closed_pipe_discards_the_output_and_the_run_finishes(data_dir, tmp_path):

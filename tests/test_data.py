@@ -293,7 +293,8 @@ def test_an_input_inside_out_dir_is_never_deleted_with_it(tmp_path, capsys):
     assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), out) == 0
     kept = write_jsonl(out / "mine.jsonl", DOCS)
     assert prep(kept, out, "--overwrite") == 2
-    assert "inside --out_dir" in capsys.readouterr().err and Path(kept).exists() and load_meta(out)
+    assert main(["--dataset", str(out), "--data_files", "mine.jsonl", "--out_dir", str(out), "--overwrite"]) == 2
+    assert capsys.readouterr().err.count("inside --out_dir") == 2 and Path(kept).exists() and load_meta(out)
 
 
 def test_ids_beyond_the_tokenizer_s_vocabulary_are_one_line(data_dir, tmp_path):

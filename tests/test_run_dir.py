@@ -55,8 +55,11 @@ def test_resume_true_without_a_checkpoint_starts_the_run_unless_the_run_had_one(
     d = shutil.copytree(straight, tmp_path / "straight")
     (d / "ckpt.pt").unlink()
     before = {p.name: p.read_bytes() for p in d.iterdir()}
-    with pytest.raises(UserError, match="holds a run's records .*summary.json.* but no ckpt.pt to resume"):
-        run(data_dir, tmp_path, "--run_name=straight", "--resume=true")
+    for more in ([], ["--ckpt_interval=0"]):  # (its own settings count, not this command's)
+        with pytest.raises(UserError, match="holds a run's records .* but no ckpt.pt to resume"):
+            run(data_dir, tmp_path, "--run_name=straight", "--resume=true", *more)
+        (d / "summary.json").unlink(missing_ok=True)
+    (d / "summary.json").write_bytes(before["summary.json"])
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
     killed = tmp_path / "killed"  # in its first checkpoint's save (step 3): its records reach step 3, not past it
     killed.mkdir()
@@ -156,12 +159,29 @@ def test_a_damaged_checkpoint_is_one_line_in_every_reader(data_dir, tmp_path, st
         assert err.startswith("error: ") and err.count("\n") == 1 and named in err, err
 
 
+@pytest.mark.parametrize("damage", [dict(val_loss="bad"), dict(val_loss=float("nan")), dict(segments="x"),
+                                    dict(segments={"speeds": 5}), dict(model_config={}), "no AdamW state"])
+def test_a_checkpoint_damaged_in_what_only_a_resume_reads_is_one_line(data_dir, tmp_path, straight, damage):
+    d = shutil.copytree(straight, tmp_path / "straight")
+    state = ckpt(d)
+    if damage == "no AdamW state":
+        state["optimizer"]["state"] = {}
+    else:
+        state.update(damage)
+    torch.save(state, d / "ckpt.pt")
+    with pytest.raises(UserError, match="damaged|another run|does not fit"):
+        run(data_dir, tmp_path, "--run_name=straight", "--resume=true", "--max_steps=8")
+    assert steps(d) == steps(straight)
+
+
 def test_diagnose_writes_over_no_file_it_did_not_make(straight, tmp_path, capsys):
     d = shutil.copytree(straight, tmp_path / "straight")
     for name in ("ckpt.pt", "log.jsonl", "summary.json"):
         before = (d / name).read_bytes()
         assert diagnose.main(["--curves", str(d), "--out", str(d / name)]) == 2
-        assert "not a PNG" in capsys.readouterr().err and (d / name).read_bytes() == before
+        assert "not one diagnose wrote" in capsys.readouterr().err and (d / name).read_bytes() == before
+    (tmp_path / "mine.png").write_bytes(b"\x89PNG\r\n\x1a\n a user's own figure")
+    assert diagnose.main(["--curves", str(d), "--out", str(tmp_path / "mine.png")]) == 2  # a PNG, not a tool's
     assert diagnose.main(["--curves", str(d), "--out", str(tmp_path / "c.png")]) == 0
     assert diagnose.main(["--curves", str(d), "--out", str(tmp_path / "c.png")]) == 0  # its own PNG: replaced
 

@@ -5,6 +5,7 @@
     gpu_check   checks on a CUDA GPU
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -24,12 +25,30 @@ def pyplot():
         return None
 
 
+MARK = "depth-routing tools"  # the Software text of every PNG the tools write: they write over no other
+
+
 def write_figure(path, fig):
     import matplotlib.pyplot as plt
     try:
-        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120, metadata={"Software": MARK}))
     finally:
         plt.close(fig)
+
+
+def ours(path, keys=("checkpoint", "residual")):
+    """Whether a tool may write `path`: absent, a tool's PNG (or an older version's, by matplotlib), or a JSON object
+    with `keys` (a tool's record)."""
+    p = Path(path)
+    if not p.exists() or not p.is_file():
+        return not p.exists()
+    head = p.read_bytes()[:65536]
+    if p.suffix == ".json":
+        try:
+            return isinstance(record := json.loads(p.read_bytes()), dict) and all(k in record for k in keys)
+        except ValueError:
+            return False
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and (MARK.encode() in head or b"Matplotlib" in head)  # (older tools')
 
 
 def check_writable(directory):

@@ -427,11 +427,14 @@ def check_args(args):
     elif args.out:
         need(not os.path.isdir(args.out),
              f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write")
-    if args.curves:  # a file there that is not a PNG is someone's (a checkpoint, a log): never written over
-        path = curves_path(args)
-        need(not os.path.isfile(path) or Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} exists and is "
-             "not a PNG: diagnose writes over no file it did not make; pass --out with a new .png path")
-        check_writable(os.path.dirname(path) or ".", "the curves")
+    out = args.out or (default_out(args.ckpt) if args.ckpt else None)
+    mine = [curves_path(args)] if args.curves else []
+    mine += [os.path.join(out, f) for f in ("diagnostics.json", "routing.png", "scalars.png")] if args.ckpt else []
+    for path in mine:  # a file there that a tool did not write is someone's (a checkpoint, a log, a figure)
+        need(files.ours(path), f"{path} exists and is not one diagnose wrote: it writes over no file it did not make; "
+             "pass --out with a new path")
+    if args.curves:
+        check_writable(os.path.dirname(curves_path(args)) or ".", "the curves")
     if args.ckpt:
         check_writable(args.out or default_out(args.ckpt), "the diagnostics")
 

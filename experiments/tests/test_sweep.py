@@ -132,6 +132,10 @@ def test_a_run_another_process_holds_is_skipped_and_counted_busy(tmp_path, monke
 
 def test_a_diverged_run_is_final_tabulated_and_exit_3(tmp_path, monkeypatch, capsys):
     ran = []
+    monkeypatch.setattr(sweep, "run_child", fake_train(ran, diverging=("a", "b")))  # the first run too: no ETA yet
+    first = f'reference = "c"\nvariants = {{"a": "", "b": "", "c": ""}}\nout_dir = {str(tmp_path / "first")!r}\n'
+    assert sweep.main([str(sweep_file(tmp_path, first))]) == 3
+    assert "ETA ?" in capsys.readouterr().out
     monkeypatch.setattr(sweep, "run_child", fake_train(ran, diverging=("b",)))
     assert sweep.main([str(sweep_file(tmp_path))]) == sweep.EXIT_DIVERGED
     assert "(diverged: seed 0, 1)" in capsys.readouterr().out
@@ -204,6 +208,7 @@ def test_the_report_s_numbers_are_the_paired_t_test_on_whole_split_scores(tmp_pa
     assert c["wins"] == 2 and c["p"] == pytest.approx(report.paired_t([-0.05, 0.02, -0.10])["p"])
     saved = json.loads((tmp_path / "runs" / "results.json").read_text(), parse_constant=lambda c: 1 / 0)  # strict
     assert saved["tests"][0]["p"] == c["p"] and saved["unit"] == "nats per byte"
+    assert (tmp_path / "runs" / "forest.png").exists()  # exploratory rows drawn too
     rows = (tmp_path / "runs" / "results.csv").read_text().splitlines()
     assert rows[0].startswith("variant,seed,val_loss") and len(rows) == 7
 
@@ -220,12 +225,13 @@ def test_provenance_flags_runs_before_the_declaration_and_from_changed_trees(tmp
     finished_run(tmp_path / "runs" / "a" / "seed0", 3.0, commits=("abc1234+dirty",))
     finished_run(tmp_path / "runs" / "a" / "seed1", 3.1, started="2025-01-01T00:00:00+00:00")
     monkeypatch.setattr(report, "declared_at", lambda path: ("f" * 40, "2025-06-01T00:00:00+00:00", "e" * 40,
-                                                             "2026-06-01T00:00:00+00:00"))  # edited after a0 started
+                                                             "2026-06-01T00:00:00+00:00", True))  # edited after a0 started
     p = report.provenance(spec_of(tmp_path, path="x.py"), report.collect(spec_of(tmp_path, seeds=(0, 1))))
     assert p["dirty"] == ["a/seed0"] and p["started_before_declaration"] == ["a/seed1"]
     assert p["started_before_last_change"] == ["a/seed0"]
     text = report.provenance_text(p)
     assert "**1 run started before it was added**" in text and "**1 run ran from a tree with uncommitted" in text
+    assert "The sweep file has uncommitted changes" in text
 
 
 def test_no_run_of_the_reference_is_one_line_and_unwritable_outputs_one_warning(tmp_path, capsys, read_only):
