@@ -181,7 +181,7 @@ def train_command(spec, variant, seed, launcher):
         args += ["--wandb_log=true", f"--wandb_group={Path(spec['out_dir']).name}", f"--wandb_tags={variant},seed{seed}",
                  f"--wandb_run_name={variant}-seed{seed}"]
     args += [f"--{kv}" for kv in overrides(spec, variant)]
-    args += ["--resume=true"] if (d / "ckpt.pt").exists() else ["--overwrite=true"] if d.exists() else []
+    args += ["--resume=true"] if d.exists() else []  # (no checkpoint yet: train.py starts over; a lost one: it refuses)
     return shlex.split(launcher) + args if launcher else [sys.executable, *args]
 
 

@@ -101,11 +101,11 @@ def fake_train(ran, diverging=()):
 def test_runs_are_paired_by_seed_scored_whole_and_resumed_or_started_over(tmp_path, monkeypatch, capsys):
     (tmp_path / "runs" / "a" / "seed1").mkdir(parents=True)
     (tmp_path / "runs" / "a" / "seed1" / "ckpt.pt").write_bytes(b"")  # a run to resume
-    (tmp_path / "runs" / "b" / "seed0").mkdir(parents=True)  # died before its first checkpoint: started over
+    (tmp_path / "runs" / "b" / "seed0").mkdir(parents=True)  # died before its first checkpoint: train.py starts it over
     ran = []
     monkeypatch.setattr(sweep, "run_child", fake_train(ran))
     assert sweep.main([str(sweep_file(tmp_path))]) == 0
-    assert ran == [("a", 0, 0, "0", False, False), ("b", 0, 0, "0", False, True), ("a", 1, 1, "0", True, False),
+    assert ran == [("a", 0, 0, "0", False, False), ("b", 0, 0, "0", True, False), ("a", 1, 1, "0", True, False),
                    ("b", 1, 1, "0", False, False)]
     out = capsys.readouterr().out
     assert "sweep: 4/4 runs done" in out and "| `b` | 2 |" in out
