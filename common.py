@@ -106,6 +106,15 @@ def write_atomic(path, data):
         raise
 
 
+def read_json(path):
+    """A JSON object from a file, or None: not there, torn, or not an object."""
+    try:
+        x = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return x if isinstance(x, dict) else None
+
+
 def log_records(run_dir):
     """The JSON records of a run's log.jsonl (a torn line skipped)."""
     path, records = Path(run_dir) / "log.jsonl", []

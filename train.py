@@ -47,6 +47,7 @@ from common import (
     on_rank0,
     perplexity,
     provenance,
+    read_json,
     say,
     utc_now,
     write_atomic,
@@ -442,9 +443,9 @@ def read_run_dir(tc, run_dir, mc, data):
         return ckpt
     # records past the first checkpoint's step, or a stop (written after its checkpoint): a checkpoint, now gone
     try:  # the run's own settings, not this command's
-        ran_with = json.loads((run_dir / "config.json").read_text())
+        ran_with = read_json(run_dir / "config.json")
         interval, steps = int(ran_with["train"]["ckpt_interval"]), int(ran_with["max_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         interval, steps = tc.ckpt_interval, tc.steps
     first_ckpt, records = min(interval or steps, steps), log_records(run_dir)
     ran = max([r["step"] for r in records if isinstance(r.get("step"), int)], default=0) > first_ckpt

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from scipy import stats as scipy_stats
 
-from common import ROOT, UserError, log_records, say, write_atomic
+from common import ROOT, UserError, log_records, read_json, say, write_atomic
 from experiments.stats import gated_holm, holm, paired_t, tost
 from tools import pyplot, write_figure
 from tools.diagnose import plot_curves, val_curve
@@ -39,15 +39,6 @@ SCORES = {"val": "the whole validation split", "test": "the whole test split"}  
 
 def run_dir(spec, variant, seed):
     return Path(spec["out_dir"]) / variant / f"seed{seed}"
-
-
-def read_json(path):
-    """A JSON object from a file, or None: not there, torn, or not an object."""
-    try:
-        x = json.loads(Path(path).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return x if isinstance(x, dict) else None
 
 
 def finite(x):

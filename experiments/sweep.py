@@ -36,9 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python experiments/sweep.py` as `python -m ...`
 
-from common import ROOT, Stopped, UserError, cli, need, os_error_message, say
+from common import ROOT, Stopped, UserError, cli, need, os_error_message, read_json, say
 from data import data_fingerprint, load_meta
-from experiments.report import SCORES, divergence, read_json, report, run_dir
+from experiments.report import SCORES, divergence, report, run_dir
 from model import GPTConfig
 from tools import check_writable
 from train import EXECUTION_KEYS, TrainConfig, build_model_config, hms, parse_config, read_settings

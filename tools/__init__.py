@@ -5,12 +5,11 @@
     gpu_check   checks on a CUDA GPU
 """
 
-import json
 import os
 import sys
 from pathlib import Path
 
-from common import write_atomic
+from common import read_json, write_atomic
 
 
 def pyplot():
@@ -36,18 +35,15 @@ def write_figure(path, fig):
         plt.close(fig)
 
 
-def ours(path, keys=("checkpoint", "residual")):
-    """Whether a tool may write `path`: absent, a tool's PNG (or an older version's, by matplotlib), or a JSON object
-    with `keys` (a tool's record)."""
+def ours(path):
+    """Whether a tool may write `path`: absent, a tool's PNG (or an older version's, by matplotlib), or diagnose's
+    diagnostics.json (a JSON object naming its checkpoint and residual)."""
     p = Path(path)
-    if not p.exists() or not p.is_file():
+    if not p.is_file():
         return not p.exists()
-    head = p.read_bytes()[:65536]
     if p.suffix == ".json":
-        try:
-            return isinstance(record := json.loads(p.read_bytes()), dict) and all(k in record for k in keys)
-        except ValueError:
-            return False
+        return {"checkpoint", "residual"} <= set(read_json(p) or {})
+    head = p.read_bytes()[:65536]
     return head.startswith(b"\x89PNG\r\n\x1a\n") and (MARK.encode() in head or b"Matplotlib" in head)  # (older tools')
 
 

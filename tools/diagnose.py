@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools/diagnose.py` as `python -m tools.diagnose`
 # common first: it quiets a Ctrl-C while torch imports
-from common import ROOT, UserError, cli, log_records, need, os_error_message, perplexity
+from common import ROOT, UserError, cli, log_records, need, os_error_message, perplexity, read_json
 from common import write_atomic as write_file
 
 # isort: split
@@ -226,13 +226,6 @@ def plot_routing_maps(maps, path, title, kind, names, partial=False):
     return path
 
 
-def read_config(run):
-    try:
-        return json.loads((Path(run) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def plot_curves(groups, path):
     """Validation loss against step, the mean of each group of runs."""
     plt = pyplot()
@@ -246,7 +239,8 @@ def plot_curves(groups, path):
         ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], style, label=f"{label} ({len(runs)})",
                 marker="o" if len(steps) == 1 else None)  # one evaluation: a point, not an invisible line
     ax.set_xlabel("step")
-    units = {(read_config(run) or {}).get("tokenizer") == "byte" for runs in groups.values() for run in runs}
+    units = {(read_json(Path(run) / "config.json") or {}).get("tokenizer") == "byte" for runs in groups.values()
+             for run in runs}
     ax.set_ylabel(f"validation loss (nats/{'byte' if units == {True} else 'token'})")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
