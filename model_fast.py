@@ -706,15 +706,23 @@ def checkpoint_problem(ckpt):
     return f"its weight {bad} is not finite" if bad else None
 
 
+def read_checkpoint(file, remedy):
+    """A checkpoint file's dict, loaded weights_only (no code in it runs): what is none is one UserError line."""
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # (torch's message may advise weights_only=False, which is unsafe: not quoted)
+        raise UserError(f"{file} is not a readable checkpoint ({type(e).__name__}): truncated, or not train.py's; "
+                        f"{remedy}") from None
+    need(isinstance(ckpt, dict), f"{file} is not a train.py checkpoint; {remedy}")
+    return ckpt
+
+
 def load_model(path, device="cpu"):
     """(the model of a checkpoint file or run directory, in eval mode; the checkpoint dict)."""
     file = Path(path) / "ckpt.pt" if Path(path).is_dir() else Path(path)
     need(file.is_file(), f"no checkpoint at {file}")
-    try:
-        ckpt = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # (torch's message may advise weights_only=False, which is unsafe: not quoted)
-        raise UserError(f"{file} is not a readable checkpoint ({type(e).__name__}): truncated, or not train.py's") from None
-    need(isinstance(ckpt, dict) and {"model", "model_config"} <= set(ckpt), f"{file} is not a train.py checkpoint")
+    ckpt = read_checkpoint(file, "it cannot be used")
+    need({"model", "model_config"} <= set(ckpt), f"{file} is not a train.py checkpoint")
     need((why := checkpoint_problem(ckpt)) is None, f"{file} is damaged ({why}): it cannot be used")
     try:
         net = make_model(model.GPTConfig(**ckpt["model_config"]))

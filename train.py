@@ -67,7 +67,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from data import TokenData, TokenLoader, check_data, eval_batches
 from model import RESIDUALS, GPTConfig, InitialWeights, key
-from model_fast import checkpoint_problem, compile_model, make_model
+from model_fast import checkpoint_problem, compile_model, make_model, read_checkpoint
 
 # ----------------------------------------------------------------------------------------------
 # Config: the training keys (TrainConfig), the model keys (model.GPTConfig), a config file, --key=value.
@@ -414,12 +414,8 @@ def read_run_dir(tc, run_dir, mc, data):
     path, tokenizer = run_dir / "ckpt.pt", data.meta["tokenizer"]
     held = [n for n in ("ckpt.pt", "log.jsonl", "summary.json") if (run_dir / n).exists()]
     if tc.resume and path.exists():
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # (torch's message may advise weights_only=False, which is unsafe: not quoted)
-            raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__}): it is truncated or not "
-                            "train.py's; start over with --overwrite=true") from None
-        need(isinstance(ckpt, dict) and ckpt.get("format") == CKPT_FORMAT, f"{path} is not a checkpoint of this "
+        ckpt = read_checkpoint(path, "start over with --overwrite=true")
+        need(ckpt.get("format") == CKPT_FORMAT, f"{path} is not a checkpoint of this "
              f"train.py (format {CKPT_FORMAT}): resume it with the version that wrote it, or start over with --overwrite=true")
         need((why := checkpoint_problem(ckpt)) is None, f"{path} is damaged ({why}): start over with --overwrite=true")
         try:
