@@ -66,7 +66,7 @@ def cli(main, argv=None):
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except BrokenPipeError:  # `| head` has what it wants: silence the flush at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        discard_stdout()
         return 0
     except OSError as e:  # a full disk, a path the OS refuses
         print(f"error: {os_error_message(e)}", file=sys.stderr, flush=True)
@@ -162,12 +162,17 @@ def on_rank0(fn, shared=None):
     return result
 
 
+def discard_stdout():
+    """Standard output to /dev/null from here on: its reader (`| head`) has gone."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def say(text):
-    """print(text), flushed; a closed pipe (`| head`) discards the rest of the output instead of stopping the work."""
+    """print(text), flushed; a closed pipe discards the rest of the output instead of stopping the work."""
     try:
         print(text, flush=True)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        discard_stdout()
 
 
 def busy_cores(cores, seconds=0.25):
