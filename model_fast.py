@@ -640,9 +640,9 @@ def make_model(cfg, seed=0):
     if cfg.depth_impl == "two_phase":
         stream = type(net.residual.start(torch.zeros(1, 1, cfg.n_embd)))
         plain_stream_note(stream)
-        if twin_of(stream)[0]:
+        if twin := twin_of(stream)[0]:
             with torch.device("cpu"):  # (a model built on the meta device is checked on real numbers)
-                check_twin(type(net.residual), stream, twin_of(stream)[0], cfg)
+                check_twin(type(net.residual), stream, twin, cfg)
     return net
 
 
@@ -659,14 +659,14 @@ def check_twin(mod, stream, twin, cfg):
     with torch.no_grad():
         for p in residual.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
-    x0, R = torch.randn(2, 3, 8, generator=g, dtype=torch.float64), torch.randn(residual.L, 8, 8, generator=g)
+    x0, R = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((2, 3, 8), (residual.L, 8, 8)))
 
     def run(s):
         inputs = []
         for j in range(residual.L):
             h = s.read(j)
             inputs += h if isinstance(h, tuple) else [h]
-            s.write(j, torch.tanh(sum(inputs[-len(h) if isinstance(h, tuple) else -1:]) @ R[j].double()))
+            s.write(j, torch.tanh(sum(inputs[-len(h) if isinstance(h, tuple) else -1:]) @ R[j]))
         return inputs + [s.readout()]
     plain, fast = run(stream(residual, x0)), run(twin(residual, x0, tiny.depth_chunk))
     diff = max((a - b).abs().max().item() for a, b in zip(plain, fast)) if len(plain) == len(fast) else math.inf

@@ -437,20 +437,18 @@ def read_run_dir(tc, run_dir, mc, data):
         need(wrong is None, f"{path} does not fit this run ({wrong}): it is damaged, or not this train.py's; start "
              "over with --overwrite=true")
         return ckpt
-    # records past the first checkpoint's step, or a stop (written after its checkpoint): a checkpoint, now gone
-    try:  # the run's own settings, not this command's
-        ran_with = read_json(run_dir / "config.json")
-        interval, steps = int(ran_with["train"]["ckpt_interval"]), int(ran_with["max_steps"])
-    except (ValueError, KeyError, TypeError):
-        interval, steps = tc.ckpt_interval, tc.steps
-    first_ckpt, records = min(interval or steps, steps), log_records(run_dir)
-    ran = max([r["step"] for r in records if isinstance(r.get("step"), int)], default=0) > first_ckpt
-    lost = [n for n in ("summary.json", "ckpt") if (run_dir / n).exists()]  # (ckpt/: an older version's FSDP run)
-    lost += ["log.jsonl"] * (ran or any(r.get("kind") == "stop" for r in records))
-    if tc.resume and lost:
-        raise UserError(f"{run_dir} holds a run's records ({', '.join(lost)}) but no ckpt.pt to resume: nothing was "
-                        "changed; start it over with --overwrite=true")
-    if tc.resume:
+    if tc.resume:  # records past the first checkpoint's step, or a stop (written after its checkpoint): one now gone
+        try:  # the run's own settings, not this command's
+            ran_with = read_json(run_dir / "config.json")
+            interval, steps = int(ran_with["train"]["ckpt_interval"]), int(ran_with["max_steps"])
+        except (ValueError, KeyError, TypeError):
+            interval, steps = tc.ckpt_interval, tc.steps
+        first_ckpt, records = min(interval or steps, steps), log_records(run_dir)
+        ran = max([r["step"] for r in records if isinstance(r.get("step"), int)], default=0) > first_ckpt
+        lost = [n for n in ("summary.json", "ckpt") if (run_dir / n).exists()]  # (ckpt/: an older version's FSDP run)
+        lost += ["log.jsonl"] * (ran or any(r.get("kind") == "stop" for r in records))
+        need(not lost, f"{run_dir} holds a run's records ({', '.join(lost)}) but no ckpt.pt to resume: nothing was "
+             "changed; start it over with --overwrite=true")
         print(f"note: {run_dir} holds no checkpoint yet: starting the run from step 0", file=sys.stderr)
     elif held and not tc.overwrite:
         raise UserError(f"{run_dir} already holds a run ({', '.join(held)}): continue it with --resume=true, or "
@@ -691,7 +689,8 @@ def main(argv=None):
         model = compile_model(raw_model) if tc.compile else raw_model  # for evaluation
         train_model = model if world == 1 or sharded else DistributedDataParallel(  # (the rotary tables are constant)
             model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
-        max_loss = 4 * math.log(mc.vocab_size)  # 4 x a uniform guess's loss: diverged though finite
+        uniform = math.log(mc.vocab_size)  # a uniform guess's loss
+        max_loss = 4 * uniform  # diverged though finite
         final_tokens = tc.eval_tokens if tc.final_eval_tokens is None else tc.final_eval_tokens or None  # 0: all
 
         # the run directory's files and the log: config.json, the records up to the checkpoint, W&B
@@ -743,7 +742,7 @@ def main(argv=None):
                     log_eval(log, "val", val_loss, tokens, step, max_steps, time.perf_counter() - t_start)
                     evaluated = step
                 if checkpointing:
-                    check_better(log, val_loss, step, saved, math.log(mc.vocab_size), run_dir)
+                    check_better(log, val_loss, step, saved, uniform, run_dir)
                     seconds = before.get("seconds", 0.0) + time.perf_counter() - t_start
                     state = {"format": CKPT_FORMAT, "model_config": asdict(mc), "train_config": asdict(tc), "step": step,
                              "tokenizer": meta["tokenizer"], "loader": loader.state_dict(), "rng": rng_state(device),

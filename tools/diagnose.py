@@ -477,7 +477,7 @@ def run(argv):
         try:
             wrote.append(plot_curves(curve_labels(args.curves), path))
         except OSError as e:
-            raise UserError(os_error_message(e, curves_path(args))) from None
+            raise UserError(os_error_message(e, path)) from None
     if args.ckpt:
         out = diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)
         print(summary(out))
