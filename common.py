@@ -13,22 +13,10 @@ from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parent  # the repository, where train.py usually runs
-
-
-def quit_quietly(signum, frame):
-    sys.exit(128 + signum)
-
-
-# A command's Ctrl-C while torch imports (seconds): exit 130 without a traceback. Commands import common first;
-# cli() then turns Ctrl-C into KeyboardInterrupt again.
-_main = getattr(sys.modules.get("__main__"), "__file__", None)
-if (sys.argv[:1] == ["-m"] or _main and Path(_main).resolve().parent in (ROOT, ROOT / "tools")) \
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, quit_quietly)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 
 class UserError(ValueError):

@@ -25,13 +25,10 @@ from functools import partial
 from itertools import chain, islice
 from pathlib import Path
 
-# common first: it quiets a Ctrl-C while torch imports
-from common import ROOT, UserError, cli, need
-
-# isort: split
 import numpy as np
 from tqdm import tqdm
 
+from common import ROOT, UserError, cli, need
 from data import (
     DATA_DIR,
     DEFAULT_CORPUS,

@@ -14,12 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-# common first: it quiets a Ctrl-C while torch imports
-from common import UserError, cli, cpu_threads, need, os_error_message
-
-# isort: split
 import torch
 
+from common import UserError, cli, cpu_threads, need, os_error_message
 from data import get_tokenizer
 from model import stable_seed
 from model_fast import load_model

@@ -35,7 +35,17 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-# common first: it quiets a Ctrl-C while torch imports
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
 from common import (
     Stopped,
     UserError,
@@ -52,19 +62,6 @@ from common import (
     utc_now,
     write_atomic,
 )
-
-# isort: split
-import numpy as np
-import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.nn.parallel import DistributedDataParallel
-
 from data import TokenData, TokenLoader, check_data, eval_batches
 from model import RESIDUALS, GPTConfig, InitialWeights, key
 from model_fast import checkpoint_problem, compile_model, make_model, read_checkpoint

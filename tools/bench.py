@@ -19,13 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools/bench.py` as `python -m tools.bench`
-# common first: it quiets a Ctrl-C while torch imports
-from common import UserError, cli, cpu_threads, need, os_error_message, write_atomic
-
-# isort: split
 import torch
 import torch._dynamo
 
+from common import UserError, cli, cpu_threads, need, os_error_message, write_atomic
 from model import depth_attention
 from model_fast import TwoPhaseRouter, compile_model, make_model, rms_inv
 from tools import check_writable

@@ -20,14 +20,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools/diagnose.py` as `python -m tools.diagnose`
-# common first: it quiets a Ctrl-C while torch imports
-from common import ROOT, UserError, cli, log_records, need, os_error_message, perplexity, read_json
-from common import write_atomic as write_file
-
-# isort: split
 import torch
 
 import tools as files
+from common import ROOT, UserError, cli, log_records, need, os_error_message, perplexity, read_json
+from common import write_atomic as write_file
 from data import eval_batches, load_meta
 from model import AttnRes, DARStream
 from model_fast import load_model

@@ -21,11 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools/gpu_check.py` as `python -m tools.gpu_check`
-# common first: it quiets a Ctrl-C while torch imports
-from common import ROOT, UserError, cli, log_records
-
-# isort: split
 import torch
+
+from common import ROOT, UserError, cli, log_records
 
 BENCH = ["--n_layer", "12", "--n_embd", "768", "--n_head", "6", "--seq_len", "1024", "--batch_size", "8",
          "--dtype", "bf16", "--compile", "--repeats", "5", "--warmup", "2", "--routing_blocks", "4:4,8:4,16:4"]
