@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -40,15 +40,26 @@ def stop(signum, frame):
     raise Stopped(f"stopped by {signal.Signals(signum).name}", signum)
 
 
-def cli(main, argv=None):
-    """main(argv) as a command: 0, 2 after one `error:` line, 128 + signum after a stop (SIGINT or SIGTERM)."""
+@contextmanager
+def signal_handlers(handlers, over_ignored=False):
+    """Install {signum: handler} for the block, in the main thread; a signal that is ignored (a background job's
+    SIGINT) stays ignored unless over_ignored."""
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, stop)):
-            if signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup, a shell's background job)
-                previous[signum] = signal.signal(signum, handler)
+        previous = {s: signal.signal(s, h) for s, h in handlers.items()
+                    if over_ignored or signal.getsignal(s) is not signal.SIG_IGN}
     try:
-        status = main(argv)
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def cli(main, argv=None):
+    """main(argv) as a command: 0, 2 after one `error:` line, 128 + signum after a stop (SIGINT or SIGTERM)."""
+    try:
+        with signal_handlers({signal.SIGINT: signal.default_int_handler, signal.SIGTERM: stop}):
+            status = main(argv)
         return status if isinstance(status, int) else 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -63,9 +74,6 @@ def cli(main, argv=None):
         if rank() == 0:
             print(str(e) or "interrupted", file=sys.stderr, flush=True)
         return 128 + getattr(e, "signum", 2)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def os_error_message(e, path=None, verb="write"):

@@ -22,12 +22,9 @@ import inspect
 import json
 import math
 import os
-import random
 import resource
 import signal
-import statistics
 import sys
-import threading
 import time
 import traceback
 import typing
@@ -59,6 +56,7 @@ from common import (
     provenance,
     read_json,
     say,
+    signal_handlers,
     utc_now,
     write_atomic,
 )
@@ -153,10 +151,9 @@ def type_name(typ):
 
 def convert(name, value, typ):
     """`value` (a command-line string or a config file's value) as type `typ`, or a UserError."""
-    if type(None) in typing.get_args(typ):
-        if value is None or str(value).lower() in ("none", "null"):
-            return None
-        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    if type(None) in typing.get_args(typ) and (value is None or str(value).lower() in ("none", "null")):
+        return None
+    typ = next((t for t in typing.get_args(typ) if t is not type(None)), typ)
     word = value.lower() if isinstance(value, str) else value
     if typ is bool and word in ("true", "1", 1, "false", "0", 0):
         return word in ("true", "1", 1)
@@ -183,8 +180,7 @@ def check_key(name, where):
 
 
 def read_settings(path, what="config file"):
-    """The names a Python settings file assigns (a config, or a sweep file); a missing file or an error in it is one
-    UserError line naming the line."""
+    """The names a Python settings file (a config, a sweep file) assigns; an error in it is one line naming the line."""
     need(Path(path).is_file(), f"{what} {path} not found")
     names = {}  # one namespace, as a module's: a comprehension in the file sees its names
     try:
@@ -321,8 +317,8 @@ def lr_at(it, tc, max_steps):
 
 
 def train_step(model, optimizer, loader, accum, lr, tc, device, autocast, max_loss, signals=None):
-    """One optimizer step over `accum` micro-batches per rank, skipped on a non-finite or too large loss.
-    Returns (mean loss, gradient norm before clipping, any rank's signal), read in one sync."""
+    """One optimizer step over `accum` micro-batches per rank, skipped on a non-finite or too large loss: (mean loss,
+    gradient norm before clipping, any rank's signal), read in one sync."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = torch.zeros((), device=device)
@@ -352,8 +348,8 @@ def train_step(model, optimizer, loader, accum, lr, tc, device, autocast, max_lo
 
 @torch.no_grad()
 def evaluate(model, data, split, batch_size, seq_len, max_tokens=None, device="cpu", autocast=None, lockstep=False):
-    """(mean loss over the first max_tokens targets of a split, summed in float64 over all ranks; tokens).
-    lockstep (FSDP, whose forwards gather from every rank): every rank runs as many batches as the busiest one."""
+    """(mean loss over a split's first max_tokens targets, summed in float64 over the ranks; tokens). lockstep
+    (FSDP, whose forwards gather from every rank): every rank runs as many batches as the busiest one."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
     batches = eval_batches(data, split, batch_size, seq_len, max_tokens, rank, world)
@@ -378,7 +374,7 @@ def evaluate(model, data, split, batch_size, seq_len, max_tokens=None, device="c
 
 
 def claim_run_dir(tc, run_dir, mc, data):
-    """Rank 0: lock the run directory for this run's life and read it. Returns (the lock's fd, checkpoint or None)."""
+    """Rank 0: lock the run directory for this run's life; (the lock's fd, read_run_dir's checkpoint)."""
     if tc.wandb_log:
         try:
             import wandb  # noqa: F401
@@ -406,8 +402,7 @@ def claim_run_dir(tc, run_dir, mc, data):
 
 
 def read_run_dir(tc, run_dir, mc, data):
-    """The checkpoint a resume continues, checked against this run and its data; None for a fresh run, refused over
-    a run."""
+    """The checkpoint a resume continues, checked against this run and its data; None for a fresh run."""
     path, tokenizer = run_dir / "ckpt.pt", data.meta["tokenizer"]
     held = [n for n in ("ckpt.pt", "log.jsonl", "summary.json") if (run_dir / n).exists()]
     if tc.resume and path.exists():
@@ -481,16 +476,12 @@ def misfit(ckpt, mc):
 
 
 def rng_state(device):
-    name, keys, pos, has_gauss, gauss = np.random.get_state()  # (a list: torch.load's weights_only takes no array)
-    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
-             "torch": torch.get_rng_state()}
+    """torch's generators (a variant's randomness; the loader has its own, the model's init its seed)."""
+    state = {"torch": torch.get_rng_state()}
     return {**state, "cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else state
 
 
 def set_rng_state(state, device):
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -546,19 +537,10 @@ def hms(seconds):
 
 
 class GracefulStop:
-    """While active, the first SIGINT or SIGTERM asks the run to stop after the current step (`signum`)."""
+    """The first SIGINT or SIGTERM to `handle` asks the run to stop after the current step (`signum`)."""
 
     def __init__(self, verbose=True):
-        self.verbose, self.signum, self.previous = verbose, 0, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+        self.verbose, self.signum = verbose, 0
 
     def handle(self, signum, frame):
         if not self.signum:
@@ -621,8 +603,7 @@ def stop_with(log, step, error):
 
 
 def check_data_unchanged(data, step, saved, run_dir, device):
-    """A shard rewritten in place under the run (a stat on every rank, before each evaluation and checkpoint) stops it:
-    no divergence, the run's data changed."""
+    """A shard rewritten in place under the run stops it (no divergence: the run's data changed)."""
     if any_rank((shard := data.changed()) is not None, device):
         raise UserError(f"{shard or 'a shard of ' + str(data.dir)} changed under this run (rewritten in place since it "
                         f"was opened): stopped at step {step} without saving; {kept(saved, run_dir)}. Restore the data "
@@ -630,9 +611,7 @@ def check_data_unchanged(data, step, saved, run_dir, device):
 
 
 def check_better(log, val_loss, step, saved, uniform, run_dir):
-    """A checkpoint replaces the last one only with good weights: a val loss more than ln 2 above the last checkpoint's
-    or a uniform guess's (ln V), twice either's perplexity, stops the run and keeps the last one (near init, the loss
-    sits at ln V: noise there is no reason)."""
+    """A checkpoint replaces the last only with a val loss at most ln 2 above both its and a uniform guess's (ln V)."""
     if saved is not None and saved[1] is not None and val_loss > min(saved[1], uniform) + math.log(2):
         stop_with(log, step, f"val loss {val_loss:.4f} at step {step} is more than ln 2 above the last checkpoint's "
                              f"or a uniform guess's ({uniform:.2f}): stopped without replacing it; {kept(saved, run_dir)}. "
@@ -670,8 +649,6 @@ def main(argv=None):
                               lambda claimed: (None, without_weights(claimed[1])))
 
         # model, optimizer, data: the seed fixes the weights, data_seed the batches, on any number of ranks
-        random.seed(tc.seed)
-        np.random.seed(tc.seed)
         torch.manual_seed(tc.seed)
         loader = TokenLoader(data, "train", tc.batch_size, tc.seq_len, rank, world, seed=tc.data_seed)
         raw_model = sharded_model(mc, tc.seed, world, device) if sharded else make_model(mc, seed=tc.seed).to(device)
@@ -708,7 +685,8 @@ def main(argv=None):
         # the loop: a step; once in a while a log line, an evaluation, a checkpoint; a signal stops it after a step
         t_start, first, signum = time.perf_counter(), step, 0
         step_seconds, logged, speeds, val_loss, evaluated = 0.0, step, list(before.get("speeds", [])), None, None
-        with GracefulStop(verbose=master) as signals:
+        signals = GracefulStop(verbose=master)
+        with signal_handlers({signal.SIGINT: signals.handle, signal.SIGTERM: signals.handle}, over_ignored=True):
             while step < max_steps:
                 lr = lr_at(step, tc, max_steps)
                 t0 = time.perf_counter()
@@ -779,7 +757,7 @@ def main(argv=None):
         seconds = before.get("seconds", 0.0) + time.perf_counter() - t_start
         summary = {"run_dir": str(run_dir), "step": step, "val_loss": val_loss, "test_loss": test_loss,
                    "final_eval_tokens": final_tokens or 0, "params": raw_model.num_params(), "seconds": seconds,
-                   "tokens_per_s": statistics.median(speeds) if speeds else None,  # over the log intervals
+                   "tokens_per_s": float(np.median(speeds)) if speeds else None,  # over the log intervals
                    "peak_memory_bytes": max(peaks), "peak_memory_bytes_per_rank": peaks,
                    **segments, "finished_utc": utc_now()}
         if master:
