@@ -634,8 +634,7 @@ def main(argv=None):
     tc, model_settings = parse_config(argv)
     data = TokenData(tc.data_dir)  # opened once: a later prepare_data.py --overwrite changes nothing for this run
     check_data(data, tc.seq_len)
-    meta = data.meta
-    mc = build_model_config(model_settings, tc, meta)
+    meta, mc = data.meta, build_model_config(model_settings, tc, data.meta)
     rank, world, device = setup_ranks(tc)
     master, max_steps, run_dir = rank == 0, tc.steps, Path(tc.out_dir) / tc.run_name
     lock = log = None
@@ -669,8 +668,8 @@ def main(argv=None):
 
         # the run directory's files and the log: config.json, the records up to the checkpoint, W&B
         resolved = {"config_file": argv[0], "train": asdict(tc), "model": asdict(mc), "tokenizer": meta["tokenizer"],
-                    "data_fingerprint": data.fingerprint,
-                    "world_size": world, "grad_accum": accum, "max_steps": max_steps, "threads": torch.get_num_threads()}
+                    "data_fingerprint": data.fingerprint, "world_size": world, "grad_accum": accum, "max_steps": max_steps,
+                    "threads": torch.get_num_threads()}
         log = Log(run_dir / "log.jsonl", master)
         log.tracker = on_rank0(lambda: start_run_dir(tc, run_dir, ckpt, step, resolved), lambda tracker: None)
         log(f"{mc.residual}: {raw_model.num_params() / 1e6:.2f}M parameters | {meta['tokenizer']} tokens, {world} x "
