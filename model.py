@@ -1,9 +1,7 @@
-"""
-A decoder-only GPT with depth-routing residual connections in plain autograd (the math: VARIANTS.md, by section).
+"""A decoder-only GPT with depth-routing residual connections in plain autograd (the math: VARIANTS.md, by section).
 A variant answers, for sublayer j (attention or MLP, L = 2 * n_layer): what is its input h_j, and where does
 y_j = F_j(PreNorm_j(h_j)) go? GPT asks its stream: h_j = stream.read(j); stream.write(j, y_j).
-model_fast.py holds the fast twins, tested equal.
-"""
+model_fast.py holds the fast twins, tested equal."""
 
 import hashlib
 import math

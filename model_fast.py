@@ -1,12 +1,8 @@
-"""The fast path of model.py: its AttnRes, DAR and Delta AttnRes streams routed in two phases (AttnRes paper,
-block-wise), run by `depth_impl="two_phase"` (the default) and tested equal to the plain streams in float64, values
-and gradients (tests/test_routing.py).
-
-The queries are parameters, so a chunk of sites knows its queries when it opens. Phase 1, once per chunk: every query
-over the sources completed before it (lse_q, o_q). Phase 2, per site: the sources added since join by the online
-softmax, h = c_o o_q + sum_k c_k s_k, (c_o, c_k) = softmax(lse_q, l_k). A source is [*, d] ([M, *, d]: DAR's two
-streams), N = prod(*). Routing runs in the compute dtype, autocast off. Memory and speed: docs/model.md,
-docs/performance.md."""
+"""The fast path of model.py (depth_impl="two_phase", the default): its AttnRes, DAR and Delta AttnRes streams routed in
+two phases, tested equal to the plain streams (tests/test_routing.py). A chunk of sites knows its queries (parameters)
+when it opens. Phase 1, once per chunk: every query over the sources completed before it (lse_q, o_q). Phase 2, per site:
+the sources added since join by the online softmax, h = c_o o_q + sum_k c_k s_k, (c_o, c_k) = softmax(lse_q, l_k). A
+source is [*, d] ([M, *, d]: DAR's two streams), N = prod(*). Routing runs in the compute dtype, autocast off."""
 
 import dataclasses
 import functools
@@ -69,7 +65,6 @@ def rms_inv(k):
     return _RMSInv.apply(k) if needs_grad(k) else _rms_inv(k)
 
 
-# ----------------------------------------------------------------------------------------------
 # Phase 1: every query of a chunk over the completed sources, in one pass.
 
 
@@ -80,34 +75,31 @@ def _rows(W, streams):
 
 
 def _phase1(W, inv, sources, streams):
-    """W [Q, d], inv [n, M, N], sources n x [M, N, d] -> lse [N, Q], O (per target, [N, Q/T, d]), weights a and
-    logit dots [n, N, Q]."""
-    rows = _rows(W, streams)
+    """W [Q, d], inv [n, M, N], sources n x [M, *, d] -> lse [N, Q], weights a [n, N, Q], o_q [N, d] per row, dots."""
+    dt, (_, M, N), rows = inv.dtype, inv.shape, _rows(W, streams)
+    W, sources = W.to(dt), [s.reshape(M, N, -1).to(dt) for s in sources]
     dots = torch.stack([torch.cat([s[ks] @ W[q].T for q, ks, _ in rows], -1) for s in sources])  # w_q . k_r
     inv_q = torch.cat([inv[:, ks].unsqueeze(-1).expand(-1, -1, q.stop - q.start) for q, ks, _ in rows], -1)
-    l = dots * inv_q
-    a, lse = _softmax0(l)
-    O = []
-    for q, _, vs in rows:  # o_q = sum_r a_rq v_r
+    a, lse = _softmax0(dots * inv_q)
+    o = []
+    for q, _, vs in rows:  # o_q = sum_r a_rq v_r, target t's rows at once
         O_t = a[0, :, q].unsqueeze(-1) * sources[0][vs].unsqueeze(1)
         for a_r, s in zip(a[1:], sources[1:]):
             O_t.addcmul_(a_r[:, q].unsqueeze(-1), s[vs].unsqueeze(1))
-        O.append(O_t)
-    return lse, O, a, dots
+        o += O_t.unbind(1)
+    return lse, a, o, dots
 
 
 class _Phase1(Function):
-    """_phase1 with a hand-written backward, saving references to the sources; each o_q is its own output, so
-    its gradient comes unpadded."""
+    """_phase1 saving references to the sources; each o_q an output of its own (its gradient comes unpadded)."""
 
     @staticmethod
     def forward(ctx, W, inv, streams, *sources):
-        dt, (_, M, N) = inv.dtype, inv.shape
-        lse, O, a, dots = _phase1(W.to(dt), inv, [s.reshape(M, N, -1).to(dt) for s in sources], streams)
+        lse, a, o, dots = _phase1(W, inv, sources, streams)
         ctx.streams = streams
         ctx.save_for_backward(W, inv, a, dots, *sources)
         ctx.mark_non_differentiable(a)
-        return lse, a, *[o_q for O_t in O for o_q in O_t.unbind(1)]
+        return lse, a, *o
 
     @staticmethod
     def backward(ctx, g_lse, _, *g_o):
@@ -134,50 +126,30 @@ class _Phase1(Function):
                     gW[q] += C.T @ s[ks]
                     g_inv[r, ks] += (dl[r, :, q] * dots[r, :, q]).sum(-1)
                 g_src.append(torch.stack(g) if M > 1 else g[0])
-        g_src = [g.reshape(s.shape).to(s.dtype) for g, s in zip(g_src, sources)]
-        return gW.to(W.dtype), g_inv, None, *g_src
+        return gW.to(W.dtype), g_inv, None, *[g.reshape(s.shape).to(s.dtype) for g, s in zip(g_src, sources)]
 
 
-def phase1(W, sources, inv, streams=None):
-    """Phase 1 of query rows W [Q, d] over `sources` with norm factors `inv`; streams[t]: target t's (key, value)
-    streams. -> lse [N, Q], a [n, N, Q], o_q [N, d] per row."""
-    M = 1 if streams is None else sources[0].size(0)
-    streams = streams or ((0, 0),)
-    with float32_routing(W):
-        inv = torch.stack(inv).reshape(len(sources), M, -1)
-        if needs_grad(W, inv, *sources):
-            lse, a, *o = _Phase1.apply(W, inv, streams, *sources)
-            return lse, a, o
-        lse, O, a, _ = _phase1(W.to(inv.dtype), inv, [s.reshape(M, inv.size(-1), -1).to(inv.dtype) for s in sources],
-                               streams)
-        return lse, a, [o_q for O_t in O for o_q in O_t.unbind(1)]
-
-
-# ----------------------------------------------------------------------------------------------
 # Phase 2: one site's query, merged with the sources added since its chunk opened.
 
 
 def _merge(o, lse, w, keys, values, inv):
     """o [N, d], lse [N], w [d], keys/values K x [N, d], inv [K, N] -> h [N, d], c [K+1, N], dk [K, N]."""
-    dt = inv.dtype
+    dt, w = inv.dtype, w.to(inv.dtype)
     dk = torch.stack([k.to(dt) @ w for k in keys])  # w . k_k
     c = _softmax0(torch.cat([lse.unsqueeze(0), dk * inv]))[0]  # (c_o, c_1, .., c_K)
-    h = c[0].unsqueeze(-1) * o
+    h = c[0].unsqueeze(-1) * o.to(dt)
     for c_k, v in zip(c[1:], values):
         h.addcmul_(c_k.unsqueeze(-1), v.to(dt))
     return h, c, dk
 
 
 class _Merge(Function):
-    """h = c_o o + sum_k c_k v_k, (c_o, c_k) = softmax(lse, inv_k w . k_k); `shared`: keys are values. Saves h,
-    not o: the gradient needs g . o only through g . h."""
+    """_merge; `shared`: keys are values. Saves h, not o: the gradient needs g . o only through g . h."""
 
     @staticmethod
     def forward(ctx, o, lse, w, inv, shared, *kv):
         K = len(inv)
-        keys, values = kv[:K], kv[:K] if shared else kv[K:]
-        wf = w.to(inv.dtype)
-        h, c, dk = _merge(o.to(inv.dtype), lse, wf, keys, values, inv)
+        h, c, dk = _merge(o, lse, w, kv[:K], kv[:K] if shared else kv[K:], inv)
         ctx.shared, ctx.o_dtype = shared, o.dtype
         ctx.save_for_backward(h, w, inv, c, dk, *kv)
         return h
@@ -201,25 +173,14 @@ class _Merge(Function):
                 *[gs.to(s.dtype) for gs, s in zip(g_kv, kv)])
 
 
-def merge(o, lse, w, keys, values, inv):
-    """Phase 2 for one query w over the K recent keys and values (`values is keys`: AttnRes)."""
-    shared = values is keys
-    with float32_routing(w):
-        inv = torch.stack(inv)
-        kv = [*keys] if shared else [*keys, *values]
-        if needs_grad(o, lse, w, inv, *kv):
-            return _Merge.apply(o, lse, w, inv, shared, *kv)
-        return _merge(o.to(inv.dtype), lse, w.to(inv.dtype), keys, values, inv)[0]
-
-
 def _merge_rows(O, lse, W, sources, inv):
     """_merge for R rows W [R, d] over the same sources (keys = values), one matmul per source."""
-    dt = inv.dtype
+    dt, W = inv.dtype, W.to(inv.dtype)
     dk = torch.stack([s.to(dt) @ W.T for s in sources])  # w_r . k_k
     c = _softmax0(torch.cat([lse.unsqueeze(0), dk * inv.unsqueeze(-1)]))[0]
     H = []
     for r, o in enumerate(O):
-        h = c[0, :, r].unsqueeze(-1) * o
+        h = c[0, :, r].unsqueeze(-1) * o.to(dt)
         for c_k, s in zip(c[1:], sources):
             h.addcmul_(c_k[:, r].unsqueeze(-1), s.to(dt))
         H.append(h)
@@ -232,8 +193,7 @@ class _MergeRows(Function):
     @staticmethod
     def forward(ctx, lse, W, inv, R, *args):
         O, sources = args[:R], args[R:]
-        dt = inv.dtype
-        H, c, dk = _merge_rows([o.to(dt) for o in O], lse, W.to(dt), sources, inv)
+        H, c, dk = _merge_rows(O, lse, W, sources, inv)
         ctx.R, ctx.o_dtype = R, O[0].dtype
         ctx.save_for_backward(W, inv, c, dk, *H, *sources)
         return tuple(H)
@@ -243,8 +203,7 @@ class _MergeRows(Function):
         W, inv, c, dk, *rest = ctx.saved_tensors
         H, sources = rest[:ctx.R], rest[ctx.R:]
         with autocast_off(inv):
-            dt = inv.dtype
-            Wf = W.to(dt)
+            dt, Wf = inv.dtype, W.to(inv.dtype)
             G = [torch.zeros_like(h) if g is None else g.to(dt) for g, h in zip(G, H)]
             gh = torch.stack([(g * h).sum(-1) for g, h in zip(G, H)], -1)  # g_r . h_r, [N, R]
             S = [s.to(dt) for s in sources]
@@ -269,19 +228,19 @@ def merge_rows(O, lse, W, sources, inv):
         inv = torch.stack(inv)
         if needs_grad(*O, lse, W, inv, *sources):
             return list(_MergeRows.apply(lse, W, inv, len(O), *O, *sources))
-        return _merge_rows([o.to(inv.dtype) for o in O], lse, W.to(inv.dtype), sources, inv)[0]
+        return _merge_rows(O, lse, W, sources, inv)[0]
 
 
 def _fused_merge(o, lse, alpha, W, streams, recent, inv):
     """DAR's fused h = sum_t alpha_t (c_o,t o_t + sum_k c_k,t R_k[value stream of t]) -> h, c, dk."""
-    dt = inv.dtype
+    dt, alpha, W = inv.dtype, alpha.to(inv.dtype), W.to(inv.dtype)
     dk = torch.stack([torch.stack([R[ks].to(dt) @ w for w, (ks, _) in zip(W, streams)]) for R in recent]) \
         if recent else lse.new_empty(0, 2, lse.size(-1))
     key_inv = inv[:, [ks for ks, _ in streams]]  # [K, 2, N]
     c = _softmax0(torch.cat([lse.unsqueeze(0), dk * key_inv]))[0]
     cw = (c * alpha.view(1, 2, 1)).unsqueeze(-1)  # alpha folded into the coefficients
-    h = cw[0, 0] * o[0]
-    h.addcmul_(cw[0, 1], o[1])
+    h = cw[0, 0] * o[0].to(dt)
+    h.addcmul_(cw[0, 1], o[1].to(dt))
     for k, R in enumerate(recent):
         for t, (_, vs) in enumerate(streams):
             h.addcmul_(cw[k + 1, t], R[vs].to(dt))
@@ -289,14 +248,11 @@ def _fused_merge(o, lse, alpha, W, streams, recent, inv):
 
 
 class _FusedMerge(Function):
-    """DAR's phase 2: as g . h does not separate the targets, the backward recomputes
-    g . o_t = sum_r a_rt g . v_rt from the completed sources."""
+    """_fused_merge; g . h does not separate the targets: the backward recomputes g . o_t from the completed sources."""
 
     @staticmethod
     def forward(ctx, o0, o1, lse, a, alpha, W, inv, streams, K, *sources):
-        recent = sources[:K]
-        dt = inv.dtype
-        h, c, dk = _fused_merge((o0.to(dt), o1.to(dt)), lse, alpha.to(dt), W.to(dt), streams, recent, inv)
+        h, c, dk = _fused_merge((o0, o1), lse, alpha, W, streams, sources[:K], inv)
         ctx.streams, ctx.K, ctx.o_dtype = streams, K, o0.dtype
         ctx.save_for_backward(a, alpha, W, inv, c, dk, *sources)
         return h
@@ -310,9 +266,8 @@ class _FusedMerge(Function):
             g, Wf, af = g.to(dt), W.to(dt), alpha.to(dt)
             vs_of = [vs for _, vs in streams]
             E = torch.stack([(V.to(dt) * g).sum(-1)[vs_of] for V in completed])  # [n, 2, N]: g . v_rt
-            X = [(a.transpose(1, 2) * E).sum(0)]  # g . o_t, [2, N]
-            X += [(R.to(dt) * g).sum(-1)[vs_of] for R in recent]  # g . R_k[value stream of t]
-            X = torch.stack(X)  # [K+1, 2, N]
+            X = torch.stack([(a.transpose(1, 2) * E).sum(0)]  # [K+1, 2, N]: g . o_t, then g . R_k[value stream of t]
+                            + [(R.to(dt) * g).sum(-1)[vs_of] for R in recent])
             r = (c * X).sum(0)  # g . r_t
             dl = c * af.view(1, 2, 1) * (X - r)  # dL/dlogits, per target: a softmax backward
             cw = (c * af.view(1, 2, 1)).unsqueeze(-1)
@@ -331,20 +286,6 @@ class _FusedMerge(Function):
                 *g_recent, *[None] * len(completed))
 
 
-def fused_merge(o, lse, a, alpha, W, streams, recent, inv, completed):
-    """Phase 2 of DAR for one site (the completed sources are for the backward's recomputation)."""
-    with float32_routing(W):
-        inv = torch.stack(inv) if recent else lse.new_empty(0, completed[0].size(0), lse.size(-1))
-        if needs_grad(*o, lse, alpha, W, inv, *recent):
-            return _FusedMerge.apply(*o, lse, a, alpha, W, inv, streams, len(recent), *recent, *completed)
-        o = [o_t.to(inv.dtype) for o_t in o]
-        return _fused_merge(o, lse, alpha.to(inv.dtype), W.to(inv.dtype), streams, recent, inv)[0]
-
-
-# ----------------------------------------------------------------------------------------------
-# The router: what the fast streams below call, one per chunk.
-
-
 class TwoPhaseRouter:
     """Routes one chunk: opening it runs phase 1 over the completed sources; each read is phase 2."""
 
@@ -352,46 +293,55 @@ class TwoPhaseRouter:
         self.W, self.streams = W, streams
         self.shape = completed[0].shape if streams is None else completed[0].shape[1:]  # [*, d] of an output
         self.Qt = len(W) // (1 if streams is None else len(streams))
-        self.completed = [s.reshape(s.size(0), -1, s.size(-1)) for s in completed] if streams else None
-        self.lse, self.a, self.o = phase1(W, completed, inv, streams)
+        self.completed = self._flat(completed, [])[0] if streams else None
+        M, streams = (1, ((0, 0),)) if streams is None else (completed[0].size(0), streams)
+        with float32_routing(W):  # phase 1: lse [N, Q], a [n, N, Q], o_q [N, d] per row
+            inv = torch.stack(inv).reshape(len(completed), M, -1)
+            if needs_grad(W, inv, *completed):
+                self.lse, self.a, *self.o = _Phase1.apply(W, inv, streams, *completed)
+            else:
+                self.lse, self.a, self.o = _phase1(W, inv, completed, streams)[:3]
 
     def _flat(self, sources, inv):
-        N, d = self.o[0].shape
-        if self.streams is None:
-            return [s.reshape(N, d) for s in sources], [i.reshape(N) for i in inv]
-        return [s.reshape(s.size(0), N, d) for s in sources], [i.reshape(i.size(0), N) for i in inv]
+        """Sources [*, d] -> [N, d], norm factors [*] -> [N] (DAR's: after their stream axis)."""
+        k = 0 if self.streams is None else 1
+        return [s.flatten(k, -2) for s in sources], [i.flatten(k) for i in inv]
 
     def read(self, q, recent=(), inv=()):
-        """h of query row q over the completed sources and `recent`."""
-        t = q // self.Qt
-        o, lse = self.o[q], self.lse[:, q]
+        """h of query row q over the completed sources and `recent` (phase 2)."""
+        o, lse, w = self.o[q], self.lse[:, q], self.W[q]
         if not recent:  # h = o_q; a copy of its own, so that saving it does not keep the chunk's O alive
             return (o if len(self.W) == 1 else o.clone()).view(self.shape)
         recent, inv = self._flat(recent, inv)
+        keys = values = recent  # AttnRes: the keys are the values
         if self.streams is not None:  # one target of DAR: its key and value streams of each source
-            ks, vs = self.streams[t]
+            ks, vs = self.streams[q // self.Qt]
             keys, values, inv = [R[ks] for R in recent], [R[vs] for R in recent], [i[ks] for i in inv]
-            return merge(o, lse, self.W[q], keys, values, inv).view(self.shape)
-        return merge(o, lse, self.W[q], recent, recent, inv).view(self.shape)
+        kv = keys if values is keys else keys + values
+        with float32_routing(w):
+            inv = torch.stack(inv)
+            if needs_grad(o, lse, w, inv, *kv):
+                return _Merge.apply(o, lse, w, inv, values is keys, *kv).view(self.shape)
+            return _merge(o, lse, w, keys, values, inv)[0].view(self.shape)
 
     def read_rows(self, rows, recent=(), inv=()):
         """h of each of one site's rows, in one merge where they share their sources."""
         if len(rows) == 1 or not recent or self.streams is not None:
             return [self.read(q, recent, inv) for q in rows]
-        flat, flat_inv = self._flat(recent, inv)
-        H = merge_rows([self.o[q] for q in rows], self.lse[:, list(rows)], self.W[list(rows)], flat, flat_inv)
+        H = merge_rows([self.o[q] for q in rows], self.lse[:, list(rows)], self.W[list(rows)], *self._flat(recent, inv))
         return [h.view(self.shape) for h in H]
 
     def read_fused(self, rows, alpha, recent=(), inv=()):
         """DAR: h = alpha_0 r_0 + alpha_1 r_1 for the rows (target 0's, target 1's)."""
         recent, inv = self._flat(recent, inv)
-        o, lse, a = [self.o[q] for q in rows], self.lse[:, list(rows)].T, self.a[:, :, list(rows)]
-        h = fused_merge(o, lse, a, alpha, self.W[list(rows)], self.streams, recent, inv, self.completed)
+        o, lse, a, W = [self.o[q] for q in rows], self.lse[:, list(rows)].T, self.a[:, :, list(rows)], self.W[list(rows)]
+        with float32_routing(W):
+            inv = torch.stack(inv) if recent else lse.new_empty(0, self.completed[0].size(0), lse.size(-1))
+            if needs_grad(*o, lse, alpha, W, inv, *recent):  # (the completed sources: for the backward's recomputation)
+                h = _FusedMerge.apply(*o, lse, a, alpha, W, inv, self.streams, len(recent), *recent, *self.completed)
+            else:
+                h = _fused_merge(o, lse, alpha, W, self.streams, recent, inv)[0]
         return h.view(self.shape)
-
-
-# ----------------------------------------------------------------------------------------------
-# DAR's write, elementwise.
 
 
 def _transport(P, rho, beta, y):
@@ -402,8 +352,7 @@ def _transport(P, rho, beta, y):
 
 
 class _Transport(Function):
-    """DAR's write P'_m = rho P_m + (1 - rho) P_o + beta_m y, elementwise forward and backward (autograd's
-    2 x 2 matmul is several times slower on CPU)."""
+    """DAR's write P'_m = rho P_m + (1 - rho) P_o + beta_m y, elementwise (autograd's 2 x 2 matmul: slower on CPU)."""
 
     @staticmethod
     def forward(ctx, P, rho, beta, y):  # P [2, *, d], rho [], beta [2], y [*, d]
@@ -430,29 +379,24 @@ def transport(P, rho, beta, y):
         return _Transport.apply(P, rho, beta, y) if needs_grad(P, rho, beta, y) else _transport(P, rho, beta, y)
 
 
-# ----------------------------------------------------------------------------------------------
 # The fast twins of model.py's AttnRes, DAR and Delta AttnRes streams, routed a chunk at a time.
 
 
-def chunk_size(block, depth_chunk):
-    """Sites per router: whole blocks, at least depth_chunk (speed only)."""
-    return block * math.ceil(depth_chunk / block)
-
-
 class _BlockHistory:
-    """What the fast streams share: the completed blocks and their norm factors, the open block's partial
-    sum, the chunk's router."""
+    """What the fast streams share: the completed blocks, their norm factors, the open block's partial sum, a router."""
 
     def __init__(self, mod, x0, depth_chunk):
-        self.mod, self.chunk = mod, chunk_size(mod.S, depth_chunk)
+        self.mod, self.chunk = mod, mod.S * math.ceil(depth_chunk / mod.S)  # sites per router: whole blocks
         self.blocks, self.inv = [x0], [rms_inv(x0)]  # block representations b_0 = x0, b_1, ..
         self.partial, self.router, self.routed = None, None, 0  # routed: blocks the open router covers
-        self.dtype = x0.dtype  # block sums accumulate in x0's dtype (float32 under bf16 autocast)
 
-    def _close_block(self):
-        self.blocks.append(self.partial)
-        self.inv.append(rms_inv(self.partial))
-        self.partial = None
+    def _opens(self, j):
+        """Site j (L: the readout, a chunk of its own): closes a block at its boundary; whether a router opens here."""
+        if j > 0 and (j % self.mod.S == 0 or j == self.mod.L):  # Eq. 5: b = the partial sum of the block's y
+            self.blocks.append(self.partial)
+            self.inv.append(rms_inv(self.partial))
+            self.partial = None
+        return j % self.chunk == 0 or j == self.mod.L
 
     def _open(self, W, streams=None):
         self.router = TwoPhaseRouter(W, list(self.blocks), list(self.inv), streams)
@@ -464,18 +408,19 @@ class _BlockHistory:
             return self.blocks[self.routed:], self.inv[self.routed:]
         return self.blocks[self.routed:] + [self.partial], self.inv[self.routed:] + [rms_inv(self.partial)]
 
-    def _add_to_partial(self, y):
-        self.partial = y if self.partial is None else self.partial.to(self.dtype) + y
+    def write(self, j, y):  # the block sum accumulates in x0's dtype (float32 under bf16 autocast)
+        self.partial = y if self.partial is None else self.partial.to(self.blocks[0].dtype) + y
+
+    def readout(self):
+        return self.read(self.mod.L)
 
 
 class FastAttnResStream(_BlockHistory):
     """model.AttnResStream, a chunk of sites per router."""
 
     def chunk_queries(self, j0):
-        """(W [Q, d], {j: site j's rows}) for the chunk from site j0 (L: the readout): the
-        sites' first rows in order, then RD's w_V rows."""
-        L = self.mod.L
-        sites = range(j0, min(j0 + self.chunk, L)) if j0 < L else range(L, L + 1)
+        """(W [Q, d], {j: site j's rows}) from site j0: the sites' first rows in order, then RD's w_V rows."""
+        sites = range(j0, min(j0 + self.chunk, self.mod.L) if j0 < self.mod.L else j0 + 1)  # (the readout: alone)
         routes = [self.mod.queries(j) for j in sites]
         rows, n = {}, len(sites)
         for i, (j, w) in enumerate(zip(sites, routes)):
@@ -484,60 +429,33 @@ class FastAttnResStream(_BlockHistory):
         return torch.cat([w[:1] for w in routes] + [w[1:] for w in routes]), rows
 
     def read(self, j):
-        if j > 0 and j % self.mod.S == 0:  # Eq. 5: a block boundary closes the partial sum
-            self._close_block()
-        if j % self.chunk == 0:
+        if self._opens(j):
             W, self.rows = self.chunk_queries(j)
             self._open(W)
         return self.mod.combine(self.router.read_rows(self.rows[j], *self._recent()))
 
-    def write(self, j, y):
-        self._add_to_partial(y)
-
-    def readout(self):
-        self._close_block()
-        W, rows = self.chunk_queries(self.mod.L)
-        self._open(W)
-        return self.mod.combine(self.router.read_rows(rows[self.mod.L], *self._recent()))
-
 
 class FastDARStream(_BlockHistory):
-    """model.DARStream, a chunk of sites per router; a state holds both streams, so one router serves both
-    targets."""
+    """model.DARStream, a chunk of sites per router; a state holds both streams: one router serves both targets."""
 
     def __init__(self, mod, x0, depth_chunk):
         super().__init__(mod, x0.expand(2, *x0.shape), depth_chunk)  # both streams start as x0 (a view)
 
-    def _open_chunk(self, w):
-        """w [C, 2, d]: the chunk's queries."""
-        self.C = len(w)
-        self._open(torch.cat([w[:, 0], w[:, 1]]), self.mod.streams)
-
-    def _retrieve(self, j):
+    def read(self, j):
         mod = self.mod
-        i = j % self.chunk if j < mod.L else 0  # the readout (j = L) has its own chunk
-        rows = (i, self.C + i)
+        if self._opens(j):
+            w = mod.w[j:j + self.chunk]  # [C, 2, d]: the chunk's queries, target 0's rows, then target 1's
+            self.j0, self.C = j, len(w)
+            self._open(torch.cat([w[:, 0], w[:, 1]]), mod.streams)
+        rows, alpha = (j - self.j0, self.C + j - self.j0), mod.theta_alpha[j].softmax(0)
         recent, inv = self._recent(mod.include_partial)
-        alpha = mod.theta_alpha[j].softmax(0)
         if mod.routing != "sep_v":
             return self.router.read_fused(rows, alpha, recent, inv)
         r = [self.router.read(q, recent, inv) @ mod.v_proj[m].T for m, q in enumerate(rows)]
         return alpha[0] * r[0] + alpha[1] * r[1]
 
-    def read(self, j):
-        if j > 0 and j % self.mod.S == 0:
-            self._close_block()
-        if j % self.chunk == 0:
-            self._open_chunk(self.mod.w[j:j + self.chunk])
-        return self._retrieve(j)
-
     record, transport = None, staticmethod(transport)  # DAR's write (no record), its transport elementwise
     write = model.DARStream.write
-
-    def readout(self):
-        self._close_block()
-        self._open_chunk(self.mod.w[self.mod.L:])
-        return self._retrieve(self.mod.L)
 
 
 class FastDeltaStream(_BlockHistory):
@@ -548,15 +466,13 @@ class FastDeltaStream(_BlockHistory):
         self.h = x0  # h~, the standard stream
 
     def read(self, j):
-        if j > 0 and j % self.mod.S == 0:  # a block boundary closes the partial sum: b = sum of the block's y
-            self._close_block()
-        if j % self.chunk == 0:
+        if self._opens(j):
             self._open(self.mod.w[j:j + self.chunk])
         return self.h + self.router.read(j % self.chunk, *self._recent(with_partial=False))  # completed blocks only
 
     def write(self, j, y):
         self.h = self.h + y
-        self._add_to_partial(y)
+        super().write(j, y)
 
     def readout(self):
         return self.h
@@ -567,8 +483,7 @@ TWINS = {model.AttnResStream: FastAttnResStream, model.DARStream: FastDARStream,
 
 
 def twin_of(cls):
-    """(fast twin of plain stream class cls, or None and why): a subclass keeps its twin unless it overrides
-    the stream's methods."""
+    """(fast twin of plain stream class cls, or None and why): a subclass keeps it unless it overrides a method."""
     for i, base in enumerate(cls.__mro__):
         if base in TWINS:
             own = sorted({n for c in cls.__mro__[:i] for n, v in vars(c).items() if callable(v) and hasattr(base, n)})
@@ -576,13 +491,8 @@ def twin_of(cls):
     return None, None
 
 
-# ----------------------------------------------------------------------------------------------
-# Normalise, then project: an attention K or V input of its own (RD-AttnRes' h_V, MUDDFormer's h_K and h_V).
-
-
 class _NormProject(Function):
-    """y = F.linear(F.rms_norm(h), W) saving only references to h and W; the backward rebuilds RMSNorm(h)
-    by the forward's ops (the same bits)."""
+    """y = F.linear(F.rms_norm(h), W) saving only references to h and W; the backward rebuilds RMSNorm(h)."""
 
     @staticmethod
     def forward(ctx, h, W):
@@ -613,13 +523,13 @@ def _normed(h):
 
 
 def norm_project(h, W):
-    """F.linear(RMSNorm(h), W), saving h and W for backward instead of RMSNorm(h)."""
+    """F.linear(RMSNorm(h), W) for an attention K or V input of its own (RD-AttnRes' h_V, MUDDFormer's h_K and h_V),
+    saving h and W for backward instead of RMSNorm(h)."""
     if needs_grad(h, W):
         return _NormProject.apply(h, W)
     return F.linear(model.norm(h), W)
 
 
-# ----------------------------------------------------------------------------------------------
 # The fast model, and how a config picks its model.
 
 
@@ -650,8 +560,8 @@ proved = set()  # (module class, plain stream class, twin, config) checked in th
 
 
 def check_twin(mod, stream, twin, cfg):
-    """The fast twin proves itself equal to the plain stream class the model holds (once per class, config and
-    process): both run a float64 copy of the module at random routing parameters, fed the same sublayer outputs."""
+    """The twin equals the plain stream (once per class, config and process): both run a float64 copy of the module
+    at random routing parameters, fed the same sublayer outputs."""
     if (mod, stream, twin, repr(cfg)) in proved:
         return
     tiny = dataclasses.replace(cfg, n_embd=8, n_head=1)  # the config itself, at a small width
@@ -680,8 +590,7 @@ def check_twin(mod, stream, twin, cfg):
 @functools.cache
 def plain_stream_note(cls):
     """One line, once per class, when a stream that could have a fast twin runs plain."""
-    why = twin_of(cls)[1]
-    if why:
+    if why := twin_of(cls)[1]:
         print(f"note: {cls.__module__}.{cls.__qualname__} runs as the plain stream on depth_impl='two_phase', without the fast "
               f"path's speed and memory: {why}; write its twin and register it in model_fast.TWINS", file=sys.stderr)
 
@@ -735,12 +644,7 @@ def load_model(path, device="cpu"):
     return net.to(device).eval(), ckpt
 
 
-# ----------------------------------------------------------------------------------------------
-# Compilation.
-
-
 def compile_model(net, **kwargs):
-    """torch.compile(net, **kwargs), its backward traced outside autocast as eager runs it, static shapes
-    by default (why: docs/model.md, docs/performance.md)."""
+    """torch.compile(net, **kwargs), backward traced outside autocast as eager runs it, static shapes (docs/model.md)."""
     torch._functorch.config.backward_pass_autocast = "off"
     return torch.compile(net, **{"dynamic": False, **kwargs})
