@@ -1,6 +1,5 @@
-"""docs/adding_a_variant.md, followed as a newcomer would: two small variants added the guide's way
-(one row in model.RESIDUALS each), then trained, sampled and diagnosed. If a step of the guide stops
-working, this file fails."""
+"""docs/adding_a_variant.md followed as a newcomer would: small variants added the guide's way (one row in
+model.RESIDUALS each), trained, sampled and diagnosed. If a step of the guide stops working, this file fails."""
 
 import itertools
 import math
@@ -15,7 +14,7 @@ import model_fast
 import sample
 import train
 from common import cli
-from conftest import BF16_PATHS, F64, F64_OP, F64_ZERO, bf16_routing_error, tiny, tokens, zero_grad_at_init
+from conftest import BF16_PATHS, F64, F64_OP, F64_ZERO, bf16_routing_error, randomize_routing, tiny, tokens, zero_grad_at_init
 from model import AttnRes, AttnResStream, FullAttnRes, RDAttnRes, SumStream, depth_attention, note, site_name
 from tools import bench, diagnose
 from train import model_config
@@ -48,9 +47,8 @@ class _ReZeroStream(SumStream):
 
 
 class TemperedAttnRes(AttnRes):
-    """Block AttnRes with a learnable temperature per site: logit_r = (w / tau) . RMSNorm(s_r),
-    tau = exp(log_tau) = 1 at init. A temperature only changes the query rows a router receives, so
-    it is one override of queries, and both depth_impl paths run it unchanged."""
+    """Block AttnRes with a learnable temperature per site: logit_r = (w / tau) . RMSNorm(s_r), tau = exp(log_tau) = 1
+    at init. It only changes the query rows: one override of queries, both depth_impl paths run it unchanged."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -66,9 +64,8 @@ class TemperedAttnRes(AttnRes):
 
 
 class DepthALiBi(AttnRes):
-    """Block AttnRes with a learned bias over how far back each source is, an ALiBi over depth: at site j over
-    sources r = 0..n-1, logit_r += -softplus(a_j) (n - 1 - r); the readout is a site too. It changes the logits,
-    so its stream overrides `site`: it runs plain on both paths (make_model's note says so)."""
+    """Block AttnRes with a bias over how far back each source is (ALiBi over depth): at site j (the readout too) over
+    sources r = 0..n-1, logit_r += -softplus(a_j) (n - 1 - r). Its stream overrides `site`: it runs plain."""
 
     uniform_at_zero_queries = False  # softplus(0) > 0: zero queries still lean towards the newest source
 
@@ -96,30 +93,9 @@ class DepthALiBiStream(AttnResStream):
         return self.mod.combine(h)
 
 
-def alibi_textbook_logits(net, idx):
-    """h_j = sum_r softmax_r(w_j . s_r / rms(s_r) - softplus(a_j) (n - 1 - r)) s_r over x0, the completed blocks
-    and the open block's sum."""
-    S, L, w, a = net.residual.S, net.residual.L, net.residual.w, net.residual.a
-    cos, sin = net.cos[:idx.size(1)], net.sin[:idx.size(1)]
-    x0, ys = net.wte(idx), []
-
-    def site(j):
-        sources = [x0] + [sum(ys[b:b + S]) for b in range(0, j, S)]
-        n = len(sources)
-        logits = torch.stack([(s / s.square().mean(-1, keepdim=True).add(torch.finfo(s.dtype).eps).sqrt()) @ w[j]
-                              - F.softplus(a[j]) * (n - 1 - r) for r, s in enumerate(sources)])
-        return sum(p.unsqueeze(-1) * s for p, s in zip(logits.softmax(0), sources))
-
-    for j in range(L):
-        block = net.blocks[j // 2]
-        ys.append(block.attn(site(j), cos, sin, j // 2) if j % 2 == 0 else block.mlp(site(j)))
-    return net.lm_head(model.norm(site(L)))
-
-
 class MultiHeadAttnRes(AttnRes):
-    """Block AttnRes with H = 2 pseudo-queries per site, one per channel group of d / H: head g's logits
-    are w_j[g] . RMSNorm(s_r)[g] (the norm over all d channels), its output the group's channels of its
-    mix. Only queries and combine change (the readout's too: it is a site), so both paths run it."""
+    """Block AttnRes with H = 2 pseudo-queries per site, one per channel group: head g's logits are w_j[g] .
+    RMSNorm(s_r)[g] (the norm over all d), its output the group's channels. Only queries and combine change."""
 
     heads = 2
     route_names = ("head 0", "head 1")
@@ -131,20 +107,20 @@ class MultiHeadAttnRes(AttnRes):
         return torch.cat([h_g.chunk(self.heads, -1)[g] for g, h_g in enumerate(h)], -1)
 
 
-def multihead_textbook_logits(net, idx):
-    """h_j[g] = sum_r softmax_r(w_j[g] . (s_r / rms(s_r))[g]) s_r[g] over x0, the completed blocks and the
-    open block's sum (S sublayers a block); the readout (j = L) over x0 and every block."""
-    S, L, w, H = net.residual.S, net.residual.L, net.residual.w, MultiHeadAttnRes.heads
+def textbook_logits(net, idx, heads=1, slope=None):
+    """Block AttnRes in plain tensors over x0, the completed blocks and the open block's sum (the readout: every block):
+    h_j[g] = sum_r softmax_r(w_j[g] . (s_r / rms(s_r))[g] - slope_j (n - 1 - r)) s_r[g] for each of `heads` channel
+    groups g (MultiHeadAttnRes); slope_j = softplus(a_j) for DepthALiBi, else 0."""
+    S, L, w = net.residual.S, net.residual.L, net.residual.w
     cos, sin = net.cos[:idx.size(1)], net.sin[:idx.size(1)]
-    x0, ys = net.wte(idx), []
+    x0, ys, d = net.wte(idx), [], w.size(1)
 
     def site(j):
         sources = [x0] + [sum(ys[b:b + S]) for b in range(0, j, S)]  # the last one: the open block's sum
-        out = []
-        for g in range(H):
-            c = slice(g * w.size(1) // H, (g + 1) * w.size(1) // H)
-            logits = torch.stack([(s / s.square().mean(-1, keepdim=True).add(torch.finfo(s.dtype).eps).sqrt())[..., c]
-                                  @ w[j, c] for s in sources])
+        normed, out = [s / s.square().mean(-1, keepdim=True).add(torch.finfo(s.dtype).eps).sqrt() for s in sources], []
+        for c in (slice(g * d // heads, (g + 1) * d // heads) for g in range(heads)):
+            logits = torch.stack([k[..., c] @ w[j, c] - (0 if slope is None else slope[j] * (len(sources) - 1 - r))
+                                  for r, k in enumerate(normed)])
             out.append(sum(a.unsqueeze(-1) * s[..., c] for a, s in zip(logits.softmax(0), sources)))
         return torch.cat(out, -1)
 
@@ -159,20 +135,14 @@ def multihead_textbook_logits(net, idx):
 #   tempered: with zero queries, w / tau = 0 whatever tau, so log_tau gets none.
 ZERO_GRAD = {"rezero": lambda name: name.startswith("blocks."), "tempered": ("residual.log_tau",), "multihead": (),
              "depth_alibi": ()}
+NEW = {"rezero": ReZero, "tempered": TemperedAttnRes, "multihead": MultiHeadAttnRes, "depth_alibi": DepthALiBi}
 
 
 @pytest.fixture
 def registered(monkeypatch):
     """The guide's step 2: one row per variant in model.RESIDUALS."""
-    monkeypatch.setitem(model.RESIDUALS, "rezero", ReZero)
-    monkeypatch.setitem(model.RESIDUALS, "tempered", TemperedAttnRes)
-    monkeypatch.setitem(model.RESIDUALS, "multihead", MultiHeadAttnRes)
-    monkeypatch.setitem(model.RESIDUALS, "depth_alibi", DepthALiBi)
-
-
-def test_an_unregistered_name_is_refused():
-    with pytest.raises(ValueError, match="unknown residual 'rezero'; choose one of standard, "):
-        model_config(dict(residual="rezero"))
+    for name, cls in NEW.items():
+        monkeypatch.setitem(model.RESIDUALS, name, cls)
 
 
 def unlearned(residual, exempt=()):
@@ -183,18 +153,20 @@ def unlearned(residual, exempt=()):
             or (p.grad.abs().max() < F64_ZERO) != zero_grad_at_init(exempt, name)]
 
 
-@pytest.mark.parametrize("residual", ["rezero", "tempered", "multihead", "depth_alibi"])
+@pytest.mark.parametrize("residual", NEW)
 def test_a_new_variant_learns_and_exempts_only_what_its_init_zeroes(registered, residual):
     assert unlearned(residual, ZERO_GRAD[residual]) == []
 
 
-def test_a_parameter_that_never_learns_is_named_with_its_variant(monkeypatch):
+def test_a_parameter_a_subclass_adds_keeps_its_init_and_is_named_if_it_never_learns(monkeypatch):
+    """AttnRes' reset_parameters zeroes its queries, nothing else; a dead parameter is named with its variant."""
     class Unused(AttnRes):
         def __init__(self, cfg):
             super().__init__(cfg)
             self.slope = nn.Parameter(torch.ones(self.L + 1))  # declared, never read
 
     monkeypatch.setitem(model.RESIDUALS, "unused", Unused)
+    assert torch.equal(tiny(residual="unused").residual.slope, torch.ones(7, dtype=torch.float64))
     assert unlearned("unused") == ["unused: residual.slope"]
 
 
@@ -205,39 +177,32 @@ def test_depth_alibi_matches_its_textbook_definition_and_runs_plain(registered, 
     model_fast.plain_stream_note.cache_clear()
     net, idx = tiny(residual="depth_alibi", depth_impl=impl, attnres_block_size=2), tokens()
     assert ("DepthALiBiStream runs as the plain stream" in capsys.readouterr().err) == (impl == "two_phase")
+    randomize_routing(net)
     with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for p in net.residual.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
-        torch.testing.assert_close(net(idx)[0], alibi_textbook_logits(net, idx), rtol=0, atol=F64)
+        torch.testing.assert_close(net(idx)[0], textbook_logits(net, idx, slope=F.softplus(net.residual.a)), rtol=0, atol=F64)
 
 
 def test_a_stream_routing_in_a_source_s_bf16_fails_the_dtype_rule(registered, monkeypatch):
-    """A twin-less stream that casts its sources to the newest one's dtype routes in bf16 under autocast: the dtype
-    test's float32 reference sees it."""
+    """A twin-less stream casting its sources to the newest one's dtype (bf16 under autocast) fails the dtype test."""
     site = DepthALiBiStream.site
 
     def one_dtype(self, j, sources):  # the sources "in one dtype": the newest's, bf16 under autocast
         return site(self, j, [s.to(sources[-1].dtype) for s in sources])
 
     monkeypatch.setattr(DepthALiBiStream, "site", one_dtype)
-    net = tiny(residual="depth_alibi").float()
-    with torch.no_grad():
-        net.residual.w.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    net = randomize_routing(tiny(residual="depth_alibi").float(), scale=0.3)
     assert bf16_routing_error(net, monkeypatch)[1] > 10 * BF16_PATHS
 
 
 def edited_shared_stream(self, j, sources):
-    """The shortcut the guide warns against: the depth bias added to the shared model.AttnResStream, which the
-    fast twin does not follow."""
+    """The shortcut the guide warns against: a depth bias in the shared model.AttnResStream, which its twin ignores."""
     bias = -0.5 * torch.arange(len(sources) - 1, -1, -1)
     h, _ = zip(*[depth_attention(w, sources, bias=bias) for w in self.mod.queries(j)])
     return self.mod.combine(h)
 
 
 def test_an_edit_to_a_shared_stream_that_its_twin_does_not_follow_is_refused(data_dir, tmp_path, monkeypatch, capsys):
-    """Every command that builds the fast model refuses it in one line, before any step: train, sample, diagnose
-    and bench; the guide's way (a subclass) runs (the tests above)."""
+    """Every command that builds the fast model (train, sample, diagnose, bench) refuses it in one line, before a step."""
     run(data_dir, tmp_path, "--residual=block_attnres", "--run_name=before", "--max_steps=2")
     monkeypatch.setattr(AttnResStream, "site", edited_shared_stream)
     model_fast.proved.clear()
@@ -273,11 +238,7 @@ def test_a_temperature_of_one_is_block_attnres_on_both_paths(registered):
     assert torch.equal(block(idx)[0], tempered(idx)[0])
     out = []
     for impl in ("two_phase", "reference"):
-        net = tiny(residual="tempered", depth_impl=impl)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(1)
-            for p in net.residual.parameters():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        net = randomize_routing(tiny(residual="tempered", depth_impl=impl))
         logits, loss = net(idx, idx.roll(-1, 1))
         loss.backward()
         out.append((logits, net.residual.log_tau.grad, net.residual.w.grad))
@@ -290,32 +251,16 @@ def test_a_temperature_of_one_is_block_attnres_on_both_paths(registered):
 
 @pytest.mark.parametrize("impl", ["two_phase", "reference"])
 def test_a_variant_with_several_rows_at_the_readout_matches_its_textbook_definition(registered, impl):
-    """The guide's definition test: at random, non-zero queries, both paths give the logits of the
-    variant's own definition (a fast-vs-plain test cannot see a variant wrong the same way on both).
-    The readout is a site: its two rows and combine count, as at every other site."""
-    net, idx = tiny(residual="multihead", depth_impl=impl, attnres_block_size=3), tokens()
+    """The guide's definition test: at random queries both paths give the variant's own definition (a fast-vs-plain
+    test cannot see a variant wrong the same way on both). The readout is a site: its two rows and combine count."""
+    net, idx = randomize_routing(tiny(residual="multihead", depth_impl=impl, attnres_block_size=3)), tokens()
     with torch.no_grad():
-        net.residual.w.copy_(torch.randn(net.residual.w.shape, generator=torch.Generator().manual_seed(1)))
-        torch.testing.assert_close(net(idx)[0], multihead_textbook_logits(net, idx), rtol=0, atol=F64)
-
-
-def test_reset_parameters_zeroes_only_what_the_papers_zero(registered):
-    """A parameter a subclass adds keeps its own init: AttnRes zeroes its queries, nothing else."""
-    class WithGain(AttnRes):
-        def __init__(self, cfg):
-            super().__init__(cfg)
-            self.gain = nn.Parameter(torch.ones(3))
-
-    model.RESIDUALS["with_gain"] = WithGain
-    try:
-        assert torch.equal(tiny(residual="with_gain").residual.gain, torch.ones(3, dtype=torch.float64))
-    finally:
-        del model.RESIDUALS["with_gain"]
+        torch.testing.assert_close(net(idx)[0], textbook_logits(net, idx, heads=MultiHeadAttnRes.heads), rtol=0, atol=F64)
 
 
 def test_a_subclass_is_what_its_class_declares_not_what_its_name_says(monkeypatch):
-    """Block size, routes and flags come from the class: a subclass of FullAttnRes under a new name is
-    Full AttnRes (S = 1), one of RDAttnRes takes rd_mode (tied: Block AttnRes), one of AttnRes is Block."""
+    """Block size, routes and flags come from the class: a subclass of FullAttnRes is Full AttnRes (S = 1), one of
+    RDAttnRes takes rd_mode (tied: Block AttnRes), one of AttnRes is Block; a name not registered is refused."""
     class MyFull(FullAttnRes):
         pass
 
@@ -331,29 +276,25 @@ def test_a_subclass_is_what_its_class_declares_not_what_its_name_says(monkeypatc
     idx = tokens()
     for mine, theirs, kw in (("my_full", "full_attnres", {}), ("my_rd", "block_attnres", dict(rd_mode="tied")),
                              ("my_rd", "rd_attnres", {}), ("my_block", "block_attnres", {})):
-        a, b = tiny(residual=mine, **kw), tiny(residual=theirs, **(kw if theirs == "rd_attnres" else {}))
-        with torch.no_grad():
-            for p, q in zip(a.residual.parameters(), b.residual.parameters()):
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
-                q.copy_(p)
+        a = randomize_routing(tiny(residual=mine, **kw))  # the same random parameters, as their shapes are the same
+        b = randomize_routing(tiny(residual=theirs, **(kw if theirs == "rd_attnres" else {})))
         torch.testing.assert_close(a(idx)[0], b(idx)[0], rtol=0, atol=F64_OP, msg=mine)  # the same ops
     with pytest.raises(ValueError, match="rd_mode='tied' only applies to residual='rd_attnres' or 'my_rd'"):
         model_config(dict(residual="my_block", rd_mode="tied"))
+    with pytest.raises(ValueError, match="unknown residual 'rezero'; choose one of standard, "):  # not registered here
+        model_config(dict(residual="rezero"))
 
 
 def test_diagnostics_name_the_routes_the_variant_declares(registered, monkeypatch):
-    """diagnose takes a variant's route names from its module (route_names) and compares every pair of
-    them at every site that has them all: the multi-head variant's heads at every site and the readout,
-    RD-AttnRes' QK and V and ThreeRoutes' Q, K and V at the attention sites; one route has no pair."""
+    """diagnose takes the route names from the module (route_names) and compares every pair at every site that has
+    them all: multihead's at every site and the readout, RD-AttnRes' and ThreeRoutes' at attention sites."""
     from test_routing import ThreeRoutes
     monkeypatch.setitem(model.RESIDUALS, "three_routes", ThreeRoutes)
     expected = {"multihead": (("head 0", "head 1"), 7), "three_routes": (("Q route", "K route", "V route"), 3),
                 "rd_attnres": (("QK route", "V route"), 3), "block_attnres": (("routing weights",), 0)}
     for residual, (names, sites) in expected.items():
-        net, record = tiny(residual=residual), {}
+        net, record = randomize_routing(tiny(residual=residual)), {}
         with torch.no_grad():
-            for i, p in enumerate(net.residual.parameters()):
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype))
             net(tokens(), record=record)
         assert diagnose.recorded_kind([record]) == "routes"
         assert diagnose.route_names([record], getattr(net.residual, "route_names", None)) == names
@@ -363,7 +304,7 @@ def test_diagnostics_name_the_routes_the_variant_declares(registered, monkeypatc
             assert len(per_site) == sites and per_site["attn.0"] == 0 and min(list(per_site.values())[1:]) > 0
 
 
-@pytest.mark.parametrize("residual", ["rezero", "tempered", "multihead", "depth_alibi"])
+@pytest.mark.parametrize("residual", NEW)
 def test_a_new_variant_trains_samples_and_diagnoses(registered, residual, data_dir, tmp_path, capsys):
     summary = run(data_dir, tmp_path, f"--residual={residual}", "--run_name=new", "--max_steps=4")
     assert summary["step"] == 4 and math.isfinite(summary["val_loss"])
