@@ -1,7 +1,5 @@
-"""model_fast.norm_project, "normalise, then project" for an attention K or V input of its own (RD-AttnRes'
-h_V, MUDDFormer's h_K and h_V): the plain ops' numbers (float64: the same forward, every gradient to
-rounding; gradcheck), also under bf16 autocast, without gradients and under plain torch.compile; in the
-whole model, the plain path's and the checkpoint path's numbers, keeping no normalised copy."""
+"""model_fast.norm_project (an attention K or V input of its own: RD-AttnRes' h_V, MUDDFormer's h_K, h_V) gives the
+plain ops' numbers in float64, under bf16 autocast, without gradients and compiled; in the model, keeping no copy."""
 
 import pytest
 import torch
@@ -40,8 +38,7 @@ def value_and_grads(f, h, W, gy):
 @pytest.mark.parametrize("shape", [(B, T, d), (T, d), (B, 1, 3, d)], ids=["BTd", "Td", "4d"])
 @pytest.mark.parametrize("grads", ["both", "h", "W"])
 def test_norm_project_equals_the_plain_ops_in_float64(shape, grads):
-    """The forward bit for bit (the same operations as F.rms_norm, then F.linear), every gradient
-    to float64 rounding, also when only h or only W needs one."""
+    """The forward bit for bit (F.rms_norm's ops, then F.linear), every gradient to float64 rounding, gradcheck."""
     h, W, gy = inputs(shape=shape)
     h.requires_grad_(grads != "W")
     W.requires_grad_(grads != "h")
@@ -50,28 +47,21 @@ def test_norm_project_equals_the_plain_ops_in_float64(shape, grads):
     assert len(g) == len(g_ref) == (2 if grads == "both" else 1)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, rtol=0, atol=F64_ZERO)  # one norm and one matmul of <= 32 terms below 1
-
-
-def test_norm_project_gradcheck():
-    h, W, _ = inputs()
     torch.autograd.gradcheck(norm_project, (h, W))
-    torch.autograd.gradcheck(norm_project, (h.detach()[:1].mul(1e-3).requires_grad_(), W))  # tiny inputs: eps matters
+    torch.autograd.gradcheck(norm_project, (h.detach()[:1].mul(1e-3).requires_grad_(grads != "W"), W))  # eps matters
 
 
 def test_norm_project_saves_only_references_to_h_and_the_weight():
+    """Without gradients (no_grad, inference_mode) it is the plain ops, bit for bit."""
     h, W, _ = inputs(dtype=torch.float32)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         norm_project(h, W)
     assert [tuple(t.shape) for t in saved] == [(B, T, d), (n, d)]
     assert saved[0] is h and saved[1] is W  # references, not copies
-
-
-@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_norm_project_without_grad_equals_the_plain_ops(mode):
-    h, W, _ = inputs(dtype=torch.float32)
-    with mode():
-        assert torch.equal(norm_project(h, W), plain(h, W))
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            assert torch.equal(norm_project(h, W), plain(h, W))
 
 
 def test_norm_project_under_bf16_autocast_equals_the_plain_ops():
@@ -120,10 +110,6 @@ def test_norm_project_under_plain_compile_equals_eager(plain_compile, backend):
 Bm, Tm, dm, n_layer = 2, 12, 32, 4
 
 
-def tiny_random(residual, **kw):
-    return randomize_routing(tiny(residual=residual, n_layer=n_layer, **kw))
-
-
 IDX = torch.randint(0, 61, (Bm, Tm), generator=torch.Generator().manual_seed(0))
 
 
@@ -149,18 +135,18 @@ USES = {"rd_attnres": n_layer, "muddformer": 2 * (n_layer - 1)}  # MUDDFormer's 
 
 @pytest.mark.parametrize("residual", USES)
 def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypatch):
-    """The same logits bit for bit and every gradient to float64 rounding as the plain ops and as the
-    checkpoint; saved for backward, per separate input: the plain ops' normalised copy and its 1 / rms
-    less (a [B, T, d] activation and one float per token), and against the checkpoint a reference to the projection's weight (a
-    parameter, resident anyway; the checkpoint hid it), and no activation more."""
+    """The same logits bit for bit and every gradient to float64 rounding as the plain ops and the checkpoint; saved
+    for backward, per separate input: the plain ops' normalised copy and its 1 / rms less (a [B, T, d] activation and
+    one float per token), and against the checkpoint a reference to the projection's weight (a parameter, resident
+    anyway) and no activation more. With activation_checkpointing the sublayer is recomputed whole: no norm_project."""
     calls = []
     monkeypatch.setattr(model_fast.FastGPT, "norm_project", staticmethod(lambda h, W: calls.append(1) or norm_project(h, W)))
-    logits, grads, saved = run(tiny_random(residual))
+    logits, grads, saved = run(randomize_routing(tiny(residual=residual, n_layer=n_layer)))
     assert len(calls) == 2 * USES[residual]  # run() steps twice: counting with and without the parameters
     for path, normed in PATHS.items():
         with monkeypatch.context() as mp:
             mp.setattr(model_module.CausalSelfAttention, "normed", normed)
-            logits_p, grads_p, saved_p = run(tiny_random(residual))
+            logits_p, grads_p, saved_p = run(randomize_routing(tiny(residual=residual, n_layer=n_layer)))
         assert torch.equal(logits, logits_p), path
         assert grads.keys() == grads_p.keys()
         for k in grads_p:
@@ -172,12 +158,6 @@ def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypat
             assert saved_all_p - saved_all == saved_act_p - saved_act == uses * token * (dm + 1)  # RMSNorm(h), 1 / rms
         else:  # the weights' references (parameters) more, and not one activation byte
             assert saved_all - saved_all_p == weights * weight and saved_act == saved_act_p
-
-
-def test_activation_checkpointing_steps_aside(monkeypatch):
-    """With activation_checkpointing the sublayer is recomputed whole: the plain ops, no norm_project."""
-    calls = []
-    monkeypatch.setattr(model_fast.FastGPT, "norm_project", staticmethod(lambda h, W: calls.append(1) or norm_project(h, W)))
-    for residual in USES:
-        run(tiny_random(residual, activation_checkpointing=True))
+    calls.clear()
+    run(randomize_routing(tiny(residual=residual, n_layer=n_layer, activation_checkpointing=True)))
     assert calls == []
