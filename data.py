@@ -1,6 +1,4 @@
-"""
-Tokens on disk: what prepare_data.py writes and training reads (format and rules: docs/data.md).
-"""
+"""Tokens on disk: what prepare_data.py writes and training reads (format and rules: docs/data.md)."""
 
 import base64
 import hashlib
@@ -14,7 +12,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from common import UserError
+from common import UserError, need
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_CORPUS = DATA_DIR / "shakespeare.jsonl.gz"
@@ -47,11 +45,8 @@ class ByteTokenizer:
     def encode(self, text):  # (a command line's bytes that are not UTF-8: as it gave them)
         return list(text.encode("utf-8", "surrogateescape"))
 
-    def decode_bytes(self, ids):
-        return b"".join(b"<|endoftext|>" if i == self.eot else bytes([i]) for i in ids)
-
     def decode(self, ids):
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return b"".join(b"<|endoftext|>" if i == self.eot else bytes([i]) for i in ids).decode("utf-8", errors="replace")
 
 
 class GPT2Tokenizer:
@@ -62,8 +57,7 @@ class GPT2Tokenizer:
     def __init__(self, ranks_path=GPT2_RANKS):
         raw = Path(ranks_path).read_bytes()
         sha = hashlib.sha256(raw).hexdigest()
-        if sha != GPT2_RANKS_SHA256:
-            raise UserError(f"{ranks_path} has sha256 {sha}, not the GPT-2 vocabulary's: restore it with git")
+        need(sha == GPT2_RANKS_SHA256, f"{ranks_path} has sha256 {sha}, not the GPT-2 vocabulary's: restore it with git")
         ranks = {base64.b64decode(token): int(rank) for token, rank in map(bytes.split, raw.splitlines())}
         self.enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                      special_tokens={"<|endoftext|>": self.eot})
@@ -71,9 +65,6 @@ class GPT2Tokenizer:
 
     def encode(self, text):
         return self.enc.encode_ordinary(text)  # "<|endoftext|>" inside a text is plain text
-
-    def decode_bytes(self, ids):
-        return self.enc.decode_bytes(ids)
 
     def decode(self, ids):
         return self.enc.decode(ids)
@@ -85,8 +76,7 @@ TOKENIZERS = {"gpt2": GPT2Tokenizer, "byte": ByteTokenizer}
 @cache
 def get_tokenizer(name):
     """The tokenizer called `name` ("gpt2" or "byte")."""
-    if name not in TOKENIZERS:
-        raise UserError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)}")
+    need(name in TOKENIZERS, f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)}")
     return TOKENIZERS[name]()
 
 
@@ -108,16 +98,13 @@ def write_shard(path, tokens, tokenizer):
 def open_shard(path, fingerprint=None):
     """The tokens of a shard, memory-mapped (uint16), after checking its header and size."""
     redo = f"re-create it with `{prepare_command(Path(path).parent)} --overwrite`"
-    if not Path(path).is_file():
-        raise UserError(f"shard {path} is missing or not a file: {redo}")
+    need(Path(path).is_file(), f"shard {path} is missing or not a file: {redo}")
     with open(path, "rb") as f:
         raw, size = f.read(HEADER.size), os.fstat(f.fileno()).st_size
-    if len(raw) < HEADER.size or raw[:8] != SHARD_MAGIC:
-        raise UserError(f"{path} is not a token shard: {redo}")
+    need(len(raw) == HEADER.size and raw[:8] == SHARD_MAGIC, f"{path} is not a token shard: {redo}")
     _, version, _, count, name, fp = HEADER.unpack(raw)
-    if version != FORMAT_VERSION or size != HEADER.size + 2 * count or count == 0:
-        raise UserError(f"{path} is truncated or corrupt (format {version}, {count} tokens in its header, "
-                        f"{size} bytes): {redo}")
+    need(version == FORMAT_VERSION and size == HEADER.size + 2 * count and count > 0,
+         f"{path} is truncated or corrupt (format {version}, {count} tokens in its header, {size} bytes): {redo}")
     if fingerprint is not None and fp.hex() != fingerprint:
         raise UserError(f"{path} was written by tokenizer {name.rstrip(bytes(1)).decode()!r}, not the one its "
                         f"meta.json names: {redo}")
@@ -142,9 +129,8 @@ def prepare_command(data_dir):
 def check_tokenizer(data_dir, tokenizer):
     """UserError if the directory's name promises another tokenizer than `tokenizer`."""
     implied = implied_tokenizer(data_dir)
-    if implied not in (None, tokenizer):
-        raise UserError(f"{data_dir} is named for the {implied} tokenizer but holds (or would hold) {tokenizer} "
-                        f"tokens: prepare it with `{prepare_command(data_dir)} --overwrite`, or rename it")
+    need(implied in (None, tokenizer), f"{data_dir} is named for the {implied} tokenizer but holds (or would hold) "
+         f"{tokenizer} tokens: prepare it with `{prepare_command(data_dir)} --overwrite`, or rename it")
 
 
 def _need(ok, what):
@@ -155,8 +141,7 @@ def _need(ok, what):
 def load_meta(data_dir):
     """A prepared directory's meta.json, checked."""
     path = Path(data_dir) / "meta.json"
-    if not path.is_file():
-        raise UserError(f"{path} not found: prepare the data first, with `{prepare_command(data_dir)}`")
+    need(path.is_file(), f"{path} not found: prepare the data first, with `{prepare_command(data_dir)}`")
     redo = f"re-create it with `{prepare_command(data_dir)} --overwrite`"
     try:
         meta = json.loads(path.read_text())
@@ -186,8 +171,7 @@ def load_meta(data_dir):
 
 
 def data_fingerprint(meta):
-    """What identifies prepared data, from its meta.json alone: the tokenizer and every shard's name and digest
-    (written by prepare_data.py; an older preparation without digests: None)."""
+    """What identifies prepared data: its tokenizer and every shard's name and digest in meta.json (none kept: None)."""
     digests = [(f, d) for info in meta["splits"].values() for f, d in zip(info["files"], info.get("blake2b") or [])]
     if len(digests) != sum(len(info["files"]) for info in meta["splits"].values()):
         return None
@@ -195,18 +179,16 @@ def data_fingerprint(meta):
 
 
 class TokenData:
-    """A prepared directory opened once: meta.json and every split's shards, memory-mapped; the shards' stat, so
-    that a shard rewritten in place under a run is noticed (`changed`)."""
+    """A prepared directory opened once: meta.json, every split's shards memory-mapped, and their stat (`changed`)."""
 
     def __init__(self, data_dir):
         self.dir, self.meta = Path(data_dir), load_meta(data_dir)
         self.fingerprint, self.splits, self.stats = data_fingerprint(self.meta), {}, {}
         for split, info in self.meta["splits"].items():
             shards = [open_shard(self.dir / f, self.meta["tokenizer_fingerprint"]) for f in info["files"]]
-            if sum(map(len, shards)) != info["tokens"]:
-                raise UserError(f"split {split!r} of {data_dir} holds {sum(map(len, shards)):,} tokens in its shards, "
-                                f"but its meta.json says {info['tokens']:,}: re-create it with "
-                                f"`{prepare_command(data_dir)} --overwrite`")
+            need(sum(map(len, shards)) == info["tokens"], f"split {split!r} of {data_dir} holds {sum(map(len, shards)):,} "
+                 f"tokens in its shards, but its meta.json says {info['tokens']:,}: re-create it with "
+                 f"`{prepare_command(data_dir)} --overwrite`")
             self.splits[split] = shards
             self.stats |= {f: self._stat(f) for f in info["files"]}
 
@@ -215,8 +197,7 @@ class TokenData:
         return st.st_ino, st.st_size, st.st_mtime_ns
 
     def changed(self):
-        """The first shard rewritten in place since it was opened (same file, other size or time), or None. A shard
-        replaced by another file (prepare_data.py --overwrite) is not: this run keeps reading the one it mapped."""
+        """The first shard rewritten in place since it was opened (same file, other size or time), or None."""
         for name, (ino, size, mtime) in self.stats.items():
             try:
                 now = self._stat(name)
@@ -228,11 +209,8 @@ class TokenData:
 
     def shards(self, split):
         """The memory-mapped shards of a split that holds tokens."""
-        if split not in self.splits:
-            raise UserError(f"{self.dir} has no split {split!r}: use one of {', '.join(self.splits)}")
-        if not self.splits[split]:
-            raise UserError(f"split {split!r} of {self.dir} is empty: prepare the data with a larger "
-                            f"--{split}_fraction")
+        need(split in self.splits, f"{self.dir} has no split {split!r}: use one of {', '.join(self.splits)}")
+        need(self.splits[split], f"split {split!r} of {self.dir} is empty: prepare the data with a larger --{split}_fraction")
         return self.splits[split]
 
 
@@ -246,10 +224,9 @@ def check_data(data, seq_len):
     data = opened(data)
     for split in ["train", "val"] + (["test"] if data.meta["splits"].get("test", {}).get("tokens") else []):
         tokens = sum(map(len, data.shards(split)))
-        if split != "train" and tokens - 1 < seq_len:
-            raise UserError(f"split {split!r} of {data.dir} has {tokens} tokens, too few for one evaluation "
-                            f"sequence of seq_len + 1 = {seq_len + 1}: use seq_len <= {tokens - 1}, or prepare "
-                            f"the data with a larger --{split}_fraction")
+        need(split == "train" or tokens - 1 >= seq_len, f"split {split!r} of {data.dir} has {tokens} tokens, too few for "
+             f"one evaluation sequence of seq_len + 1 = {seq_len + 1}: use seq_len <= {tokens - 1}, or prepare the data "
+             f"with a larger --{split}_fraction")
     TokenLoader(data, "train", 1, seq_len)  # a training window of seq_len + 1 in some shard
 
 
@@ -257,14 +234,11 @@ def check_data(data, seq_len):
 # batches
 
 class TokenLoader:
-    """Seeded, resumable training batches of a split, the same windows per step for any number of ranks.
-
-    Windows of seq_len + 1 tokens, shuffled per epoch by (seed, epoch); rank r takes the r-th block of each call.
-    """
+    """Seeded, resumable training batches of a split: windows of seq_len + 1 tokens, shuffled per epoch by (seed, epoch);
+    rank r takes the r-th block of each step's windows, so a step sees the same windows for any number of ranks."""
 
     def __init__(self, data, split, batch_size, seq_len, rank=0, world_size=1, seed=0):
-        if not 0 <= rank < world_size:
-            raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
+        need(0 <= rank < world_size, f"rank {rank} is not in 0..{world_size - 1}")
         self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
         self.rank, self.world_size, self.seed = rank, world_size, seed
         data = opened(data)
@@ -272,9 +246,8 @@ class TokenLoader:
         per_shard = [(len(s) - 1) // seq_len for s in self.shards]
         self.starts = np.cumsum([0] + per_shard)  # first window id of each shard
         self.n_windows = int(self.starts[-1])
-        if self.n_windows == 0:
-            raise UserError(f"split {split!r} of {data.dir} has no shard of seq_len + 1 = {seq_len + 1} tokens: "
-                            "use a shorter seq_len or a larger corpus")
+        need(self.n_windows > 0, f"split {split!r} of {data.dir} has no shard of seq_len + 1 = {seq_len + 1} tokens: "
+             "use a shorter seq_len or a larger corpus")
         self.epoch = self.pos = 0
         self._perms = {}
 
@@ -284,22 +257,12 @@ class TokenLoader:
             self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
         return self._perms[epoch]
 
-    def _take(self, start, count):
-        """Window ids at positions start .. start + count - 1 of the stream."""
-        ids = []
-        while count:
-            epoch, pos = divmod(start, self.n_windows)
-            n = min(count, self.n_windows - pos)
-            ids.append(self._perm(epoch)[pos:pos + n])
-            start += n
-            count -= n
-        return np.concatenate(ids)
-
     def next_batch(self):
         """(x, y): int64 tensors [batch_size, seq_len], y is x shifted by one."""
         B, T = self.batch_size, self.seq_len
         start = self.epoch * self.n_windows + self.pos
-        ids = self._take(start + self.rank * B, B)
+        epochs, pos = np.divmod(np.arange(start + self.rank * B, start + (self.rank + 1) * B), self.n_windows)
+        ids = np.concatenate([self._perm(int(e))[pos[epochs == e]] for e in np.unique(epochs)])  # this rank's block
         self.epoch, self.pos = divmod(start + self.world_size * B, self.n_windows)
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         offset = (ids - self.starts[shard]) * T
@@ -313,13 +276,12 @@ class TokenLoader:
     def load_state_dict(self, state):
         mine = self.state_dict()
         for key in ("split", "seed", "batch_size", "seq_len", "n_windows"):
-            if state.get(key) != mine[key]:
-                raise UserError(f"loader state does not fit: {key} is {state.get(key)!r} in the saved state but "
-                                f"{mine[key]!r} here; resume with the same data, seed, batch_size and seq_len")
+            need(state.get(key) == mine[key], f"loader state does not fit: {key} is {state.get(key)!r} in the saved state "
+                 f"but {mine[key]!r} here; resume with the same data, seed, batch_size and seq_len")
         epoch, pos = state.get("epoch"), state.get("pos")
-        if not (type(epoch) is int and type(pos) is int and epoch >= 0 and 0 <= pos < self.n_windows):
-            raise UserError(f"loader state does not fit: epoch {epoch!r}, position {pos!r} of {self.n_windows} windows; "
-                            "the checkpoint is damaged: start over with --overwrite=true")
+        need(type(epoch) is int and type(pos) is int and epoch >= 0 and 0 <= pos < self.n_windows, f"loader state does "
+             f"not fit: epoch {epoch!r}, position {pos!r} of {self.n_windows} windows; the checkpoint is damaged: start "
+             "over with --overwrite=true")
         self.epoch, self.pos = epoch, pos
 
 
@@ -335,30 +297,18 @@ def check_ids(data, tokens):
 def eval_batches(data, split, batch_size, seq_len, max_tokens, rank=0, world_size=1):
     """(x, y) batches over the first max_tokens targets of a split (None: all), in order; rank r gets
     windows r, r + world_size, ... (sum losses and token counts over ranks, then divide)."""
-    if not 0 <= rank < world_size:
-        raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
+    need(0 <= rank < world_size, f"rank {rank} is not in 0..{world_size - 1}")
     data = opened(data)
     shards = data.shards(split)
-    total = sum(len(s) for s in shards)
+    starts = np.cumsum([0] + [len(s) for s in shards])  # each shard's first token in the split, then their total
+    total = int(starts[-1])
     n = (total - 1 if max_tokens is None else min(max_tokens, total - 1)) // seq_len
-    if n == 0 and max_tokens is not None and max_tokens < seq_len:
-        raise UserError(f"max_tokens={max_tokens} is less than one window of seq_len={seq_len} targets: "
-                        f"raise max_tokens to at least {seq_len}")
-    if n == 0:
-        raise UserError(f"split {split!r} has {total} tokens, too few for one window of seq_len + 1 = "
-                        f"{seq_len + 1}: use seq_len <= {total - 1}, or prepare a larger {split} split")
-    parts, left = [], n * seq_len + 1
-    for s in shards:
-        parts.append(np.asarray(s[:left]))
-        left -= len(parts[-1])
-        if left == 0:
-            break
-    tokens = check_ids(data, np.concatenate(parts))
+    need(n != 0 or max_tokens is None or max_tokens >= seq_len, f"max_tokens={max_tokens} is less than one window of "
+         f"seq_len={seq_len} targets: raise max_tokens to at least {seq_len}")
+    need(n != 0, f"split {split!r} has {total} tokens, too few for one window of seq_len + 1 = {seq_len + 1}: "
+         f"use seq_len <= {total - 1}, or prepare a larger {split} split")
+    tokens = check_ids(data, np.concatenate([np.asarray(s[:max(0, n * seq_len + 1 - a)]) for s, a in zip(shards, starts)]))
     x, y = tokens[:-1].reshape(n, seq_len), tokens[1:].reshape(n, seq_len)
     mine = np.arange(rank, n, world_size)
-
-    def batches():
-        for i in range(0, len(mine), batch_size):
-            idx = mine[i:i + batch_size]
-            yield torch.from_numpy(x[idx]), torch.from_numpy(y[idx])
-    return batches()
+    batches = (mine[i:i + batch_size] for i in range(0, len(mine), batch_size))
+    return ((torch.from_numpy(x[idx]), torch.from_numpy(y[idx])) for idx in batches)
