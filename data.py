@@ -5,7 +5,7 @@ import hashlib
 import json
 import os
 import struct
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -243,19 +243,12 @@ class TokenLoader:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         data = opened(data)
         self.shards, self.data = data.shards(split), data
-        per_shard = [(len(s) - 1) // seq_len for s in self.shards]
-        self.starts = np.cumsum([0] + per_shard)  # first window id of each shard
-        self.n_windows = int(self.starts[-1])
-        need(self.n_windows > 0, f"split {split!r} of {data.dir} has no shard of seq_len + 1 = {seq_len + 1} tokens: "
+        self.starts = np.cumsum([0] + [(len(s) - 1) // seq_len for s in self.shards])  # first window id of each shard
+        self.n_windows = n = int(self.starts[-1])
+        need(n > 0, f"split {split!r} of {data.dir} has no shard of seq_len + 1 = {seq_len + 1} tokens: "
              "use a shorter seq_len or a larger corpus")
         self.epoch = self.pos = 0
-        self._perms = {}
-
-    def _perm(self, epoch):
-        if epoch not in self._perms:
-            self._perms = {e: p for e, p in self._perms.items() if e >= self.epoch}
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-        return self._perms[epoch]
+        self._perm = lru_cache(4)(lambda epoch: np.random.default_rng([seed, epoch]).permutation(n))  # epoch's order
 
     def next_batch(self):
         """(x, y): int64 tensors [batch_size, seq_len], y is x shifted by one."""

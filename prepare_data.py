@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from common import ROOT, UserError, cli, need
+from common import ROOT, UserError, cli, need, write_atomic
 from data import (
     DATA_DIR,
     DEFAULT_CORPUS,
@@ -48,11 +48,7 @@ SPLIT_RULE = "document i by frac((i + 1) / golden ratio); a lone document by pos
 def split_of(index, val_fraction, test_fraction):
     """The split ("train", "val" or "test") of document `index`, by the golden ratio."""
     u = ((index + 1) * 0x9E3779B97F4A7C15 % 2**64) / 2**64  # frac((index + 1) / golden ratio)
-    if u < val_fraction:
-        return "val"
-    if u < val_fraction + test_fraction:
-        return "test"
-    return "train"
+    return "val" if u < val_fraction else "test" if u < val_fraction + test_fraction else "train"
 
 
 # -----------------------------------------------------------------------------
@@ -63,8 +59,7 @@ def local_files(patterns):
     files = []
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern)))
-        if not matches:
-            raise UserError(f"source file {pattern} not found: check the path (a hub dataset goes in --dataset)")
+        need(matches, f"source file {pattern} not found: check the path (a hub dataset goes in --dataset)")
         files += [str(Path(f).resolve()) for f in matches]
     return files
 
@@ -72,9 +67,8 @@ def local_files(patterns):
 def builder_of(files):
     """The builder (json, parquet or text) for local files, by their extension."""
     builders = {BUILDERS.get(Path(f.removesuffix(".gz")).suffix) for f in files}
-    if None in builders or len(builders) > 1:
-        raise UserError(f"source files {', '.join(files)}: pass files of one format, told by the extension "
-                        f"({', '.join(BUILDERS)}, optionally .gz), or say it with --dataset json, parquet or text")
+    need(None not in builders and len(builders) == 1, f"source files {', '.join(files)}: pass files of one format, told "
+         f"by the extension ({', '.join(BUILDERS)}, optionally .gz), or say it with --dataset json, parquet or text")
     return builders.pop()
 
 
@@ -124,8 +118,7 @@ def encode(tokenizer_name, unit):
 
 
 def quiet_worker():
-    """Ctrl-C is the main process' to report: a worker ignores it, and dies of the pool's SIGTERM (cli's handler is
-    the main process')."""
+    """A worker ignores Ctrl-C (the main process reports it) and dies of the pool's SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -196,28 +189,23 @@ def replace_dir(new, out_dir):
     shutil.rmtree(new)  # now the old data (a run that opened its shards keeps them: open maps keep their files)
 
 
-def portable(paths):
-    """The corpus files as meta.json records them: relative to the repository where they are inside it, so a moved
-    checkout keeps its preparation."""
-    return [os.path.relpath(p, ROOT) if Path(p).is_relative_to(ROOT) else p for p in paths]
-
-
 def prepare(dataset=None, name=None, data_files=None, source_split="train", text_column="text",
             streaming=True, tokenizer="gpt2", out_dir=None, val_fraction=0.05, test_fraction=0.05,
             shard_tokens=10**8, num_proc=1, overwrite=False):
     """Tokenize a source into shards and meta.json under out_dir; the meta dict."""
     tok = get_tokenizer(tokenizer)
-    if not (val_fraction >= 0 and test_fraction >= 0 and val_fraction + test_fraction < 1):
-        raise UserError(f"--val_fraction {val_fraction} and --test_fraction {test_fraction}: each must be >= 0 and "
-                        "their sum below 1, to leave documents for train")
+    need(val_fraction >= 0 and test_fraction >= 0 and val_fraction + test_fraction < 1, f"--val_fraction {val_fraction} "
+         f"and --test_fraction {test_fraction}: each must be >= 0 and their sum below 1, to leave documents for train")
     if dataset is None and data_files is None:
         data_files = [str(DEFAULT_CORPUS)]
     local = dataset is None or dataset in BUILDERS.values()
     if local:
         data_files = local_files(data_files or [])
         dataset, stem = dataset or builder_of(data_files), Path(data_files[0]).name.split(".")[0]
+        # meta.json records a file inside the repository relative to it, so a moved checkout keeps its preparation
+        recorded = [os.path.relpath(p, ROOT) if Path(p).is_relative_to(ROOT) else p for p in data_files]
     else:
-        stem = dataset.split("/")[-1] + (f"-{name}" if name else "")
+        stem, recorded = dataset.split("/")[-1] + (f"-{name}" if name else ""), data_files
     out_dir = Path(out_dir or DATA_DIR / (stem if tok.name == "gpt2" else f"{stem}_{tok.name}"))
     check_tokenizer(out_dir, tok.name)
     inside = [f for f in [dataset, *(data_files or [])] if f and Path(f).exists()  # any local input, whatever reads it
@@ -225,12 +213,10 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     need(not inside, f"{inside[:1]} is inside --out_dir {out_dir}, which a preparation replaces whole: move the corpus "
                      "out of it, or choose another --out_dir")
     settings = {"format_version": FORMAT_VERSION, "split_rule": SPLIT_RULE,
-                "source": {"dataset": dataset, "name": name, "data_files": portable(data_files) if local else data_files,
-                           "split": source_split,
-                           "text_column": text_column},
+                "source": {"dataset": dataset, "name": name, "data_files": recorded,
+                           "split": source_split, "text_column": text_column},
                 "tokenizer": tok.name, "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-                "eot": tok.eot, "val_fraction": val_fraction, "test_fraction": test_fraction,
-                "shard_tokens": shard_tokens}
+                "eot": tok.eot, "val_fraction": val_fraction, "test_fraction": test_fraction, "shard_tokens": shard_tokens}
     prepared = (out_dir / "meta.json").is_file()
     if prepared and not overwrite:
         old = load_meta(out_dir)
@@ -239,9 +225,8 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             return old
         raise UserError(f"{out_dir} holds data prepared otherwise: pass --overwrite to replace it, or choose "
                         "another --out_dir")
-    if not prepared and out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(f"--out_dir {out_dir} is a file, or holds files but no preparation (meta.json): choose "
-                        "another --out_dir")
+    need(prepared or not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())),
+         f"--out_dir {out_dir} is a file, or holds files but no preparation (meta.json): choose another --out_dir")
     real = out_dir.resolve()  # (a link to a directory elsewhere: the new data goes there)
     real.parent.mkdir(parents=True, exist_ok=True)
     tmp = real.with_name(f".{real.name}.{os.getpid()}.tmp")  # hidden beside out_dir, on its file system
@@ -256,18 +241,13 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
             writers[split].add(ids)
         for w in writers.values():
             w.flush()
-        if writers["train"].tokens == 0:
-            raise UserError(f"the train split of {out_dir} would be empty ({sum(w.docs for w in writers.values())} "
-                            "documents with text): pass more documents, or lower --val_fraction / --test_fraction")
+        need(writers["train"].tokens, f"the train split of {out_dir} would be empty ({sum(w.docs for w in writers.values())} "
+             "documents with text): pass more documents, or lower --val_fraction / --test_fraction")
         splits = {s: {"docs": w.docs, "tokens": w.tokens, "shards": len(w.files), "files": w.files, "blake2b": w.digests}
                   for s, w in writers.items()}
-        val = writers["val"]
-        baseline = unigram_baseline(writers["train"].counts, val.counts) if val.tokens else None
+        baseline = unigram_baseline(writers["train"].counts, writers["val"].counts) if writers["val"].tokens else None
         meta = {**settings, "splits": splits, "unigram_baseline_nats": baseline}
-        with open(tmp / "meta.json", "w") as f:  # the last file of a preparation
-            f.write(json.dumps(meta, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomic(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")  # the last file of a preparation
         replace_dir(tmp, real)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # what a failure left (after the rename: nothing)
