@@ -12,7 +12,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from common import UserError, need
+from common import UserError, need, write_atomic
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_CORPUS = DATA_DIR / "shakespeare.jsonl.gz"
@@ -84,14 +84,11 @@ def get_tokenizer(name):
 # shards and meta.json
 
 def write_shard(path, tokens, tokenizer):
-    """Write `tokens` as one shard at `path`, flushed to disk; the blake2b digest of its bytes (meta.json keeps it)."""
+    """Write `tokens` as one shard at `path` (fsynced); the blake2b digest of its bytes (meta.json keeps it)."""
     tokens = np.asarray(tokens, dtype=np.uint16)
     header = HEADER.pack(SHARD_MAGIC, FORMAT_VERSION, tokenizer.vocab_size, len(tokens),
                          tokenizer.name.encode(), bytes.fromhex(tokenizer.fingerprint))
-    with open(path, "wb") as f:
-        f.writelines([header, memoryview(tokens)])
-        f.flush()
-        os.fsync(f.fileno())
+    write_atomic(path, lambda f: f.writelines([header, memoryview(tokens)]))
     return hashlib.blake2b(header + memoryview(tokens).cast("B"), digest_size=16).hexdigest()
 
 

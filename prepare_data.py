@@ -1,5 +1,5 @@
 """
-Tokenize a corpus (local files or a hub dataset) into token shards and meta.json.
+Tokenize a corpus (local files or a hub dataset) into token shards and meta.json (sources, splits, format: docs/data.md).
 
     python prepare_data.py                           # embedded Shakespeare -> data/shakespeare/
     python prepare_data.py --tokenizer byte          # as bytes -> data/shakespeare_byte/
@@ -8,7 +8,6 @@ Tokenize a corpus (local files or a hub dataset) into token shards and meta.json
 
 A document is EOT + its text; the split fractions count documents. --out_dir is replaced only with
 --overwrite, and only once the new data is whole. Exit status 0, or 2 after one `error:` line.
-Sources, splits and format: docs/data.md.
 """
 
 import argparse
@@ -94,9 +93,8 @@ def texts(dataset, name, data_files, source_split, text_column, streaming):
         while cause.__cause__ or cause.__context__:
             cause = cause.__cause__ or cause.__context__
         reason = ": ".join([type(cause).__name__] + str(cause).strip().splitlines()[:1])
-        raise UserError(f"could not read source {where} ({reason}): check the source "
-                        "(a local file that is valid UTF-8 JSON, parquet or text; a hub name, --name, --source_split)"
-                        ) from None
+        raise UserError(f"could not read source {where} ({reason}): check the source (a local file that is valid UTF-8 "
+                        "JSON, parquet or text; a hub name, --name, --source_split)") from None
 
 
 def units(texts, val_fraction, test_fraction):
