@@ -10,32 +10,21 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from shutil import copytree
 
 import numpy as np
 import pytest
 import torch
 
+import data
 import prepare_data
 import train
 from common import UserError, log_records
-from data import (
-    DATA_DIR,
-    GPT2_RANKS,
-    SPLITS,
-    GPT2Tokenizer,
-    TokenData,
-    TokenLoader,
-    eval_batches,
-    get_tokenizer,
-    load_meta,
-    open_shard,
-    prepare_command,
-)
+from data import SPLITS, TokenData, TokenLoader, eval_batches, get_tokenizer, load_meta, open_shard
 from prepare_data import main, split_of
 
-from runs import run
+from runs import ROOT, run
 
-ROOT = Path(__file__).resolve().parent.parent
 _rng = random.Random(0)
 # 60 documents of random numbered words (so windows differ), non-ASCII text, and one empty document
 DOCS = [" ".join(_rng.choice(["to", "be", "or", "thee", "été", "naïve", "日本", "😀", "\n"]) + str(_rng.randrange(1000))
@@ -58,14 +47,6 @@ def split_stream(out, split):
     return np.concatenate([open_shard(out / f) for f in files]).tolist() if files else []
 
 
-def expected_stream(tok, docs, split, val_fraction, test_fraction):
-    ids = []
-    for i, text in enumerate(docs):
-        if text and split_of(i, val_fraction, test_fraction) == split:
-            ids += [tok.eot] + tok.encode(text)
-    return ids
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """A byte-level corpus in several shards per split."""
@@ -75,34 +56,23 @@ def data_dir(tmp_path_factory):
     return tmp / "out"
 
 
-def files_of(d):
-    return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir())}
+def files_of(d, but=None):
+    return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.name != but}
 
 
 # -----------------------------------------------------------------------------
 # tokenizers
 
-def test_gpt2_known_ids():
-    tok = get_tokenizer("gpt2")
+def test_tokenizers_known_ids_and_the_gpt2_vocabulary_checksum(tmp_path):
+    tok, byte = get_tokenizer("gpt2"), get_tokenizer("byte")
     assert tok.encode("Hello world, this is a test.") == [15496, 995, 11, 428, 318, 257, 1332, 13]
-    assert (tok.eot, tok.vocab_size, tok.name) == (50256, 50257, "gpt2")
+    assert (tok.eot, tok.vocab_size, tok.name, byte.eot, byte.vocab_size) == (50256, 50257, "gpt2", 256, 257)
     text = "naïve 日本 <|endoftext|>  spaces\n"
-    assert tok.decode(tok.encode(text)) == text
-    assert tok.eot not in tok.encode(text)  # special tokens inside a document are plain text
-
-
-def test_byte_tokenizer():
-    tok = get_tokenizer("byte")
-    assert (tok.eot, tok.vocab_size) == (256, 257)
-    assert tok.encode("aé") == [97, 0xC3, 0xA9]
-    assert tok.decode([97, 256, 98]) == "a<|endoftext|>b"
-
-
-def test_gpt2_vocabulary_checksum(tmp_path):
-    bad = tmp_path / "gpt2.tiktoken"
-    bad.write_bytes(GPT2_RANKS.read_bytes()[:-10])
+    assert tok.decode(tok.encode(text)) == text and tok.eot not in tok.encode(text)  # "<|endoftext|>" in a text: text
+    assert byte.encode("aé") == [97, 0xC3, 0xA9] and byte.decode([97, 256, 98]) == "a<|endoftext|>b"
+    (tmp_path / "gpt2.tiktoken").write_bytes(data.GPT2_RANKS.read_bytes()[:-10])
     with pytest.raises(UserError, match="sha256"):
-        GPT2Tokenizer(bad)
+        data.GPT2Tokenizer(tmp_path / "gpt2.tiktoken")
 
 
 # -----------------------------------------------------------------------------
@@ -111,17 +81,31 @@ def test_gpt2_vocabulary_checksum(tmp_path):
 def test_round_trip(data_dir):
     tok, meta = get_tokenizer("byte"), load_meta(data_dir)
     for split in SPLITS:
-        expected = expected_stream(tok, DOCS, split, 0.2, 0.1)
+        docs = [t for i, t in enumerate(DOCS) if t and split_of(i, 0.2, 0.1) == split]
+        expected = [i for t in docs for i in [tok.eot] + tok.encode(t)]
         info = meta["splits"][split]
         assert split_stream(data_dir, split) == expected
-        assert info["tokens"] == len(expected) > 0
-        assert info["docs"] == sum(1 for i, t in enumerate(DOCS) if t and split_of(i, 0.2, 0.1) == split)
+        assert info["tokens"] == len(expected) > 0 and info["docs"] == len(docs)
         assert info["shards"] == len(info["files"]) == -(-len(expected) // 1000)
     assert (meta["tokenizer"], meta["vocab_size"], meta["eot"]) == ("byte", 257, 256)
     assert 0 < meta["unigram_baseline_nats"] < np.log(257)
+    assert [split_of(i, 0.3, 0.2) for i in range(1000)].count("val") == 300  # (42 at 0.05: test_cli_default_corpus)
 
 
-def test_text_files_are_documents_in_sorted_order(tmp_path):
+def test_cli_default_corpus(tmp_path):
+    """The embedded corpus as bytes: the shards every CPU study of the repository was measured on."""
+    out = tmp_path / "out"
+    child = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "--tokenizer", "byte", "--out_dir", str(out),
+                            "--num_proc", "2"], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    meta = load_meta(out)
+    assert [meta["splits"][s]["docs"] for s in SPLITS] == [38, 2, 2]
+    assert [hashlib.sha256((out / f"{s}_000000.bin").read_bytes()).hexdigest()[:16] for s in SPLITS] == [
+        "d59e536cb55ff509", "2c5eb14d0c2db76c", "871b37a596b557da"]
+    assert meta["source"]["data_files"] == ["data/shakespeare.jsonl.gz"]  # relative to the repository
+
+
+def test_text_files_are_documents_in_sorted_order_and_a_lone_one_is_split_by_position(tmp_path):
     (tmp_path / "a.txt").write_text("Hello world, this is a test.")
     with gzip.open(tmp_path / "b.txt.gz", "wt") as f:
         f.write("Hello world")
@@ -129,61 +113,38 @@ def test_text_files_are_documents_in_sorted_order(tmp_path):
     assert main(["--data_files", str(tmp_path / "a.txt"), str(tmp_path / "b.txt.gz"), "--out_dir", str(out),
                  "--val_fraction", "0", "--test_fraction", "0"]) == 0
     assert split_stream(out, "train") == [50256, 15496, 995, 11, 428, 318, 257, 1332, 13, 50256, 15496, 995]
-
-
-def test_a_lone_text_is_split_by_position(tmp_path):
     text = "".join(f"line {i}, été\n" for i in range(1000))
     (tmp_path / "input.txt").write_text(text)
-    assert prep(tmp_path / "input.txt", tmp_path / "out") == 0
+    assert prep(tmp_path / "input.txt", tmp_path / "lone") == 0
     a, b = int(len(text) * (1 - 0.05 - 0.05)), int(len(text) * (1 - 0.05))  # 90/5/5, as prepare_data computes it
     for split, part in zip(SPLITS, (text[:a], text[a:b], text[b:])):
-        assert split_stream(tmp_path / "out", split) == [256] + list(part.encode())
+        assert split_stream(tmp_path / "lone", split) == [256] + list(part.encode())
 
 
-def test_split_independent_of_num_proc(tmp_path):
-    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    for n in (1, 2):
-        assert main(["--data_files", src, "--out_dir", str(tmp_path / f"out{n}"), "--num_proc", str(n),
-                     "--shard_tokens", "300", "--val_fraction", "0.2"]) == 0
-    assert files_of(tmp_path / "out1") == files_of(tmp_path / "out2")
-
-
-def test_default_corpus_split():
-    splits = [split_of(i, 0.05, 0.05) for i in range(42)]
-    assert (splits.count("val"), splits.count("test")) == (2, 2)
-    assert [split_of(i, 0.3, 0.2) for i in range(1000)].count("val") == 300
-
-
-def test_parquet_source_streaming_or_not(tmp_path, data_dir):
-    from datasets import Dataset
-    parquet = tmp_path / "c.parquet"
-    Dataset.from_dict({"id": list(range(len(DOCS))), "body": DOCS}).to_parquet(str(parquet))
-    for streaming in ("--streaming", "--no-streaming"):
-        out = tmp_path / streaming
-        assert main(["--dataset", "parquet", "--data_files", str(parquet), "--text_column", "body", streaming,
-                     "--tokenizer", "byte", "--out_dir", str(out), "--shard_tokens", "1e3",
-                     "--val_fraction", "0.2", "--test_fraction", "0.1"]) == 0
-        shards = {k: v for k, v in files_of(out).items() if k != "meta.json"}
-        assert shards == {k: v for k, v in files_of(data_dir).items() if k != "meta.json"}
-
-
-def test_a_hub_dataset_is_read_through_load_dataset(tmp_path, monkeypatch, data_dir):
+def test_num_proc_parquet_streaming_or_not_and_a_hub_dataset_give_the_same_shards(tmp_path, monkeypatch, data_dir):
     """The hub path, offline: load_dataset (faked) gets the name, config, split and streaming, rows in order."""
     import datasets
+    for n in (1, 2):  # GPT-2 tokens, in this process or in two workers
+        assert main(["--data_files", write_jsonl(tmp_path / "c.jsonl", DOCS), "--out_dir", str(tmp_path / f"out{n}"),
+                     "--num_proc", str(n), "--shard_tokens", "300", "--val_fraction", "0.2"]) == 0
+    assert files_of(tmp_path / "out1") == files_of(tmp_path / "out2")
+    parquet, settings = tmp_path / "c.parquet", ["--shard_tokens", "1e3", "--val_fraction", "0.2", "--test_fraction", "0.1"]
+    datasets.Dataset.from_dict({"id": list(range(len(DOCS))), "body": DOCS}).to_parquet(str(parquet))
+    for streaming in ("--streaming", "--no-streaming"):
+        assert main(["--dataset", "parquet", "--data_files", str(parquet), "--text_column", "body", streaming,
+                     "--tokenizer", "byte", "--out_dir", str(tmp_path / streaming), *settings]) == 0
+        assert files_of(tmp_path / streaming, but="meta.json") == files_of(data_dir, but="meta.json")
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append((a, kw)) or
                         [{"id": i, "text": t} for i, t in enumerate(DOCS)])
-    out = tmp_path / "hub"
-    assert main(["--dataset", "someone/corpus", "--name", "small", "--out_dir", str(out), "--tokenizer", "byte",
-                 "--shard_tokens", "1e3", "--val_fraction", "0.2", "--test_fraction", "0.1"]) == 0
+    assert main(["--dataset", "someone/corpus", "--name", "small", "--out_dir", str(tmp_path / "hub"), "--tokenizer",
+                 "byte", *settings]) == 0
     assert calls == [(("someone/corpus", "small"), dict(data_files=None, split="train", streaming=True))]
-    assert {k: v for k, v in files_of(out).items() if k != "meta.json"} == \
-        {k: v for k, v in files_of(data_dir).items() if k != "meta.json"}
+    assert files_of(tmp_path / "hub", but="meta.json") == files_of(data_dir, but="meta.json")
 
 
 def test_rerun_is_up_to_date_or_refused(tmp_path, capsys):
-    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    out = tmp_path / "out"
+    src, out = write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "out"
     assert prep(src, out) == 0
     before = files_of(out)
     assert prep(src, out) == 0
@@ -200,8 +161,7 @@ def test_rerun_is_up_to_date_or_refused(tmp_path, capsys):
 @pytest.mark.parametrize("failure, status", [(OSError(errno.ENOSPC, "No space left on device"), 2),
                                              (KeyboardInterrupt(), 130), (signal.SIGTERM, 143)])
 def test_a_failed_preparation_leaves_out_dir_as_it_was(tmp_path, monkeypatch, failure, status):
-    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    out = tmp_path / "out"
+    src, out = write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "out"
     assert prep(src, out, "--shard_tokens", 500) == 0
     before = files_of(out)
     real, calls = prepare_data.write_shard, []
@@ -225,15 +185,15 @@ def test_a_preparation_over_opened_data_changes_nothing_for_its_reader(tmp_path)
     """Promise 6: the data a run opened is the data it uses, whatever prepare_data.py --overwrite does."""
     out = tmp_path / "out"
     assert prep(write_jsonl(tmp_path / "a.jsonl", DOCS), out, "--shard_tokens", 1e3) == 0
-    data = TokenData(out)
+    opened = TokenData(out)
 
-    def read(data):
-        loader = TokenLoader(data, "train", 2, 16, seed=1)
-        return [loader.next_batch()[0] for _ in range(3)] + [x for x, _ in eval_batches(data, "val", 4, 8, 100)]
-    before = read(data)
+    def read(d):
+        loader = TokenLoader(d, "train", 2, 16, seed=1)
+        return [loader.next_batch()[0] for _ in range(3)] + [x for x, _ in eval_batches(d, "val", 4, 8, 100)]
+    before = read(opened)
     assert prep(write_jsonl(tmp_path / "b.jsonl", [d[::-1] for d in DOCS]), out, "--shard_tokens", 1e3,
                 "--overwrite") == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, read(data)))
+    assert all(torch.equal(a, b) for a, b in zip(before, read(opened)))
     assert not all(torch.equal(a, b) for a, b in zip(before, read(out)))  # opened anew: the new data
 
 
@@ -256,8 +216,7 @@ def test_a_resume_on_data_prepared_again_is_refused(tmp_path):
 
 def test_a_shard_rewritten_under_a_live_run_stops_it_and_keeps_its_checkpoint(data_dir, tmp_path, monkeypatch):
     """A shard changed in place (cp over it, dd conv=notrunc) is noticed at the next evaluation by a stat, no read."""
-    d = tmp_path / "data_byte"
-    copy_dir(data_dir, d)
+    d = copytree(data_dir, tmp_path / "data_byte")
     real = train.train_step
 
     def step_then_rewrite(*args, **kw):
@@ -299,51 +258,34 @@ def test_an_input_inside_out_dir_is_never_deleted_with_it(tmp_path, capsys):
 
 def test_ids_beyond_the_tokenizer_s_vocabulary_are_one_line(data_dir, tmp_path):
     """Header and size intact, an id of 300 in byte data: refused as the batch is read, in training and evaluation."""
-    d = tmp_path / "bad_byte"
-    copy_dir(data_dir, d)
+    d = copytree(data_dir, tmp_path / "bad_byte")
     for split in ("train", "val"):
         shard = d / load_meta(d)["splits"][split]["files"][0]
-        tokens = np.array(open_shard(shard))
-        tokens[:] = 300
-        prepare_data.write_shard(shard, tokens, get_tokenizer("byte"))
+        prepare_data.write_shard(shard, np.full(len(open_shard(shard)), 300), get_tokenizer("byte"))
     with pytest.raises(UserError, match="token id 300, beyond its byte tokenizer's 257 ids"):
         next(eval_batches(d, "val", 2, 8, 64))
     with pytest.raises(UserError, match="token id 300"):
         run(d, tmp_path, "--max_steps=1")
 
 
-def test_meta_json_names_the_embedded_corpus_relative_to_the_repository(tmp_path):
-    meta = prepare_data.prepare(tokenizer="byte", out_dir=tmp_path / "x_byte")
-    assert meta["source"]["data_files"] == ["data/shakespeare.jsonl.gz"]
-
-
 # -----------------------------------------------------------------------------
 # loaders
-
-def windows_of(data_dir, split, T):
-    shards = [open_shard(data_dir / f) for f in load_meta(data_dir)["splits"][split]["files"]]
-    return sorted(tuple(s[j * T:j * T + T + 1]) for s in shards for j in range((len(s) - 1) // T))
-
 
 def rows(x, y):
     return [tuple(r) for r in torch.cat([x, y[:, -1:]], 1).tolist()]
 
 
-def test_loader_epoch_covers_every_window(data_dir):
-    T = 16
-    loader = TokenLoader(data_dir, "train", batch_size=1, seq_len=T, seed=1)
-    seen = []
+def test_an_epoch_covers_every_window_and_ranks_and_micro_steps_see_the_same_windows(data_dir):
+    B, T, seed = 3, 16, 5
+    loader, seen = TokenLoader(data_dir, "train", batch_size=1, seq_len=T, seed=1), []
     for _ in range(loader.n_windows):
         x, y = loader.next_batch()
         assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (1, T)
         assert torch.equal(x[:, 1:], y[:, :-1])
         seen += rows(x, y)
-    assert sorted(seen) == windows_of(data_dir, "train", T)
+    shards = [open_shard(data_dir / f) for f in load_meta(data_dir)["splits"]["train"]["files"]]
+    assert sorted(seen) == sorted(tuple(s[j * T:j * T + T + 1]) for s in shards for j in range((len(s) - 1) // T))
     assert (loader.epoch, loader.pos) == (1, 0)
-
-
-def test_ranks_and_micro_steps_see_the_same_windows(data_dir):
-    B, T, seed = 3, 16, 5
     single = TokenLoader(data_dir, "train", 2 * B, T, seed=seed)
     accum = TokenLoader(data_dir, "train", B, T, seed=seed)
     ranks = [TokenLoader(data_dir, "train", B, T, rank=r, world_size=2, seed=seed) for r in range(2)]
@@ -390,8 +332,7 @@ def test_eval_batches(data_dir):
     per_rank = [torch.cat([b[0] for b in eval_batches(data_dir, "val", 4, T, 100, rank=r, world_size=2)])
                 for r in range(2)]
     assert torch.equal(per_rank[0], x[0::2]) and torch.equal(per_rank[1], x[1::2])
-    everything = torch.cat([b[1] for b in eval_batches(data_dir, "val", 64, T, max_tokens=None)])
-    assert everything.numel() == (len(stream) - 1) // T * T
+    assert torch.cat([b[1] for b in eval_batches(data_dir, "val", 64, T, max_tokens=None)]).numel() == (len(stream) - 1) // T * T
     with pytest.raises(UserError, match="too few"):
         eval_batches(data_dir, "val", 4, len(stream), max_tokens=None)
     with pytest.raises(UserError, match="max_tokens"):
@@ -400,13 +341,6 @@ def test_eval_batches(data_dir):
 
 # -----------------------------------------------------------------------------
 # bad input: one clear line
-
-def copy_dir(src, dst):
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    return dst
-
 
 def test_bad_sources_are_one_line_naming_them(tmp_path, capsys):
     (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
@@ -421,81 +355,46 @@ def test_bad_sources_are_one_line_naming_them(tmp_path, capsys):
         assert err.startswith("error: ") and err.count("\n") == 1 and keyword in err, err
     assert prep(write_jsonl(tmp_path / "blank.jsonl", ["", ""]), tmp_path / "out") == 2
     assert "empty" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as e:  # argparse's one line (--shard_tokens inf was an OverflowError traceback)
+        main(["--shard_tokens", "inf", "--out_dir", str(tmp_path / "x")])
+    assert e.value.code == 2 and "not a positive whole number" in capsys.readouterr().err
 
 
-def test_a_directory_named_for_another_tokenizer_is_refused(data_dir, tmp_path, capsys):
+def test_a_directory_named_for_another_tokenizer_is_refused_and_missing_data_names_its_command(data_dir, tmp_path, capsys):
     """The new user's trap: GPT-2 tokens prepared into data/shakespeare_byte trained another model silently."""
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     assert main(["--data_files", src, "--out_dir", str(tmp_path / "corpus_byte")]) == 2
     assert "--tokenizer byte" in capsys.readouterr().err and not (tmp_path / "corpus_byte").exists()
     with pytest.raises(UserError, match="gpt2 tokenizer"):
-        load_meta(copy_dir(data_dir, tmp_path / "corpus_gpt2"))
-
-
-def test_missing_data_names_the_command_that_makes_it(data_dir, tmp_path):
-    assert prepare_command(DATA_DIR / "shakespeare_byte") == "python prepare_data.py --tokenizer byte"
-    assert prepare_command(DATA_DIR / "shakespeare") == "python prepare_data.py"
+        load_meta(copytree(data_dir, tmp_path / "corpus_gpt2"))
+    assert data.prepare_command(data.DATA_DIR / "shakespeare_byte") == "python prepare_data.py --tokenizer byte"
+    assert data.prepare_command(data.DATA_DIR / "shakespeare") == "python prepare_data.py"
     with pytest.raises(UserError, match="--tokenizer byte --out_dir"):
         TokenLoader(tmp_path / "mine_byte", "train", 2, 8)
     with pytest.raises(UserError, match="no split 'validation'"):
         eval_batches(data_dir, "validation", 2, 8, 100)
-    out = tmp_path / "no_test"
-    assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), out, "--test_fraction", 0) == 0
+    assert prep(src, tmp_path / "no_test", "--test_fraction", 0) == 0
     with pytest.raises(UserError, match="empty"):
-        TokenLoader(out, "test", 2, 8)
+        TokenLoader(tmp_path / "no_test", "test", 2, 8)
 
 
 def test_bad_shards_and_meta_are_one_line_with_the_fix(data_dir, tmp_path):
     good = (data_dir / "train_000000.bin").read_bytes()
     for i, content in enumerate((good[:-1], good[:20], b"NOTASHRD" + good[8:], good[:8] + b"\x09" + good[9:])):
-        broken = copy_dir(data_dir, tmp_path / f"shard{i}")
+        broken = copytree(data_dir, tmp_path / f"shard{i}")
         (broken / "train_000000.bin").write_bytes(content)
         with pytest.raises(UserError, match="train_000000.bin.*--overwrite"):
             TokenLoader(broken, "train", 2, 8)
-    broken = copy_dir(data_dir, tmp_path / "meta")
+    broken = copytree(data_dir, tmp_path / "meta")
     meta = load_meta(data_dir)
     for change in ({"vocab_size": None}, {"splits": []}, {"format_version": 0}):
         (broken / "meta.json").write_text(json.dumps({**meta, **change}))
         with pytest.raises(UserError, match="meta.json.*--overwrite"):
             TokenData(broken)
+    (broken / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "tokenizer_fingerprint"}))
+    with pytest.raises(UserError, match="lacks tokenizer_fingerprint"):  # (was a KeyError traceback)
+        TokenData(broken)
     meta["splits"]["train"]["tokens"] += 5
     (broken / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="tokens"):
         TokenData(broken)
-
-
-# -----------------------------------------------------------------------------
-# the command line
-
-def test_cli_default_corpus(tmp_path):
-    """The embedded corpus as bytes: the shards every CPU study of the repository was measured on."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "prepare_data.py"), "--tokenizer", "byte", "--out_dir", str(out),
-           "--num_proc", "2"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    splits = load_meta(out)["splits"]
-    assert [splits[s]["docs"] for s in SPLITS] == [38, 2, 2]
-    assert [hashlib.sha256((out / f"{s}_000000.bin").read_bytes()).hexdigest()[:16] for s in SPLITS] == [
-        "d59e536cb55ff509", "2c5eb14d0c2db76c", "871b37a596b557da"]
-
-
-def test_a_meta_json_without_its_fingerprint_is_one_line(data_dir, tmp_path):
-    """A meta.json lacking tokenizer_fingerprint (hand-edited, damaged) was a KeyError traceback when a run opened it."""
-    import shutil
-
-    from data import TokenData
-    d = tmp_path / "copy"
-    shutil.copytree(data_dir, d)
-    meta = json.loads((d / "meta.json").read_text())
-    del meta["tokenizer_fingerprint"]
-    (d / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(UserError, match="lacks tokenizer_fingerprint"):
-        TokenData(d)
-
-
-def test_an_infinite_count_is_one_line(tmp_path, capsys):
-    """--shard_tokens inf was an OverflowError traceback out of argparse."""
-    with pytest.raises(SystemExit) as e:  # argparse's one line
-        main(["--shard_tokens", "inf", "--out_dir", str(tmp_path / "x")])
-    assert e.value.code == 2 and "not a positive whole number" in capsys.readouterr().err
