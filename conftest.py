@@ -98,8 +98,6 @@ def bf16_routing_error(model, monkeypatch):
     return {h.dtype for h in mixed}, max(((h - w).norm() / w.norm()).item() for h, w in zip(mixed, seen))
 
 
-
-
 @pytest.fixture(autouse=True)
 def one_thread():
     """The test model is tiny: a second thread only adds synchronisation (and contention on a busy machine)."""
@@ -123,8 +121,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def straight(data_dir, tmp_path_factory):
-    """An uninterrupted run of configs/test.py: 6 steps, checkpoints at 3 and 6, shared by the test
-    files: tests read it (and see resumes of it refused), never change it."""
+    """An uninterrupted run of configs/test.py (6 steps, checkpoints at 3 and 6): tests read or copy it, never change it."""
     out = tmp_path_factory.mktemp("straight")
     run(data_dir, out, "--run_name=straight")
     return out / "straight"
@@ -134,9 +131,6 @@ def straight(data_dir, tmp_path_factory):
 def read_only(monkeypatch):
     """Make writes under the returned function's directories fail as on a read-only mount (EROFS):
     os.open for writing, os.mkdir, open() and Path.open in a writing mode. (As root, chmod stops nothing.)"""
-    import builtins
-    import errno
-    import io
     roots = []
 
     def blocked(path, writing):
@@ -216,9 +210,7 @@ def full_disk(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    """With --dist loadgroup (make test-all), each test process takes the next test when it is nearly
-    idle (an xdist_group as one unit), in this order: the tests marked slow first, so that the last
-    minutes are short tests on both cores, not one long test on one core while the other idles.
-    Otherwise the tests keep their files' order."""
+    """With --dist loadgroup (make test-all), each test process takes the next test (an xdist_group as one unit) when
+    nearly idle: the slow ones first, so that the last minutes are short tests on both cores. Otherwise files' order."""
     if getattr(config.option, "loadgroup", False):  # set in xdist's test processes
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files' order within

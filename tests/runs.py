@@ -2,22 +2,27 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import train
+from common import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "test.py")  # 2 layers of width 32, 6 steps of 256 byte tokens, checkpoints at 3 and 6
 
 
+def argv(data_dir, out_dir, *overrides):
+    """train.py's command line for configs/test.py."""
+    return [CONFIG, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *overrides]
+
+
 def run(data_dir, out_dir, *overrides):
-    return train.main([CONFIG, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *overrides])
+    return train.main(argv(data_dir, out_dir, *overrides))
 
 
 def records(run_dir, kind="train"):
@@ -40,13 +45,6 @@ def steps(run_dir, kind="train"):
 
 def ckpt(run_dir):
     return torch.load(Path(run_dir) / "ckpt.pt", weights_only=True)
-
-
-def poll(condition, timeout=60):
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def assert_same_run(run_dir, reference):
@@ -72,6 +70,21 @@ def assert_close_runs(a, b, atol=1e-5):
         torch.testing.assert_close(cb["model"][name], p, atol=atol, rtol=0, msg=name)
     for (s1, l1), (s2, l2) in zip(losses(a), losses(b), strict=True):
         assert s1 == s2 and abs(l1 - l2) <= atol
+
+
+def interrupt_step(monkeypatch, n, signum=None):
+    """In this process, train.train_step sends it `signum` before its n-th step (None: raises KeyboardInterrupt there,
+    as a crash mid-step would end it)."""
+    real, calls = train.train_step, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            if signum is None:
+                raise KeyboardInterrupt
+            signal.raise_signal(signum)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(train, "train_step", step)
 
 
 def signal_in_step(n, name):
@@ -106,8 +119,9 @@ train.command(sys.argv[1:])
 """
 
 
-def two_ranks(args_of_rank, code_of_rank=(None, None)):
-    """Run train.py as ranks 0 and 1 of a gloo group (as torchrun starts them); each rank's (exit status, stderr)."""
+def two_ranks(args, code_of_rank=(None, None), expect=0):
+    """Run train.py (or code playing it) with `args` as ranks 0 and 1 of a gloo group (as torchrun starts them); both
+    must exit with status `expect`. Their stderr."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -116,14 +130,16 @@ def two_ranks(args_of_rank, code_of_rank=(None, None)):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
         code = code_of_rank[rank]
-        cmd = [sys.executable, *(["-c", code] if code else ["train.py"]), *args_of_rank(rank)]
+        cmd = [sys.executable, *(["-c", code] if code else ["train.py"]), *map(str, args)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
     try:
-        return [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+        done = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     finally:
         for p in procs:
             p.kill()
+    assert [rc for rc, _ in done] == [expect] * 2, "".join(err[-3000:] for _, err in done)
+    return [err for _, err in done]
 
 
 def one_process(code, *args):

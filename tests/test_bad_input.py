@@ -11,9 +11,9 @@ import pytest
 
 import data
 import train
-from common import UserError, cli
+from common import ROOT, UserError, cli
 
-from runs import CONFIG, ROOT
+from runs import argv
 
 
 @pytest.fixture
@@ -28,9 +28,15 @@ def no_compute(monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--batchsize=8"], "unknown key 'batchsize' in the command line; did you mean batch_size"),
     (["--lr=fast"], "lr expects float, got 'fast'"),
+    (["--max_steps=1.5"], "max_steps expects int"),
+    (["--compile=yes"], "compile expects true/false"),
+    (["--n_layers=3"], "did you mean n_layer"),
+    (["--lr"], "--lr needs a value: --lr=VALUE"),
+    (["--lr_schedule=linear"], "lr_schedule must be cosine or wsd"),
     (["--n_embd=33"], "n_embd=33 / n_head=2 must be a whole, even head dim"),
     (["--vocab_size=64"], "vocab_size=64 is smaller than the byte tokenizer's"),
-    (["--batch_tokens=300"], "batch_tokens=300 is not a multiple"),
+    (["--batch_tokens=300"], "batch_tokens=300 is not a multiple of batch_size * seq_len * world_size = 128 "
+                             "(e.g. batch_tokens=256)"),
     (["--eval_tokens=16"], "eval_tokens=16 is less than seq_len=32"),
     (["--run_name=a/b"], "run_name must be a plain directory name"),
     (["--residual=resnet"], "unknown residual 'resnet'; choose one of standard"),
@@ -40,7 +46,7 @@ def no_compute(monkeypatch):
     (["--n_layer=0"], "n_layer must be >= 1"),
 ])
 def test_bad_keys_are_one_line_before_any_compute(data_dir, tmp_path, capsys, no_compute, args, message):
-    assert cli(train.main, [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args]) == 2
+    assert cli(train.main, argv(data_dir, tmp_path, *args)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not any(tmp_path.iterdir())
@@ -69,7 +75,7 @@ def test_missing_data_says_the_exact_command_that_makes_it(tmp_path, monkeypatch
 def test_a_data_dir_whose_tokens_are_not_what_its_name_says_is_refused(data_dir, tmp_path, no_compute):
     shutil.copytree(data_dir, tmp_path / "corpus_gpt2")  # byte tokens under a name that promises GPT-2's
     with pytest.raises(UserError, match="named for the gpt2 tokenizer"):
-        train.main([CONFIG, f"--data_dir={tmp_path / 'corpus_gpt2'}", f"--out_dir={tmp_path}"])
+        train.main(argv(tmp_path / "corpus_gpt2", tmp_path))
 
 
 def test_a_checkpoint_of_other_tokens_is_refused(data_dir, tmp_path, monkeypatch, straight):
@@ -77,8 +83,7 @@ def test_a_checkpoint_of_other_tokens_is_refused(data_dir, tmp_path, monkeypatch
     original = data.load_meta
     monkeypatch.setattr(data, "load_meta", lambda path: {**original(path), "tokenizer": "gpt2", "vocab_size": 50257})
     with pytest.raises(UserError, match="was trained on byte tokens, but .* holds gpt2 tokens"):
-        train.main([CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--run_name=straight", "--resume=true",
-                    "--vocab_size=50304"])
+        train.main(argv(data_dir, tmp_path, "--run_name=straight", "--resume=true", "--vocab_size=50304"))
 
 
 @pytest.mark.parametrize("tool", ["bench", "diagnose", "gpu_check"])
@@ -97,15 +102,15 @@ def test_a_stray_launcher_variable_is_one_line(data_dir, tmp_path, monkeypatch, 
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert cli(train.main, [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 2
+    assert cli(train.main, argv(data_dir, tmp_path)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
 
 
 def test_a_closed_pipe_discards_the_output_and_the_run_finishes(data_dir, tmp_path):
     """`python train.py ... | head -1`: the run goes on to its end, its output discarded (as a sweep's does)."""
-    p = subprocess.Popen([sys.executable, "train.py", CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.Popen([sys.executable, "train.py", *argv(data_dir, tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
     p.stdout.readline()
     p.stdout.close()  # what head does after its line
     assert p.wait(timeout=300) == 0, p.stderr.read()

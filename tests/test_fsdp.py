@@ -12,7 +12,7 @@ import train
 from common import Stopped
 from tools import diagnose
 
-from runs import CONFIG, assert_close_runs, assert_same_run, ckpt, run, signal_in_step, steps, two_ranks
+from runs import argv, assert_close_runs, assert_same_run, ckpt, interrupt_step, run, signal_in_step, steps, two_ranks
 
 # Two ranks build every residual family's model sharded from the meta device and compare each parameter (gathered)
 # and buffer with the one-process model of the same seed. Odd sizes (vocab 67, 3 layers) leave uneven shards.
@@ -42,18 +42,16 @@ os._exit(1 if differ else 0)  # as train.command() leaves a rank: the interprete
 
 @pytest.mark.slow
 def test_fsdp_initial_weights_equal_one_process_for_every_family():
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: [], (INITIAL_WEIGHTS, INITIAL_WEIGHTS))
-    assert (rc0, rc1) == (0, 0), err0 + err1
+    two_ranks([], (INITIAL_WEIGHTS, INITIAL_WEIGHTS))
 
 
 @pytest.mark.slow
 def test_fsdp_equals_one_process_for_dar(data_dir, tmp_path):
     # 9 evaluation windows: rank 0 gets 5 (2 batches of up to 4), rank 1 gets 4 (1 batch); under FSDP every forward
     # is collective, so both ranks must run 2 forwards or the evaluation hangs
-    args = [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--residual=dar", "--eval_tokens=288"]
-    run(data_dir, tmp_path, "--run_name=one", "--residual=dar", "--eval_tokens=288")
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args + ["--run_name=fsdp", "--fsdp=true"])
-    assert (rc0, rc1) == (0, 0), err0 + err1
+    dar = ["--residual=dar", "--eval_tokens=288"]
+    run(data_dir, tmp_path, "--run_name=one", *dar)
+    two_ranks(argv(data_dir, tmp_path, "--run_name=fsdp", "--fsdp=true", *dar))
     assert_close_runs(tmp_path / "one", tmp_path / "fsdp")
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["peak_memory_bytes"] == max(summary["peak_memory_bytes_per_rank"]) > 0
@@ -65,67 +63,36 @@ MODEL = ["--residual=rd_attnres", "--activation_checkpointing=true", "--batch_to
 
 
 def fsdp_args(data_dir, out_dir, name, *more):
-    return [CONFIG, f"--data_dir={data_dir}", f"--out_dir={out_dir}", f"--run_name={name}", *MODEL, "--fsdp=true", *more]
-
-
-@pytest.fixture(scope="module")
-def fsdp_straight(data_dir, tmp_path_factory):
-    """An uninterrupted 2-rank FSDP run: 6 steps, checkpoints at 3 and 6."""
-    out = tmp_path_factory.mktemp("fsdp")
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp_args(data_dir, out, "straight"))
-    assert (rc0, rc1) == (0, 0), err0 + err1
-    return out / "straight"
-
-
-@pytest.fixture(scope="module")
-def fsdp_stopped(data_dir, tmp_path_factory):
-    """The same run stopped by a SIGTERM that reaches rank 1 only, in step 2: both ranks stop after step 2."""
-    out = tmp_path_factory.mktemp("fsdp_stopped")
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp_args(data_dir, out, "stopped"),
-                                         (None, signal_in_step(2, "SIGTERM")))
-    assert (rc0, rc1) == (143, 143) and "stopped by SIGTERM after step 2" in err0, err0 + err1
-    return out / "stopped"
+    return argv(data_dir, out_dir, f"--run_name={name}", *MODEL, "--fsdp=true", *more)
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fsdp_runs")
-def test_fsdp_runs_stop_and_resume_bit_exact_after_kill_9(data_dir, tmp_path, fsdp_straight, fsdp_stopped):
-    """Stopped by SIGTERM, resumed, killed by kill -9 (both ranks, in step 5) and resumed again: the uninterrupted
-    FSDP run bit for bit, from one checkpoint file."""
-    d = shutil.copytree(fsdp_stopped, tmp_path / "killed")
+def test_fsdp_runs_stop_and_resume_bit_exact_after_kill_9_and_on_1_rank(data_dir, tmp_path, monkeypatch, capsys):
+    """A 2-rank FSDP run stopped by a SIGTERM that reaches rank 1 only (in step 2: both ranks stop after it), resumed,
+    killed by kill -9 (both ranks, in step 5) and resumed again: the uninterrupted run bit for bit, from one checkpoint
+    file. Its checkpoint of step 2 resumes on 1 rank and on 2 again; the run loads in sample.py and tools.diagnose."""
+    two_ranks(fsdp_args(data_dir, tmp_path, "straight"))
+    straight, d = tmp_path / "straight", tmp_path / "killed"
+    err0, err1 = two_ranks(fsdp_args(data_dir, tmp_path, "killed"), (None, signal_in_step(2, "SIGTERM")), expect=143)
+    assert "stopped by SIGTERM after step 2" in err0, err0 + err1
+    moved = shutil.copytree(d, tmp_path / "moved")
     args = fsdp_args(data_dir, tmp_path, "killed", "--resume=true")
     kill = signal_in_step(3, "SIGKILL")  # resumed at 2: its third step is step 5, after the checkpoint of step 3
-    assert [rc for rc, _ in two_ranks(lambda rank: args, (kill, kill))] == [-signal.SIGKILL] * 2
+    two_ranks(args, (kill, kill), expect=-signal.SIGKILL)
     assert ckpt(d)["step"] == 3 and not (d / "ckpt").exists()
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: args)
-    assert (rc0, rc1) == (0, 0), err0 + err1
-    assert_same_run(d, fsdp_straight)
+    two_ranks(args)
+    assert_same_run(d, straight)
     assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == ["ckpt.pt", "config.json", "log.jsonl",
                                                                                  "summary.json"]
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("fsdp_runs")
-def test_a_2_rank_checkpoint_resumes_on_1_rank_and_loads_in_sample_and_diagnose(data_dir, tmp_path, monkeypatch,
-                                                                                capsys, fsdp_straight, fsdp_stopped):
-    d = shutil.copytree(fsdp_stopped, tmp_path / "moved")
-    real, calls = train.train_step, []
-
-    def sigterm_in_step_2(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            signal.raise_signal(signal.SIGTERM)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(train, "train_step", sigterm_in_step_2)
+    args = fsdp_args(data_dir, tmp_path, "moved", "--resume=true")
+    interrupt_step(monkeypatch, 2, signal.SIGTERM)
     with pytest.raises(Stopped):  # on one process: resumed at 2, stopped after step 4
-        train.main(fsdp_args(data_dir, tmp_path, "moved", "--resume=true"))
+        train.main(args)
     monkeypatch.undo()
-    assert ckpt(d)["step"] == 4 and ckpt(d)["world_size"] == 1
-    (rc0, err0), (rc1, err1) = two_ranks(lambda rank: fsdp_args(data_dir, tmp_path, "moved", "--resume=true"))
-    assert (rc0, rc1) == (0, 0), err0 + err1  # and on 2 ranks again
-    assert steps(d) == [1, 2, 3, 4, 5, 6]
-    assert_close_runs(d, fsdp_straight)  # the steps on 1 process sum the gradients in another order
-
-    assert sample.main(["--ckpt", str(fsdp_straight), "--max_new_tokens", "4"]) == 0
-    assert diagnose.main(["--ckpt", str(fsdp_straight), "--tokens", "64", "--out", str(tmp_path / "diag")]) == 0
+    assert ckpt(moved)["step"] == 4 and ckpt(moved)["world_size"] == 1
+    two_ranks(args)  # and on 2 ranks again
+    assert steps(moved) == [1, 2, 3, 4, 5, 6]
+    assert_close_runs(moved, straight)  # the steps on 1 process sum the gradients in another order
+    assert sample.main(["--ckpt", str(straight), "--max_new_tokens", "4"]) == 0
+    assert diagnose.main(["--ckpt", str(straight), "--tokens", "64", "--out", str(tmp_path / "diag")]) == 0
     assert "rd_attnres at step 6" in capsys.readouterr().out

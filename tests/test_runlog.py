@@ -8,11 +8,22 @@ import types
 import train
 from common import cli
 
-from runs import CONFIG, records, run
+from runs import argv, records, run
 
 
-def test_log_lines_say_how_far_the_run_is_and_done_says_where_it_is(data_dir, tmp_path, capsys):
-    summary = run(data_dir, tmp_path, "--max_steps=4", "--eval_interval=2", "--ckpt_interval=0")
+def test_log_lines_say_how_far_the_run_is_and_wandb_gets_every_record_at_its_step(data_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
+    logged, started = [], {}
+
+    class Run:
+        def log(self, metrics, step):
+            logged.append((step, metrics))
+
+        def finish(self, exit_code):
+            started["exit_code"] = exit_code
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: started.update(kw) or Run()))
+    summary = run(data_dir, tmp_path, "--max_steps=4", "--eval_interval=2", "--ckpt_interval=0", "--wandb_log=true",
+                  "--wandb_group=sweep", "--wandb_tags=block,seed0")
     out = capsys.readouterr().out
     clock = r"\d+:\d\d:\d\d"
     assert re.search(rf"^step 2/4 \(50\.0%\) \| loss [\d.]+ \| .* ms/step \| {clock} elapsed, ETA {clock}$", out, re.M)
@@ -25,32 +36,19 @@ def test_log_lines_say_how_far_the_run_is_and_done_says_where_it_is(data_dir, tm
     assert [set(r) for r in lines] == [train_keys] * 2 + [eval_keys] + [train_keys] * 2 + [eval_keys, eval_keys | {"final"}]
     assert json.loads((tmp_path / "test" / "summary.json").read_text()) == summary
     assert summary["step"] == 4 and summary["val_loss"] == records(tmp_path / "test", "eval")[-2]["loss"]
-
-
-def test_wandb_log_without_wandb_is_one_line_before_compute(data_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    monkeypatch.setattr(train, "make_model", None)  # never reached
-    assert cli(train.main, [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--wandb_log=true"]) == 2
-    assert "wandb_log=true needs the wandb package" in capsys.readouterr().err
-    assert not (tmp_path / "test").exists()
-
-
-def test_wandb_gets_every_record_at_its_step(data_dir, tmp_path, monkeypatch):
-    logged, started = [], {}
-
-    class Run:
-        def log(self, metrics, step):
-            logged.append((step, metrics))
-
-        def finish(self, exit_code):
-            started["exit_code"] = exit_code
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: started.update(kw) or Run()))
-    run(data_dir, tmp_path, "--wandb_log=true", "--wandb_group=sweep", "--wandb_tags=block,seed0")
     assert (started["group"], started["tags"], started["exit_code"]) == ("sweep", ["block", "seed0"], 0)
     assert started["config"] == json.loads((tmp_path / "test" / "config.json").read_text())
     assert [(s, m["train/loss"]) for s, m in logged if "train/loss" in m] == \
         [(r["step"], r["loss"]) for r in records(tmp_path / "test")]
     assert {"val/loss", "test/loss"} <= {k for _, m in logged for k in m}
+
+
+def test_wandb_log_without_wandb_is_one_line_before_compute(data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    monkeypatch.setattr(train, "make_model", None)  # never reached
+    assert cli(train.main, argv(data_dir, tmp_path, "--wandb_log=true")) == 2
+    assert "wandb_log=true needs the wandb package" in capsys.readouterr().err
+    assert not (tmp_path / "test").exists()
 
 
 def test_cpu_threads_take_the_free_cores_shared_among_ranks_unless_omp_num_threads_says(monkeypatch):
