@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from conftest import F64, randomize_routing
+import sample
+from conftest import F64, randomize_routing, tokens
 from conftest import tiny as shared_tiny
 from data import get_tokenizer
 from model import GPT, RD_MODES, RESIDUALS, GPTConfig, stable_seed
@@ -16,16 +17,11 @@ from sample import Window, filter_logits, generate, main, sample_logits
 VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]
 VARIANTS += [dict(residual="rd_attnres", rd_mode=m) for m in RD_MODES]
 IDS = ["-".join(v.values()) for v in VARIANTS]
-VOCAB = 64
 
 
-def tiny(block_size=8, **kw):
+def tiny(**kw):
     """3 layers, random routing: a context of 8, so that 20 generated tokens slide the window three or four times."""
-    return randomize_routing(shared_tiny(vocab_size=VOCAB, block_size=block_size, **kw))
-
-
-def tokens(n, seed=0):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return randomize_routing(shared_tiny(block_size=8, **kw))
 
 
 def steps(model, prompts, n, **kw):
@@ -36,7 +32,7 @@ def steps(model, prompts, n, **kw):
 # --- the window and its cache ----------------------------------------------------------------------
 
 def test_window_crops_the_prompt_and_slides_to_half_the_context():
-    model = tiny(block_size=8)
+    model = tiny()
     assert Window(model, [list(range(20)), list(range(100, 120))]).tokens.tolist() == \
         [list(range(12, 20)), list(range(112, 120))]
     window = Window(model, [list(range(5)), list(range(100, 105))])
@@ -49,9 +45,9 @@ def test_window_crops_the_prompt_and_slides_to_half_the_context():
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
-def test_cached_logits_equal_a_full_forward_pass(variant):
+def test_cached_logits_and_greedy_tokens_equal_full_forward_passes(variant):
     model = tiny(**variant)
-    seqs = [tokens(25, seed=0), tokens(25, seed=1)]  # a batch of two rows
+    seqs = tokens(2, 25).tolist()  # a batch of two rows
     window, slides = Window(model, [s[:5] for s in seqs]), 0
     for t in range(5, 25):  # 20 steps through a context of 8: the window slides four times
         with torch.no_grad():
@@ -60,14 +56,8 @@ def test_cached_logits_equal_a_full_forward_pass(variant):
         window.append(torch.tensor([s[t] for s in seqs]))
         slides += window.cache is None
     assert slides == 4
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
-def test_greedy_gives_the_same_tokens_with_and_without_the_cache(variant):
-    model = tiny(**variant)
-    prompts = [tokens(3, seed=0), tokens(3, seed=1)]
-    cached = steps(model, prompts, 20, temperature=0)
-    assert cached == steps(model, prompts, 20, temperature=0, use_cache=False)
+    prompts = tokens(2, 3).tolist()
+    assert steps(model, prompts, 20, temperature=0) == steps(model, prompts, 20, temperature=0, use_cache=False)
 
 
 # --- batches -----------------------------------------------------------------------------------------
@@ -77,42 +67,31 @@ BATCH_VARIANTS = [dict(residual="standard"), dict(residual="rd_attnres"), dict(r
 
 
 @pytest.mark.parametrize("variant", BATCH_VARIANTS, ids=[v["residual"] for v in BATCH_VARIANTS])
-def test_a_greedy_batch_equals_its_rows_decoded_one_at_a_time(variant):
-    """Three prompts of one length: 20 tokens through a context of 8 slide the window four times."""
-    model = tiny(**variant)
-    prompts = [tokens(5, seed=s) for s in range(3)]
+def test_a_batch_equals_its_rows_decoded_one_at_a_time(variant):
+    """Greedy, three prompts of one length: 20 tokens through a context of 8 slide the window four times. Seeded, four
+    samples of one prompt, each its own random stream. A batch is one forward pass per token, with or without the cache
+    (a slide replaces a step's forward)."""
+    model, calls = tiny(**variant), []
+    model.register_forward_pre_hook(lambda module, args: calls.append(args[0].size(0)))
+    prompts = tokens(3, 5).tolist()
     alone = [steps(model, [p], 20, temperature=0)[0] for p in prompts]
     assert len({tuple(row) for row in alone}) == 3  # the rows differ: a batch that mixed them would show
-    assert steps(model, prompts, 20, temperature=0) == alone
-    assert steps(model, prompts, 20, temperature=0, use_cache=False) == alone
-
-
-@pytest.mark.parametrize("variant", BATCH_VARIANTS[1:], ids=[v["residual"] for v in BATCH_VARIANTS[1:]])
-def test_a_seeded_batch_equals_its_samples_drawn_alone(variant):
-    model, prompt = tiny(**variant), tokens(3)
+    for use_cache in (True, False):
+        calls.clear()
+        assert steps(model, prompts, 20, temperature=0, use_cache=use_cache) == alone and calls == [3] * 20
 
     def draw(seed, rows, use_cache=True):
         gens = [torch.Generator().manual_seed(stable_seed(seed, i)) for i in rows]
-        return steps(model, [prompt] * len(gens), 20, temperature=1.0, top_k=20, top_p=0.9,
+        return steps(model, [prompts[0]] * len(gens), 20, temperature=1.0, top_k=20, top_p=0.9,
                      generators=gens, use_cache=use_cache)
 
+    calls.clear()
     batch = draw(5, range(4))
-    assert len({tuple(row) for row in batch}) == 4  # each sample its own random stream
+    assert len({tuple(row) for row in batch}) == 4 and calls == [4] * 20  # each sample its own random stream
     assert batch == [draw(5, [i])[0] for i in range(4)]
-    assert draw(5, range(4), use_cache=False) == batch
+    calls.clear()
+    assert draw(5, range(4), use_cache=False) == batch and calls == [4] * 20
     assert draw(6, range(4)) != batch
-
-
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_a_batch_is_one_forward_pass_per_token(use_cache):
-    model = tiny(residual="dar")
-    calls = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(args[0].size(0)))
-    for batch in (1, 8):
-        calls.clear()
-        steps(model, [tokens(3)] * batch, 20, generators=[torch.Generator().manual_seed(i) for i in range(batch)],
-              use_cache=use_cache)  # the window slides three times: a slide replaces a step's forward
-        assert calls == [batch] * 20
 
 
 def test_sample_seeds_are_stable_and_distinct():
@@ -154,7 +133,7 @@ def test_samples_follow_the_filtered_distribution():
 def test_generate_draws_only_below_vocab_size():
     model = tiny()
     g = torch.Generator().manual_seed(0)
-    assert max(steps(model, [tokens(3)], 50, generators=[g], vocab_size=7)[0]) < 7
+    assert max(steps(model, tokens(1, 3).tolist(), 50, generators=[g], vocab_size=7)[0]) < 7
 
 
 # --- the command line ---------------------------------------------------------------------------------
@@ -168,27 +147,37 @@ def save_checkpoint(path, model):
 
 @pytest.fixture
 def run_dir(tmp_path):
-    model = make_model(GPTConfig(**CONFIG))
-    randomize_routing(model)
-    save_checkpoint(tmp_path / "ckpt.pt", model)
+    save_checkpoint(tmp_path / "ckpt.pt", randomize_routing(make_model(GPTConfig(**CONFIG))))
     return tmp_path
 
 
 def cli(capsys, *args):
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
+    """sample.py's (exit status, stdout, stderr)."""
+    return main([str(a) for a in args]), *capsys.readouterr()
 
 
-def test_cli_greedy_text_is_the_same_with_and_without_the_cache(run_dir, capsys):
-    args = ("--ckpt", run_dir, "--prompt", "To be, or", "--temperature", 0, "--max_new_tokens", 40)
-    rc, cached, err = cli(capsys, *args)
+def test_cli_greedy_text_is_the_same_without_the_cache_and_at_a_vanishing_top_p_or_temperature(run_dir, capsys):
+    """--top_p 1e-50 is 0 in float32, which every token's probability before it reaches (the first's is 0): all were
+    masked, the draw was NaN, a traceback; the most likely token always stays. A temperature whose 1 / t overflows
+    float32 (or that rounds to 0): the argmax, not NaN."""
+    args = ("--ckpt", run_dir, "--prompt", "To be, or", "--max_new_tokens", 40)
+    rc, cached, err = cli(capsys, *args, "--temperature", 0)
     assert rc == 0 and cached.startswith("To be, or") and "kv cache" in err
-    rc, full, err = cli(capsys, *args, "--no_cache")
+    rc, full, err = cli(capsys, *args, "--temperature", 0, "--no_cache")
     assert rc == 0 and full == cached and "no cache" in err
+    for vanishing in (["--top_p", 1e-50], ["--temperature", "1e-46"], ["--temperature", "1e-45"], ["--temperature", "1e-30"]):
+        rc, out, err = cli(capsys, *args, *vanishing)
+        assert (rc, out) == (0, cached), err
+    logits = torch.tensor([[1.0, 3.0, -2.0], [0.5, -1.0, 0.25]])
+    assert sample_logits(logits, 1e-45).tolist() == [1, 0] and sample_logits(logits, 1e-46).tolist() == [1, 0]
 
 
-def test_cli_a_fixed_seed_reproduces_the_samples_whatever_the_batch(run_dir, capsys):
+def test_cli_a_fixed_seed_reproduces_the_samples_whatever_the_batch(run_dir, capsys, monkeypatch):
+    """--num_samples 1000000 once took all of a machine's memory as one batch; the samples now go in batches of
+    --batch_size (default DEFAULT_BATCH_SIZE), each sample with its own seed as before."""
+    real, batches = sample.generate, []
+    monkeypatch.setattr(sample, "generate", lambda model, prompts, *a, **kw: batches.append(len(prompts))
+                        or real(model, prompts, *a, **kw))
     args = ("--ckpt", run_dir / "ckpt.pt", "--max_new_tokens", 30, "--top_k", 50, "--top_p", 0.9)
     rc, three, err = cli(capsys, *args, "--seed", 7, "--num_samples", 3)
     samples = three.split("-" * 40 + "\n")
@@ -198,14 +187,18 @@ def test_cli_a_fixed_seed_reproduces_the_samples_whatever_the_batch(run_dir, cap
     assert cli(capsys, *args, "--seed", 7, "--num_samples", 2)[1] == ("-" * 40 + "\n").join(samples[:2])
     assert cli(capsys, *args, "--seed", 7)[1] == samples[0]
     assert cli(capsys, *args, "--seed", 8, "--num_samples", 3)[1] != three
-
-
-def test_cli_a_top_p_below_float32s_smallest_keeps_the_most_likely_token(run_dir, capsys):
-    """--top_p 1e-50 is 0 in float32, which every token's probability before it reaches (the first's is 0): all
-    were masked, the draw was NaN, a traceback. The most likely token always stays: the draw is greedy."""
-    args = ("--ckpt", run_dir, "--prompt", "To be", "--max_new_tokens", 10)
-    rc, out, err = cli(capsys, *args, "--top_p", 1e-50)
-    assert rc == 0 and out == cli(capsys, *args, "--temperature", 0)[1], err
+    args = ("--ckpt", run_dir, "--max_new_tokens", 6, "--num_samples", 10, "--seed", 3)
+    batches.clear()
+    rc, one_batch, err = cli(capsys, *args, "--batch_size", 10)
+    assert rc == 0 and batches == [10] and "10 samples in one batch" in err
+    batches.clear()
+    rc, out, err = cli(capsys, *args, "--batch_size", 4)
+    assert rc == 0 and batches == [4, 4, 2] and "10 samples in batches of 4" in err
+    assert out == one_batch and len(out.split("-" * 40 + "\n")) == 10  # the same samples, separated alike
+    batches.clear()
+    monkeypatch.setattr(sample, "DEFAULT_BATCH_SIZE", 3)  # the default bounds the batch too
+    rc, out, err = cli(capsys, *args)
+    assert rc == 0 and batches == [3, 3, 3, 1] and out == one_batch
 
 
 def test_cli_crops_a_long_prompt_with_a_warning(run_dir, tmp_path, capsys):
@@ -233,27 +226,23 @@ def test_cli_a_sample_ends_at_end_of_text(tmp_path, capsys, monkeypatch):
     assert err.startswith("2 tokens") and len(calls) == 1  # decoding stops once every sample has ended
 
 
-@pytest.mark.parametrize("case, match", [
-    ("missing", "no checkpoint at"),
-    ("not_a_checkpoint", "is not a readable checkpoint"),
-    ("no_format", "is not a train.py checkpoint"),
-    ("top_k", "--top_k must be at least 1"),
-    ("top_p_zero", "--top_p must be in (0, 1]"),
-    ("top_p_above_one", "--top_p must be in (0, 1]"),
-    ("temperature_inf", "--temperature must be a finite number >= 0"),
-    ("prompt_not_utf8", "not UTF-8"),
-    ("prompt_a_directory", "cannot read the prompt file"),
+@pytest.mark.parametrize("args, match", [
+    (["--ckpt", "{dir}/nowhere"], "no checkpoint at"),
+    (["--ckpt", "{dir}/junk.pt"], "is not a readable checkpoint"),
+    (["--ckpt", "{dir}/untagged.pt"], "is not a train.py checkpoint"),
+    (["--top_k", 0], "--top_k must be at least 1"),
+    (["--top_p", 0], "--top_p must be in (0, 1]"),
+    (["--top_p", 1.5], "--top_p must be in (0, 1]"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+    (["--batch_size", 0], "--batch_size must be at least 1"),
+    (["--prompt_file", "{dir}/latin1.txt"], "not UTF-8"),
+    (["--prompt_file", "{dir}"], "cannot read the prompt file"),
 ])
-def test_cli_bad_input_gives_one_clear_error(case, match, run_dir, tmp_path, capsys):
-    (tmp_path / "junk.pt").write_bytes(b"this is not a checkpoint")
-    torch.save({"model": {}}, tmp_path / "untagged.pt")
-    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
-    ckpt = {"missing": tmp_path / "nowhere", "not_a_checkpoint": tmp_path / "junk.pt",
-            "no_format": tmp_path / "untagged.pt"}.get(case, run_dir)
-    extra = {"top_k": ["--top_k", 0], "top_p_zero": ["--top_p", 0], "top_p_above_one": ["--top_p", 1.5],
-             "temperature_inf": ["--temperature", "inf"], "prompt_not_utf8": ["--prompt_file", tmp_path / "latin1.txt"],
-             "prompt_a_directory": ["--prompt_file", tmp_path]}
-    rc, out, err = cli(capsys, "--ckpt", ckpt, *extra.get(case, []))
+def test_cli_bad_input_gives_one_clear_error(args, match, run_dir, capsys):
+    (run_dir / "junk.pt").write_bytes(b"this is not a checkpoint")
+    torch.save({"model": {}}, run_dir / "untagged.pt")
+    (run_dir / "latin1.txt").write_bytes("café".encode("latin-1"))
+    rc, out, err = cli(capsys, "--ckpt", run_dir, *(str(a).format(dir=run_dir) for a in args))  # (the last --ckpt counts)
     assert rc == 2 and out == ""
     assert err.startswith("error: ") and match in err and "Traceback" not in err
 
@@ -265,36 +254,3 @@ def test_a_prompt_byte_that_is_not_utf8_reaches_a_byte_model_as_given(run_dir, c
     assert rc == 0 and "Traceback" not in err
     assert get_tokenizer("byte").encode(os.fsdecode(b"ROMEO\xff:")) == list(b"ROMEO\xff:")
 
-
-def test_a_tiny_temperature_samples_the_most_likely_token(run_dir, capsys):
-    rc, greedy, _ = cli(capsys, "--ckpt", run_dir, "--prompt", "ab", "--max_new_tokens", 8, "--temperature", 0)
-    assert rc == 0
-    for t in ("1e-46", "1e-45", "1e-30"):  # 1 / t overflows float32 (or t rounds to 0): the argmax, not NaN
-        rc, out, err = cli(capsys, "--ckpt", run_dir, "--prompt", "ab", "--max_new_tokens", 8, "--temperature", t)
-        assert (rc, out) == (0, greedy), err
-    logits = torch.tensor([[1.0, 3.0, -2.0], [0.5, -1.0, 0.25]])
-    assert sample_logits(logits, 1e-45).tolist() == [1, 0] and sample_logits(logits, 1e-46).tolist() == [1, 0]
-
-
-# --- reliability, round three: the batch is bounded ---------------------------------------------------
-
-def test_samples_are_decoded_in_batches_of_at_most_batch_size(run_dir, capsys, monkeypatch):
-    """--num_samples 1000000 once took all of a machine's memory as one batch; the samples now go in
-    batches of --batch_size (default DEFAULT_BATCH_SIZE), each sample with its own seed as before."""
-    import sample
-    real, batches = sample.generate, []
-    monkeypatch.setattr(sample, "generate", lambda model, prompts, *a, **kw: batches.append(len(prompts))
-                        or real(model, prompts, *a, **kw))
-    args = ("--ckpt", run_dir, "--max_new_tokens", 6, "--num_samples", 10, "--seed", 3)
-    rc, one_batch, err = cli(capsys, *args, "--batch_size", 10)
-    assert rc == 0 and batches == [10] and "10 samples in one batch" in err
-    batches.clear()
-    rc, out, err = cli(capsys, *args, "--batch_size", 4)
-    assert rc == 0 and batches == [4, 4, 2] and "10 samples in batches of 4" in err
-    assert out == one_batch and len(out.split("-" * 40 + "\n")) == 10  # the same samples, separated alike
-    batches.clear()
-    monkeypatch.setattr(sample, "DEFAULT_BATCH_SIZE", 3)  # the default bounds the batch too
-    rc, out, err = cli(capsys, *args)
-    assert rc == 0 and batches == [3, 3, 3, 1] and out == one_batch
-    rc, out, err = cli(capsys, *args, "--batch_size", 0)
-    assert rc == 2 and out == "" and err.startswith("error: --batch_size")
