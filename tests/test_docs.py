@@ -5,14 +5,13 @@ starts like a command (`python ...`, `make ...`, `torchrun ...`)."""
 import dataclasses
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
+from common import ROOT
 from model import GPTConfig
 from train import TrainConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STARTS = ("python", "python3", "torchrun", "make", ".venv/bin/python")
 
@@ -20,25 +19,16 @@ STARTS = ("python", "python3", "torchrun", "make", ".venv/bin/python")
 def commands(text):
     """The command lines of a page: fenced blocks (continuations joined, comments dropped) and
     inline code that starts like a command."""
-    found, blocks, block, lang = [], [], None, None
-    for line in text.splitlines():
-        if line.startswith("```"):
-            if block is None:
-                block, lang = [], line[3:].strip()
-            else:
-                if lang in ("", "bash", "sh", "console"):
-                    blocks.append("\n".join(block))
-                block = None
-        elif block is not None:
-            block.append(line)
-    for block in blocks:
+    found = []
+    for lang, block in re.findall(r"^```(.*)\n((?:(?!```).*\n)*?)```", text, re.M):  # a fenced block: its language, lines
+        if lang.strip() not in ("", "bash", "sh", "console"):
+            continue
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split(" #")[0].strip()
-            if line.startswith("#"):
-                continue
-            found += split_chain(line)
+            if not line.startswith("#"):
+                found += split_chain(line)
     found += [part for c in re.findall(r"`([^`\n]+)`", text) if c.split()[0] in STARTS for part in split_chain(c)]
-    return [c for c in found if c.split()[0].split("=")[0] not in ("export",) and _program(c)]
+    return [c for c in found if _program(c)]
 
 
 def split_chain(line):
@@ -54,10 +44,6 @@ def _program(command):
     return [w for w in shlex.split(command) if not re.fullmatch(r"[A-Z_]+=\S*", w)]
 
 
-def argparse_flags(path):
-    return set(re.findall(r"add_argument\(\s*\"(--[a-z_]+)\"", path.read_text()))
-
-
 TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} | {f.name for f in dataclasses.fields(GPTConfig)}
 MAKE_TARGETS = set(re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.M))
 
@@ -70,31 +56,21 @@ def check(command):
     args = words[1:]
     while args and args[0].startswith("--") and words[0] == "torchrun":  # torchrun's own flags
         args = args[1:]
-    if args[:1] == ["-m"]:
-        module = args[1]
-        script = ROOT / (module.replace(".", "/") + ".py")
-        if not module.startswith("tools.") or not script.exists():
-            return [f"module {module!r}"] if module.startswith("tools.") else []
-        args = args[2:]
+    if args[:1] == ["-m"] and args[1].startswith("tools."):  # (other modules: not checked)
+        name, script, args = f"module {args[1]!r}", ROOT / (args[1].replace(".", "/") + ".py"), args[2:]
+    elif args[:1] != ["-m"] and args and args[0].endswith(".py"):
+        name, script, args = f"file {args[0]!r}", ROOT / args[0], args[1:]
     else:
-        if not args or not args[0].endswith(".py"):
-            return []
-        script = ROOT / args[0]
-        if not script.exists():
-            return [f"file {args[0]!r}"]
-        args = args[1:]
-    problems = []
-    for a in args:
-        if a.startswith("configs/") and not (ROOT / a).exists():
-            problems.append(f"config {a!r}")
-        if a.startswith("--"):
-            flag = a.split("=")[0]
-            if script.name == "train.py":
-                if flag[2:] not in TRAIN_KEYS | {"help"}:
-                    problems.append(f"train.py key {flag!r}")
-            elif flag not in argparse_flags(script) | {"--help"}:
-                problems.append(f"{script.relative_to(ROOT)} flag {flag!r}")
-    return problems
+        return []
+    if not script.exists():
+        return [name]
+    if script.name == "train.py":
+        what, known = "train.py key", {f"--{k}" for k in TRAIN_KEYS}
+    else:
+        what, known = f"{script.relative_to(ROOT)} flag", set(re.findall(r"add_argument\(\s*\"(--[a-z_]+)\"", script.read_text()))
+    flags = [a.split("=")[0] for a in args if a.startswith("--")]
+    return [f"config {a!r}" for a in args if a.startswith("configs/") and not (ROOT / a).exists()] + \
+        [f"{what} {flag!r}" for flag in flags if flag not in known | {"--help"}]
 
 
 ALL = [(page.relative_to(ROOT), c) for page in PAGES for c in commands(page.read_text())]
@@ -118,16 +94,11 @@ def test_a_wrong_command_is_caught():
     assert check("make tests") == ["make target 'tests'"]
 
 
-def reading_links(text):
-    """(name, file) of every `[`name`](file)` link into the code in the README's reading order."""
-    section = text.split("## Read the code in this order", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"\[`([\w.]+)`\]\(([\w/]+\.py)\)", section)
-
-
 def test_the_reading_order_names_what_its_files_hold():
-    """Each link of "Read the code in this order" names a `def` or `class` of its file (a method: `Class.method`,
-    its `def` inside the class): when the code is renamed, this says which link went stale."""
-    links = reading_links((ROOT / "README.md").read_text())
+    """Each link of "Read the code in this order" (`[`name`](file)`) names a `def` or `class` of its file (a method:
+    `Class.method`, its `def` inside the class): when the code is renamed, this says which link went stale."""
+    section = (ROOT / "README.md").read_text().split("## Read the code in this order", 1)[1].split("\n## ", 1)[0]
+    links = re.findall(r"\[`([\w.]+)`\]\(([\w/]+\.py)\)", section)
     assert len(links) >= 8
     for name, path in links:
         text = (ROOT / path).read_text()
@@ -138,10 +109,9 @@ def test_the_reading_order_names_what_its_files_hold():
         assert body and re.search(pattern, body[0], re.M), f"README links {name} in {path}, which holds no such name"
 
 
-@pytest.mark.parametrize("package", ["tools"])
-def test_a_package_s_docstring_lists_every_module(package):
+def test_tools_docstring_lists_every_module():
     """tools/__init__.py names each of its modules, one a line."""
-    listed = set(re.findall(r"^ {4}(\w+(?:, \w+)*)\s", (ROOT / package / "__init__.py").read_text(), re.M))
+    listed = set(re.findall(r"^ {4}(\w+(?:, \w+)*)\s", (ROOT / "tools" / "__init__.py").read_text(), re.M))
     listed = {name for line in listed for name in line.split(", ")}
-    modules = {p.stem for p in (ROOT / package).glob("*.py")} - {"__init__"}
-    assert modules - listed == set(), f"{package}/__init__.py does not list {sorted(modules - listed)}"
+    modules = {p.stem for p in (ROOT / "tools").glob("*.py")} - {"__init__"}
+    assert modules - listed == set(), f"tools/__init__.py does not list {sorted(modules - listed)}"
