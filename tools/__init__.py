@@ -1,9 +1,5 @@
-"""Tools (`python -m tools.<name>`) and their helpers:
-
-    diagnose    what the routing learned
-    bench       speed and memory
-    gpu_check   checks on a CUDA GPU
-"""
+"""Tools (`python -m tools.<name>`): diagnose (what the routing learned), bench (speed and memory), gpu_check (checks
+on a CUDA GPU); here the helpers they share."""
 
 import os
 import sys
@@ -33,15 +29,15 @@ def write_figure(path, fig):
         write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120, metadata={"Software": MARK}))
     finally:
         plt.close(fig)
+    return path
 
 
 def ours(path):
-    """Whether a tool may write `path`: absent, a tool's PNG (or an older version's, by matplotlib), or diagnose's
-    diagnostics.json (a JSON object naming its checkpoint and residual)."""
+    """Whether a tool may write `path`: absent, a tool's PNG (or an older one's) or diagnose's diagnostics.json."""
     p = Path(path)
     if not p.is_file():
         return not p.exists()
-    if p.suffix == ".json":
+    if p.suffix == ".json":  # a JSON object naming its checkpoint and residual
         return {"checkpoint", "residual"} <= set(read_json(p) or {})
     head = p.read_bytes()[:65536]
     return head.startswith(b"\x89PNG\r\n\x1a\n") and (MARK.encode() in head or b"Matplotlib" in head)  # (older tools')

@@ -1,5 +1,4 @@
-"""
-Benchmark a training step of every residual variant against the standard residual, in one run.
+"""Benchmark a training step of every residual variant against the standard residual, in one run.
 
     python -m tools.bench                         # CPU: a small model in float32
     python -m tools.bench --device cuda --n_layer 12 --n_embd 768 --n_head 6 --seq_len 1024 \\
@@ -61,16 +60,13 @@ class ReferenceRouter:
         self.W, self.completed, self.streams = W, completed, streams
         self.Qt = len(W) // (1 if streams is None else len(streams))
 
-    def attend(self, q, recent=()):
-        """(h, a) for query row q over the completed sources and `recent`."""
+    def read(self, q, recent=(), inv=()):
+        """h of query row q over the completed sources and `recent`."""
         sources = self.completed + list(recent)
         if self.streams is None:
-            return depth_attention(self.W[q], sources)
+            return depth_attention(self.W[q], sources)[0]
         ks, vs = self.streams[q // self.Qt]
-        return depth_attention(self.W[q], [s[ks] for s in sources], [s[vs] for s in sources])
-
-    def read(self, q, recent=(), inv=()):
-        return self.attend(q, recent)[0]
+        return depth_attention(self.W[q], [s[ks] for s in sources], [s[vs] for s in sources])[0]
 
     def read_rows(self, rows, recent=(), inv=()):
         """h of each query row in rows (one site's)."""
@@ -96,12 +92,11 @@ def saved_activation_bytes(fn, exclude=()):
 
 def timed(fn, device):
     """The seconds fn() takes, the device synchronised before and after."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize = torch.get_device_module(device).synchronize  # (torch.cpu's: a no-op)
+    synchronize()
     t0 = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize()
     return time.perf_counter() - t0
 
 
@@ -135,11 +130,6 @@ class Runner:
         base = torch.cuda.memory_allocated()
         self.step()
         return saved, torch.cuda.max_memory_allocated() - base
-
-
-def quartiles(xs):
-    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
-    return q[0], statistics.median(xs), q[2]
 
 
 def copy_bandwidth(device, nbytes=256 * 2**20, reps=10):
@@ -238,7 +228,8 @@ def main(argv=None):
     results, ref = [], runners[specs.index("standard")]
     for r in runners:
         saved, peak = r.memory()
-        lo, mid, hi = quartiles([t_ref / t for t, t_ref in zip(r.times, ref.times)])
+        ratios = [t_ref / t for t, t_ref in zip(r.times, ref.times)]
+        lo, mid, hi = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3  # mid: median
         ms = statistics.median(r.times)
         results.append(dict(variant=r.spec, params=r.model.num_params(), ms=1e3 * ms,
                             tokens_per_s=args.batch_size * args.seq_len / ms, speed_ratio=mid,

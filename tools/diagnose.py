@@ -1,5 +1,4 @@
-"""
-What did a model's depth routing learn? Diagnostics from a checkpoint, on held-out tokens (docs/experiments.md).
+"""What did a model's depth routing learn? Diagnostics from a checkpoint, on held-out tokens (docs/experiments.md).
 
     python -m tools.diagnose --ckpt runs/rd                    # routing maps, and per variant:
         rd_attnres: JS between its routes; dar, hc, mhc: CKA between streams (dar: rescue gains; hc, mhc: mixing
@@ -23,8 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools
 import torch
 
 import tools as files
-from common import ROOT, UserError, cli, log_records, need, os_error_message, perplexity, read_json
-from common import write_atomic as write_file
+from common import ROOT, UserError, cli, log_records, need, os_error_message, perplexity, read_json, write_atomic
 from data import eval_batches, load_meta
 from model import AttnRes, DARStream
 from model_fast import load_model
@@ -67,11 +65,8 @@ def collect(model, batches):
 
 def routing_maps(records):
     """{site: mean routing weights over held-out tokens}."""
-    maps = {}
-    for site in site_keys(records[0]):
-        a = torch.cat([r[site].flatten(start_dim=r[site].dim() - 2) for r in records], -1)  # tokens last
-        maps[site] = a.mean(-1)
-    return maps
+    return {site: torch.cat([r[site].flatten(start_dim=r[site].dim() - 2) for r in records], -1).mean(-1)  # tokens last
+            for site in site_keys(records[0])}
 
 
 def route_js(records, names):
@@ -87,12 +82,9 @@ def route_js(records, names):
 
 def stream_cka(records, n_layer):
     """Linear CKA between stream 0 after layer i and stream 1 after layer j, [n_layer][n_layer]."""
-    dar = recorded_kind(records) == "two_targets"
-    def streams(i):
-        s = [r[f"state.{2 * i + 1}"] for r in records]
-        return torch.cat([(x if dar else x.movedim(-2, 0))[:2].flatten(1, 2) for x in s], 1)  # [2, tokens, d]
-
-    s = [streams(i) for i in range(n_layer)]
+    dar = recorded_kind(records) == "two_targets"  # states: DAR's [2, B, T, d]; HC's, mHC's [B, T, n, d]
+    states = [[r[f"state.{2 * i + 1}"] for r in records] for i in range(n_layer)]
+    s = [torch.cat([(x if dar else x.movedim(-2, 0))[:2].flatten(1, 2) for x in xs], 1) for xs in states]  # [2, tokens, d]
     return [[linear_cka(s[i][0], s[j][1]) for j in range(n_layer)] for i in range(n_layer)]
 
 
@@ -158,11 +150,9 @@ def mixing_matrices(records):
             for key in records[0] if key.endswith("/res")}
 
 
-# --- plots (optional matplotlib) ----------------------------------------------------------------------
-
 def recorded_kind(records):
     """What a record holds, from its layout (docs/model.md, "What a record holds")."""
-    keys = set(records[0]) if records else set()
+    keys = set(records[0])
     if any(k.endswith("/alpha") for k in keys):
         return "two_targets"
     if any(k.endswith("/res") for k in keys):
@@ -192,35 +182,29 @@ def route_names(records, declared=None):
     return tuple(declared) if declared is not None and len(declared) == len(names) else names
 
 
+# --- plots (optional matplotlib) ----------------------------------------------------------------------
+
 def plot_routing_maps(maps, path, title, kind, names, partial=False):
     """One heatmap per route, a row per site, a column per source (0 = embedding)."""
     plt = pyplot()
     if plt is None:
         return None
-    routes = {name: {} for name in names}
-    for site, m in maps.items():
-        for r, name in enumerate(names):
-            if m.dim() == 1:
-                routes[name][site] = m
-            else:  # a site's routes [n, R]; DAR sites [2 targets, n]; MUDD sites [4 ways, n]
-                routes[name][site] = m[:, r] if kind == "routes" else m[r]
+    # a site's routes [n, R]; DAR sites [2 targets, n]; MUDD sites [4 ways, n]; one-route sites [n]
+    routes = {name: {site: m if m.dim() == 1 else m[:, r] if kind == "routes" else m[r] for site, m in maps.items()}
+              for r, name in enumerate(names)}
     signed = kind in ("dwa", "ways")
     top = max(v.nan_to_num().abs().max().item() for v in maps.values()) if signed else 1.0
     scale = dict(cmap="RdBu_r", vmin=-top, vmax=top) if signed else dict(cmap="viridis", vmin=0, vmax=1)
     fig, axes = plt.subplots(1, len(routes), figsize=(4.5 * len(routes), 6), squeeze=False)
     for ax, (name, rows) in zip(axes[0], routes.items()):
-        width = max(len(v) for v in rows.values())
-        grid = torch.full((len(rows), width), float("nan"))
-        for r, v in enumerate(rows.values()):
-            grid[r, :len(v)] = v
+        grid = torch.nn.utils.rnn.pad_sequence(list(rows.values()), batch_first=True, padding_value=float("nan"))
         im = ax.imshow(grid.numpy(), aspect="auto", **scale)
         ax.set_yticks(range(len(rows)), list(rows), fontsize=6)
         ax.set_xlabel("source (0 = embedding)" + ("; a site's last, within a block: its partial sum" if partial else ""))
         ax.set_title(name, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.6)
     fig.suptitle(title, fontsize=10)
-    write_figure(path, fig)
-    return path
+    return write_figure(path, fig)
 
 
 def plot_curves(groups, path):
@@ -242,8 +226,7 @@ def plot_curves(groups, path):
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    write_figure(path, fig)
-    return path
+    return write_figure(path, fig)
 
 
 def plot_scalars(scalars, path, title):
@@ -259,8 +242,7 @@ def plot_scalars(scalars, path, title):
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    write_figure(path, fig)
-    return path
+    return write_figure(path, fig)
 
 
 # --- the command -----------------------------------------------------------------------------------
@@ -296,6 +278,7 @@ def find_data_dir(recorded, given=None):
                     "for this run")
 
 
+@torch.no_grad()
 def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", data_dir=None):
     """A checkpoint's diagnostics, written into out_dir; every check first."""
     model, ckpt = load_model(ckpt_path, device)
@@ -338,8 +321,7 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
     if kind == "mixing":
         out["mixing_matrices"] = {k: v.tolist() for k, v in mixing_matrices(records).items()}
     if hasattr(model.residual, "scalars"):  # a variant's own values (docs/adding_a_variant.md)
-        with torch.no_grad():
-            out["scalars"] = {k: torch.as_tensor(v).flatten().tolist() for k, v in model.residual.scalars().items()}
+        out["scalars"] = {k: torch.as_tensor(v).flatten().tolist() for k, v in model.residual.scalars().items()}
 
     out_dir = out_dir or default_out(ckpt_path)
     try:
@@ -353,7 +335,7 @@ def diagnose(ckpt_path, out_dir=None, tokens=16384, batch_size=8, device="cpu", 
             out["scalars_plot"] = plot_scalars(out["scalars"], os.path.join(out_dir, "scalars.png"),
                                                f"{cfg.residual}, step {ckpt['step']}")
         path = os.path.join(out_dir, "diagnostics.json")
-        write_file(path, json.dumps(out, indent=1) + "\n")
+        write_atomic(path, json.dumps(out, indent=1) + "\n")
     except OSError as e:  # computed, then the disk failed: the numbers are printed, not lost
         print(summary(out))
         raise UserError(f"{os_error_message(e, out_dir)}; the summary above is all that was kept") from None
@@ -405,7 +387,7 @@ def parse_device(name, choices="cpu, cuda or cuda:N"):
 
 
 def check_args(args):
-    """Every flag, and where the results go, before any compute."""
+    """Every flag, and where the results go, before any compute; resolves --out's default."""
     need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}")
     need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}")
     parse_device(args.device)
@@ -415,19 +397,19 @@ def check_args(args):
     if args.ckpt:
         need(args.out is None or not os.path.exists(args.out) or os.path.isdir(args.out),
              f"--out {args.out} is a file: diagnose writes diagnostics.json and routing.png into a directory")
+        args.out = args.out or default_out(args.ckpt)
     elif args.out:
         need(not os.path.isdir(args.out),
              f"--out {args.out} is a directory: with --curves alone, --out is the PNG file to write")
-    out = args.out or (default_out(args.ckpt) if args.ckpt else None)
     mine = [curves_path(args)] if args.curves else []
-    mine += [os.path.join(out, f) for f in ("diagnostics.json", "routing.png", "scalars.png")] if args.ckpt else []
+    mine += [os.path.join(args.out, f) for f in ("diagnostics.json", "routing.png", "scalars.png")] if args.ckpt else []
     for path in mine:  # a file there that a tool did not write is someone's (a checkpoint, a log, a figure)
         need(files.ours(path), f"{path} exists and is not one diagnose wrote: it writes over no file it did not make; "
              "pass --out with a new path")
     if args.curves:
         check_writable(os.path.dirname(curves_path(args)) or ".", "the curves")
     if args.ckpt:
-        check_writable(args.out or default_out(args.ckpt), "the diagnostics")
+        check_writable(args.out, "the diagnostics")
 
 
 def val_curve(d):
@@ -446,7 +428,7 @@ def curve_labels(runs):
 
 def curves_path(args):
     if args.ckpt:
-        return os.path.join(args.out or default_out(args.ckpt), "curves.png")
+        return os.path.join(args.out, "curves.png")
     return args.out or os.path.join(os.path.commonpath([os.path.abspath(run) for run in args.curves]), "curves.png")
 
 
@@ -478,7 +460,7 @@ def run(argv):
     if args.ckpt:
         out = diagnose(args.ckpt, args.out, args.tokens, args.batch_size, args.device, args.data_dir)
         print(summary(out))
-        wrote += [out.get("routing_plot"), os.path.join(args.out or default_out(args.ckpt), "diagnostics.json")]
+        wrote += [out.get("routing_plot"), os.path.join(args.out, "diagnostics.json")]
     if any(wrote):  # a plot without matplotlib: None
         print("wrote " + ", ".join(path for path in wrote if path))
     return 0

@@ -1,5 +1,4 @@
-"""
-The GPU check: one command on a machine with CUDA GPUs (`make gpu-check`), one summary.
+"""The GPU check: one command on a machine with CUDA GPUs (`make gpu-check`), one summary.
 bench: tools.bench at 12 layers, width 768, context 1024, bf16, compiled. train: a small torchrun run
 straight through, then stopped by SIGTERM and resumed: the losses must agree. sample: sample.py on that
 checkpoint, with and without the cache. Exit status 0, 1 when a check fails, 2 after one `error:` line.
@@ -25,17 +24,14 @@ import torch
 
 from common import ROOT, UserError, cli, log_records
 
-BENCH = ["--n_layer", "12", "--n_embd", "768", "--n_head", "6", "--seq_len", "1024", "--batch_size", "8",
-         "--dtype", "bf16", "--compile", "--repeats", "5", "--warmup", "2", "--routing_blocks", "4:4,8:4,16:4"]
-TOY_BENCH = ["--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--seq_len", "16", "--batch_size", "2",
-             "--vocab_size", "97", "--compile", "--compile_backend", "aot_eager", "--repeats", "2", "--warmup", "1",
-             "--routing_blocks", "2:2", "--device", "cpu"]
-TRAIN = ["residual=block_attnres", "n_layer=6", "n_embd=384", "n_head=6", "seq_len=256", "batch_size=16",
-         "max_steps=300", "warmup_steps=30", "lr=2e-3", "min_lr=2e-4", "eval_interval=150", "eval_tokens=65536",
-         "log_interval=1", "ckpt_interval=100", "compile=true"]
-TOY_TRAIN = ["residual=block_attnres", "n_layer=2", "n_embd=32", "n_head=2", "seq_len=32", "batch_size=4",
-             "max_steps=150", "warmup_steps=10", "lr=1e-2", "min_lr=1e-3", "eval_interval=150", "eval_tokens=1024",
-             "log_interval=1", "ckpt_interval=0", "device=cpu"]
+BENCH = ("--n_layer 12 --n_embd 768 --n_head 6 --seq_len 1024 --batch_size 8 --dtype bf16 --compile --repeats 5 "
+         "--warmup 2 --routing_blocks 4:4,8:4,16:4").split()
+TOY_BENCH = ("--n_layer 2 --n_embd 32 --n_head 2 --seq_len 16 --batch_size 2 --vocab_size 97 --compile --compile_backend "
+             "aot_eager --repeats 2 --warmup 1 --routing_blocks 2:2 --device cpu").split()
+TRAIN = ("residual=block_attnres n_layer=6 n_embd=384 n_head=6 seq_len=256 batch_size=16 max_steps=300 warmup_steps=30 "
+         "lr=2e-3 min_lr=2e-4 eval_interval=150 eval_tokens=65536 log_interval=1 ckpt_interval=100 compile=true").split()
+TOY_TRAIN = ("residual=block_attnres n_layer=2 n_embd=32 n_head=2 seq_len=32 batch_size=4 max_steps=150 warmup_steps=10 "
+             "lr=1e-2 min_lr=1e-3 eval_interval=150 eval_tokens=1024 log_interval=1 ckpt_interval=0 device=cpu").split()
 
 
 def run(cmd, timeout, env=None):
@@ -161,7 +157,6 @@ def check(argv):
 
 
 def main(argv=None):
-    """The command line; its exit status."""
     return cli(check, argv)
 
 
