@@ -4,15 +4,16 @@ variant family, the command on a checkpoint, and its bad input: one line and exi
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-import train
+from conftest import randomize_routing, tiny, tokens
 from model import GPTConfig
 from model_fast import make_model
 from tools import diagnose
+
+from runs import run as train_run
 
 
 def test_diagnose_refuses_a_corrupt_checkpoint_in_one_line(tmp_path, capsys):
@@ -24,7 +25,7 @@ def test_diagnose_refuses_a_corrupt_checkpoint_in_one_line(tmp_path, capsys):
 
 # --- the diagnostics' measures --------------------------------------------------------------------
 
-def test_js_divergence_known_values():
+def test_the_measures_on_known_values():
     p = torch.tensor([0.5, 0.5], dtype=torch.float64)
     q = torch.tensor([1.0, 0.0], dtype=torch.float64)
     assert diagnose.js_divergence(p, p).item() == 0.0
@@ -33,9 +34,6 @@ def test_js_divergence_known_values():
     expected = 0.5 * (0.5 * math.log(2 / 3) + 0.5 * math.log(2)) + 0.5 * math.log(4 / 3)
     assert diagnose.js_divergence(p, q).item() == pytest.approx(expected, abs=1e-12)
     assert diagnose.js_divergence(q, p).item() == pytest.approx(expected, abs=1e-12)
-
-
-def test_linear_cka_known_values():
     g = torch.Generator().manual_seed(0)
     X = torch.randn(200, 8, generator=g, dtype=torch.float64)
     Q, _ = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=torch.float64))
@@ -44,82 +42,65 @@ def test_linear_cka_known_values():
     # one feature: CKA is the squared correlation; centred x = (-1, 0, 1), y = (-1, 1, 0): (1 / 2)^2
     x, y = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[1.0], [3.0], [2.0]])
     assert diagnose.linear_cka(x, y) == pytest.approx(0.25)
-
-
-def test_rescue_gain():
     assert diagnose.rescue_gain(0.4, 0.1) == pytest.approx(0.75)
     assert diagnose.rescue_gain(0.4, 0.4) == 0.0
 
 
-def test_diagnostics_on_every_variant_family():
-    """The records each variant exposes are enough for its measures, at any routing."""
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 50, (2, 12), generator=g),) * 2 for _ in range(2)]
-    for kw in (dict(residual="rd_attnres"), dict(residual="dar"), dict(residual="mhc", hc_streams=2)):
-        model = make_model(GPTConfig(vocab_size=50, block_size=12, n_layer=2, n_head=2, n_embd=16, **kw))
-        with torch.no_grad():
-            for p in model.residual.parameters():
-                p.add_(torch.randn(p.shape, generator=g))
-        loss, records = diagnose.collect(model, batches)
-        if kw["residual"] == "rd_attnres":
-            assert diagnose.route_names(records, model.residual.route_names) == ("QK route", "V route")
-            js = diagnose.route_js(records, model.residual.route_names)["QK||V"]
-            assert list(js) == ["attn.0", "attn.1"] and js["attn.0"] == 0 and 0 < js["attn.1"] < math.log(2)
-            maps = diagnose.routing_maps(records)
-            assert maps["attn.1"].shape == (2, 2)  # sources [x0, partial] by 2 routes
-            assert torch.allclose(maps["attn.1"].sum(0), torch.ones(2))
-        elif kw["residual"] == "dar":
-            cka = diagnose.stream_cka(records, 2)
-            state = lambda key, m: torch.cat([r[key][m].flatten(0, 1) for r in records])  # noqa: E731 [2, B, T, d]
-            assert cka[0][1] == pytest.approx(diagnose.linear_cka(state("state.1", 0), state("state.3", 1)))
-            assert all(0 < c < 1 for row in cka for c in row)
-            gains = diagnose.dar_rescue_gains(model, batches, loss)
-            assert len(gains) == 2 and "start" not in vars(model.residual)  # the ablation undone
-            assert all(g[2] != 0 for g in gains)  # ablating both streams changes the loss
-        else:
-            cka = diagnose.stream_cka(records, 2)  # mHC-2's two streams, H [B, T, n, d]
-            state = lambda key, m: torch.cat([r[key][..., m, :].flatten(0, 1) for r in records])  # noqa: E731
-            assert cka[1][0] == pytest.approx(diagnose.linear_cka(state("state.3", 0), state("state.1", 1)))
-            mix = diagnose.mixing_matrices(records)
-            assert mix["mlp.1"].shape == (2, 2)
-            assert torch.allclose(mix["mlp.1"].sum(-2), torch.ones(2), atol=1e-5)  # Sinkhorn ends on columns: float32, 4 u
-
-
-def test_diagnostics_of_denseformer_muddformer_and_delta():
-    """DWA weights land on their sources S(i); MUDD maps are [4 ways, n] per attention site and [n] at
-    the readout; Delta's routing weights are distributions, their per-token peak between 1/n and 1."""
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 50, (2, 12), generator=g),) * 2 for _ in range(2)]
-    for kw in (dict(residual="denseformer", denseformer_dilation=2), dict(residual="muddformer"),
-               dict(residual="delta_attnres")):
-        model = make_model(GPTConfig(vocab_size=50, block_size=12, n_layer=3, n_head=2, n_embd=16, **kw))
-        with torch.no_grad():
-            for p in model.residual.parameters():
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-        _, records = diagnose.collect(model, batches)
-        if kw["residual"] == "denseformer":  # k = 2: S(1) = {1}, S(2) = {0, 2}, S(3) = {1, 3}
-            dwa = diagnose.dwa_weights(records, 3, 2)
-            assert [torch.isnan(v).tolist() for v in dwa.values()] == [
-                [True, False, True, True], [False, True, False, True], [True, False, True, False]]
-            assert torch.equal(dwa["dwa.3"][[1, 3]], model.residual.alpha["3"].detach())
-        elif kw["residual"] == "muddformer":
-            maps = diagnose.routing_maps(records)
-            assert list(maps) == ["attn.1", "attn.2", "readout"]
-            assert maps["attn.2"].shape == (4, 3) and maps["readout"].shape == (4,)
-            ways = diagnose.mudd_way_summary(maps)
-            assert list(ways) == list("QKVR") and all(abs(w["newest"] - 1) < 0.5 for w in ways.values())
-        else:
-            maps = diagnose.routing_maps(records)
-            assert maps["mlp.2"].shape == (6,) and torch.allclose(maps["mlp.2"].sum(), torch.tensor(1.0))
-            peak = diagnose.max_weight_per_site(records)
-            assert "attn.0" not in peak and len(peak) == 5  # sublayer 0 routes over x0 alone
-            assert all(1 / 6 <= p <= 1 for p in peak.values())
+@pytest.mark.parametrize("residual, kw, scale", [
+    ("rd_attnres", dict(n_layer=2), 1.0), ("dar", dict(n_layer=2), 1.0), ("mhc", dict(hc_streams=2, n_layer=2), 1.0),
+    ("denseformer", dict(denseformer_dilation=2), 0.1), ("muddformer", {}, 0.1), ("delta_attnres", {}, 0.1)])
+def test_diagnostics_of_every_variant_family(residual, kw, scale):
+    """The records each variant exposes are enough for its measures, at any routing. DWA weights land on their
+    sources S(i); MUDD maps are [4 ways, n] per attention site and [n] at the readout; Delta's routing weights are
+    distributions, their per-token peak between 1/n and 1."""
+    model = randomize_routing(tiny(dtype=torch.float32, block_size=12, n_embd=16, residual=residual, **kw), scale=scale,
+                              add=True)
+    batches = [(tokens(seed=seed),) * 2 for seed in (0, 1)]
+    loss, records = diagnose.collect(model, batches)
+    if residual == "rd_attnres":
+        assert diagnose.route_names(records, model.residual.route_names) == ("QK route", "V route")
+        js = diagnose.route_js(records, model.residual.route_names)["QK||V"]
+        assert list(js) == ["attn.0", "attn.1"] and js["attn.0"] == 0 and 0 < js["attn.1"] < math.log(2)
+        maps = diagnose.routing_maps(records)
+        assert maps["attn.1"].shape == (2, 2)  # sources [x0, partial] by 2 routes
+        assert torch.allclose(maps["attn.1"].sum(0), torch.ones(2))
+    elif residual == "dar":
+        cka = diagnose.stream_cka(records, 2)
+        state = lambda key, m: torch.cat([r[key][m].flatten(0, 1) for r in records])  # noqa: E731 [2, B, T, d]
+        assert cka[0][1] == pytest.approx(diagnose.linear_cka(state("state.1", 0), state("state.3", 1)))
+        assert all(0 < c < 1 for row in cka for c in row)
+        gains = diagnose.dar_rescue_gains(model, batches, loss)
+        assert len(gains) == 2 and "start" not in vars(model.residual)  # the ablation undone
+        assert all(g[2] != 0 for g in gains)  # ablating both streams changes the loss
+    elif residual == "mhc":
+        cka = diagnose.stream_cka(records, 2)  # mHC-2's two streams, H [B, T, n, d]
+        state = lambda key, m: torch.cat([r[key][..., m, :].flatten(0, 1) for r in records])  # noqa: E731
+        assert cka[1][0] == pytest.approx(diagnose.linear_cka(state("state.3", 0), state("state.1", 1)))
+        mix = diagnose.mixing_matrices(records)
+        assert mix["mlp.1"].shape == (2, 2)
+        assert torch.allclose(mix["mlp.1"].sum(-2), torch.ones(2), atol=1e-5)  # Sinkhorn ends on columns: float32, 4 u
+    elif residual == "denseformer":  # k = 2: S(1) = {1}, S(2) = {0, 2}, S(3) = {1, 3}
+        dwa = diagnose.dwa_weights(records, 3, 2)
+        assert [torch.isnan(v).tolist() for v in dwa.values()] == [
+            [True, False, True, True], [False, True, False, True], [True, False, True, False]]
+        assert torch.equal(dwa["dwa.3"][[1, 3]], model.residual.alpha["3"].detach())
+    elif residual == "muddformer":
+        maps = diagnose.routing_maps(records)
+        assert list(maps) == ["attn.1", "attn.2", "readout"]
+        assert maps["attn.2"].shape == (4, 3) and maps["readout"].shape == (4,)
+        ways = diagnose.mudd_way_summary(maps)
+        assert list(ways) == list("QKVR") and all(abs(w["newest"] - 1) < 0.5 for w in ways.values())
+    else:
+        maps = diagnose.routing_maps(records)
+        assert maps["mlp.2"].shape == (6,) and torch.allclose(maps["mlp.2"].sum(), torch.tensor(1.0))
+        peak = diagnose.max_weight_per_site(records)
+        assert "attn.0" not in peak and len(peak) == 5  # sublayer 0 routes over x0 alone
+        assert all(1 / 6 <= p <= 1 for p in peak.values())
 
 
 @pytest.mark.parametrize("residual", ["denseformer", "muddformer", "delta_attnres", "mhc"])
 def test_diagnose_command_on_a_checkpoint(residual, tmp_path, data_dir):
-    train.main(["configs/test.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", f"--residual={residual}",
-                "--max_steps=2", "--eval_interval=2", "--ckpt_interval=2"])
+    train_run(data_dir, tmp_path, f"--residual={residual}", "--max_steps=2", "--eval_interval=2", "--ckpt_interval=2")
     out = diagnose.diagnose(str(tmp_path / "test"), tokens=256, batch_size=2)
     key = {"denseformer": "dwa_weights", "muddformer": "mudd_ways", "delta_attnres": "max_weight_mean",
            "mhc": "cka_matrix"}[residual]
@@ -152,9 +133,9 @@ def no_compute(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["tokens", "batch_size", "device", "cuda", "out_file", "curves_missing",
-                                  "curves_out_dir"])
+                                  "curves_out_dir", "read_only_out"])
 def test_diagnose_bad_flags_are_one_line_and_exit_2_before_any_compute(case, tmp_path, data_dir, capsys,
-                                                                     monkeypatch, no_compute):
+                                                                     monkeypatch, no_compute, read_only):
     run = fake_run(tmp_path / "run", data_dir)
     (tmp_path / "a_file").write_text("mine")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -170,34 +151,15 @@ def test_diagnose_bad_flags_are_one_line_and_exit_2_before_any_compute(case, tmp
                            f"--curves {tmp_path / 'nowhere'}: no log.jsonl there (not a train.py run directory)"),
         "curves_out_dir": (["--curves", run, "--out", tmp_path],
                            f"--out {tmp_path} is a directory: with --curves alone, --out is the PNG file to write"),
+        "read_only_out": (["--ckpt", run], f"cannot write the diagnostics into {run}: read-only file system: pass --out "
+                          "with a writable directory"),  # checked before computing
     }[case]
     (run / "log.jsonl").write_text("")  # a run directory for --curves
+    if case == "read_only_out":
+        read_only(run)
     rc, out, err = diagnose_cli(capsys, *args)
     assert (rc, out) == (2, "") and err == f"error: {message}\n", err
     assert (tmp_path / "a_file").read_text() == "mine" and not (run / "diagnostics.json").exists()
-
-
-def writes_fail_under(monkeypatch, directory):
-    """Writes into `directory` fail as on a read-only file system (chmod would not stop root)."""
-    import builtins
-    import errno
-    import os
-    real = builtins.open
-
-    def guarded(file, mode="r", *args, **kwargs):
-        if set(mode) & set("wax+") and Path(os.fspath(file)).resolve().is_relative_to(directory.resolve()):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(file))
-        return real(file, mode, *args, **kwargs)
-    monkeypatch.setattr(builtins, "open", guarded)
-
-
-def test_diagnose_checks_its_output_directory_before_computing(tmp_path, data_dir, capsys, monkeypatch, no_compute):
-    run = fake_run(tmp_path / "run", data_dir)
-    writes_fail_under(monkeypatch, run)
-    rc, out, err = diagnose_cli(capsys, "--ckpt", run)
-    assert (rc, out) == (2, "")
-    assert err == (f"error: cannot write the diagnostics into {run}: read-only file system: pass --out with a "
-                   "writable directory\n"), err
 
 
 def test_diagnose_says_what_it_wrote_into_the_run_and_draws_a_lone_evaluation(tmp_path, data_dir, capsys,
