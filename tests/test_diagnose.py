@@ -165,7 +165,8 @@ def test_diagnose_bad_flags_are_one_line_and_exit_2_before_any_compute(case, tmp
 def test_diagnose_says_what_it_wrote_into_the_run_and_draws_a_lone_evaluation(tmp_path, data_dir, capsys,
                                                                               monkeypatch):
     """A new user's first diagnose: every file goes into the run's directory (curves.png too, never the
-    current directory) and is named on the last line; a run evaluated once still shows its point."""
+    current directory) and is named on the last line; a run evaluated once still shows its point; without
+    matplotlib, the numbers alone and the command that gets the plots."""
     run = fake_run(tmp_path / "run", data_dir)
     (run / "log.jsonl").write_text(json.dumps(dict(kind="eval", split="val", step=2, loss=3.5)) + "\n")
     monkeypatch.chdir(tmp_path)
@@ -178,11 +179,7 @@ def test_diagnose_says_what_it_wrote_into_the_run_and_draws_a_lone_evaluation(tm
     assert list(lines[0].get_xdata()) == [2] and lines[0].get_marker() == "o"
     rc, out, err = diagnose_cli(capsys, "--curves", run)  # alone: into the run too
     assert (rc, out) == (0, f"wrote {run / 'curves.png'}\n")
-
-
-def test_diagnose_without_matplotlib_writes_the_numbers_and_names_the_command_for_the_plots(
-        tmp_path, data_dir, capsys, monkeypatch):
-    run = fake_run(tmp_path / "run", data_dir)
+    (run / "routing.png").unlink()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
     rc, out, err = diagnose_cli(capsys, "--ckpt", run, "--tokens", 64, "--batch_size", 2)
     assert rc == 0 and "pip install matplotlib" in err

@@ -27,6 +27,8 @@ FAMILIES = [  # 2 layers; 1 where every layer runs the same ops and nothing is r
     dict(residual="delta_attnres", delta_block_size=3),
 ]
 IDS = ["-".join(map(str, v.values())) for v in FAMILIES]
+FAST_FUNCTIONS = pytest.mark.parametrize("variant", [dict(residual="rd_attnres"), dict(residual="dar", dar_block_size=1)],
+                                         ids=["rd_attnres", "dar"])  # the families the fast path's custom Functions carry
 
 
 def tiny(**kw):
@@ -62,8 +64,7 @@ def assert_compiled_equals_eager(model, compiled, autocast, rtol):
 
 @pytest.fixture
 def plain_compile():
-    """torch.compile as a user calls it in their own loop: AOTAutograd traces the backward under the
-    forward's autocast (its default, which compile_model turns off for the rest of the process)."""
+    """torch.compile as a user calls it: the backward traced under the forward's autocast (AOTAutograd's default)."""
     with torch._functorch.config.patch(backward_pass_autocast="same_as_forward"):
         yield lambda model, **kw: torch.compile(model, fullgraph=True, dynamic=False, **kw)
 
@@ -71,13 +72,8 @@ def plain_compile():
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", FAMILIES, ids=IDS)
 def test_compiled_equals_eager_in_training_and_evaluation(variant):
-    """compile_model (what train.py and tools/bench.py compile with), fullgraph=True, so a graph break
-    anywhere is an error; aot_eager traces forward and backward as inductor does, without generating
-    code. Training under bf16 autocast: compile_model traces the backward outside autocast, as eager
-    runs it, so every float32 op of the routing, plain autograd (model.py: mHC's and MUDDFormer's
-    projections, HC's mixing) or a custom Function (model_fast.py), has its backward in float32 and the
-    gradients equal eager's. Evaluation under no_grad and inference_mode, where autograd Functions take
-    another path."""
+    """compile_model (train.py's and bench's), fullgraph: a graph break fails; aot_eager traces as inductor does. Its
+    backward runs outside autocast as eager's, so bf16 training equals eager; also under no_grad and inference_mode."""
     torch._dynamo.reset()
     model = randomized(tiny(**variant))
     compiled = compile_model(model, fullgraph=True, backend="aot_eager")
@@ -88,14 +84,10 @@ def test_compiled_equals_eager_in_training_and_evaluation(variant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [dict(residual="rd_attnres"), dict(residual="dar", dar_block_size=1)],
-                         ids=["rd_attnres", "dar"])
+@FAST_FUNCTIONS
 def test_the_fast_functions_hold_under_plain_compile(variant, plain_compile):
-    """A torch.compile of one's own, whose backward AOTAutograd traces under the forward's autocast (its
-    default): the custom Functions of the fast path (the two-phase router, DAR's transport,
-    norm_project) compute their backward in float32 with autocast off themselves, so the families they
-    carry still equal eager exactly. (Plain autograd ops of the routing would not: compile such a model
-    with compile_model, or set torch._functorch.config.backward_pass_autocast = "off" as it does.)"""
+    """A plain torch.compile traces the backward under the forward's autocast: the fast path's custom Functions
+    turn autocast off themselves, so the families they carry still equal eager exactly."""
     torch._dynamo.reset()
     model = randomized(tiny(**variant))
     compiled = plain_compile(model, backend="aot_eager")
@@ -104,14 +96,10 @@ def test_the_fast_functions_hold_under_plain_compile(variant, plain_compile):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("inductor")  # with test_norm_project's: one process pays inductor's first-use warm-up
-@pytest.mark.parametrize("variant", [dict(residual="rd_attnres"), dict(residual="dar", dar_block_size=1)],
-                         ids=["rd_attnres", "dar"])
+@FAST_FUNCTIONS
 def test_inductor_under_bf16_autocast_equals_eager(variant, plain_compile):
-    """Inductor itself, plain torch.compile under bf16 autocast, on the two families whose compiled
-    backward failed there (about 25 s each on 2 CPU cores, one layer). Inductor fuses the bf16
-    sublayers, keeping float32 where eager rounds to bf16 between ops, so gradients agree to bf16
-    precision (here within 3% of each tensor's largest entry), not exactly; aot_eager above checks
-    the same traced graphs exactly."""
+    """Inductor under bf16 autocast (~25 s each): it keeps float32 where eager rounds to bf16 between ops, so the
+    gradients agree to bf16 precision (3% of each tensor's largest entry); aot_eager above checks them exactly."""
     torch._dynamo.reset()
     model = randomized(tiny(n_layer=1, **variant))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
@@ -124,11 +112,8 @@ def test_inductor_under_bf16_autocast_equals_eager(variant, plain_compile):
 
 @pytest.mark.slow
 def test_activation_checkpointing_compiles_whole_and_equals_eager():
-    """With activation_checkpointing, fullgraph=True traces each sublayer as one checkpointed region
-    (RD-AttnRes: a sublayer with two inputs) and the compiled step equals eager's, under bf16
-    autocast; eager with checkpointing equals eager without, the recomputation under autocast too
-    (the loss bit for bit; the gradients to bf16 rounding: the backward's matmuls run in bf16, and the
-    two graphs order and fuse the rounding steps differently)."""
+    """fullgraph traces each checkpointed sublayer as one region and equals eager under bf16 autocast; eager with
+    checkpointing equals eager without (the loss bit for bit, the gradients to bf16 rounding)."""
     torch._dynamo.reset()
     model = randomized(tiny(residual="rd_attnres", activation_checkpointing=True))
     ops = []
@@ -179,9 +164,8 @@ def test_benchmark_runs_and_reports_ratios(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_benchmark_compiles_every_variant(tmp_path, monkeypatch):
-    """Dynamo compiles each model's forward as a recompile of one code object; past its recompile
-    limit (8 by default, 1 here) it would silently run the rest eagerly. bench.py raises the limit
-    to fit its variants and makes a hit an error."""
+    """Each model's forward is a recompile of one code object: past the limit (1 here) Dynamo would run the rest
+    eagerly; bench.py raises the limit to fit its variants and makes a hit an error."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
