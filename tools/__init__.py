@@ -1,5 +1,9 @@
-"""Tools (`python -m tools.<name>`): diagnose (what the routing learned), bench (speed and memory), gpu_check (checks
-on a CUDA GPU); here the helpers they share."""
+"""Tools (`python -m tools.<name>`) and their helpers:
+
+    diagnose    what the routing learned
+    bench       speed and memory
+    gpu_check   checks on a CUDA GPU
+"""
 
 import os
 import sys

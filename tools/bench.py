@@ -69,7 +69,7 @@ class ReferenceRouter:
         return depth_attention(self.W[q], [s[ks] for s in sources], [s[vs] for s in sources])[0]
 
     def read_rows(self, rows, recent=(), inv=()):
-        """h of each query row in rows (one site's)."""
+        """h of each of one site's query rows."""
         return [self.read(q, recent) for q in rows]
 
     def read_fused(self, rows, alpha, recent=(), inv=()):
@@ -140,7 +140,7 @@ def copy_bandwidth(device, nbytes=256 * 2**20, reps=10):
 
 
 def bench_block_routing(args, device, bandwidth, reps=10):
-    """One block of S sites over n completed sources: the router opened once, then each site reads."""
+    """One block of S sites over n completed sources: the router opened once, each site read."""
     rows = []
     B, T, d = args.batch_size, args.seq_len, args.n_embd
     source = B * T * d * 4

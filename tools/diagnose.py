@@ -5,8 +5,8 @@
         matrices); full/block/delta_attnres: the peak routing weight; denseformer: DWA weights; muddformer: per way
     python -m tools.diagnose --curves runs/sweep/*/seed*/      # validation-loss curves across runs
 
-Writes diagnostics.json and PNGs (with matplotlib) into --out (default: the run directory). Data: the validation
-split of --data_dir (default: the checkpoint's). Exit status: 0 done; 2 one `error:` line, before any compute.
+Writes diagnostics.json and PNGs (with matplotlib) into --out, from the validation split of --data_dir (defaults: the
+run's). Exit status: 0 done; 2 one `error:` line, before any compute.
 """
 
 import argparse
@@ -91,9 +91,9 @@ def stream_cka(records, n_layer):
 class AblatedDARStream(DARStream):
     """DARStream with target t's retrieval at site j (t in ablate[j]) replaced by its token mean."""
 
-    def __init__(self, mod, x0, record=None, ablate=None):
+    def __init__(self, mod, x0, record, ablate):
         super().__init__(mod, x0, record)
-        self.ablate = ablate or {}
+        self.ablate = ablate
 
     def retrieve(self, j):
         r = list(super().retrieve(j))
@@ -151,7 +151,7 @@ def mixing_matrices(records):
 
 
 def recorded_kind(records):
-    """What a record holds, from its layout (docs/model.md, "What a record holds")."""
+    """What a record holds, from its layout (docs/model.md)."""
     keys = set(records[0])
     if any(k.endswith("/alpha") for k in keys):
         return "two_targets"
@@ -230,7 +230,7 @@ def plot_curves(groups, path):
 
 
 def plot_scalars(scalars, path, title):
-    """A variant's own values (its module's `scalars()`), one line per name over the sites."""
+    """A variant's own `scalars()`, one line per name over the sites."""
     plt = pyplot()
     if plt is None:
         return None
@@ -387,7 +387,7 @@ def parse_device(name, choices="cpu, cuda or cuda:N"):
 
 
 def check_args(args):
-    """Every flag, and where the results go, before any compute; resolves --out's default."""
+    """Every flag, and where the results go (--out's default too), before any compute."""
     need(args.tokens >= 1, f"--tokens must be at least 1, got {args.tokens}")
     need(args.batch_size >= 1, f"--batch_size must be at least 1, got {args.batch_size}")
     parse_device(args.device)
