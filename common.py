@@ -26,7 +26,7 @@ class UserError(ValueError):
 class Stopped(KeyboardInterrupt):
     """Stopped by signal `signum`: exit 128 + signum."""
 
-    def __init__(self, message, signum=2):
+    def __init__(self, message, signum):
         super().__init__(message)
         self.signum = signum
 
@@ -42,12 +42,10 @@ def stop(signum, frame):
 
 @contextmanager
 def signal_handlers(handlers, over_ignored=False):
-    """Install {signum: handler} for the block, in the main thread; a signal that is ignored (a background job's
-    SIGINT) stays ignored unless over_ignored."""
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {s: signal.signal(s, h) for s, h in handlers.items()
-                    if over_ignored or signal.getsignal(s) is not signal.SIG_IGN}
+    """{signum: handler} for the block (main thread only); an ignored signal stays ignored unless over_ignored."""
+    main = threading.current_thread() is threading.main_thread()  # the only thread that may set handlers
+    previous = {s: signal.signal(s, h) for s, h in handlers.items()
+                if main and (over_ignored or signal.getsignal(s) is not signal.SIG_IGN)}
     try:
         yield
     finally:
@@ -61,14 +59,11 @@ def cli(main, argv=None):
         with signal_handlers({signal.SIGINT: signal.default_int_handler, signal.SIGTERM: stop}):
             status = main(argv)
         return status if isinstance(status, int) else 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
     except BrokenPipeError:  # `| head` has what it wants: silence the flush at exit
         discard_stdout()
         return 0
-    except OSError as e:  # a full disk, a path the OS refuses
-        print(f"error: {os_error_message(e)}", file=sys.stderr, flush=True)
+    except (UserError, OSError) as e:  # bad input; a full disk, a path the OS refuses
+        print(f"error: {e if isinstance(e, UserError) else os_error_message(e)}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt as e:
         if rank() == 0:
@@ -120,10 +115,7 @@ def log_records(run_dir):
     return [r for r in records if isinstance(r, dict)]
 
 
-# ----------------------------------------------------------------------------------------------
 # The ranks of a torchrun job (one process without torchrun).
-
-
 def rank():
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
@@ -151,8 +143,7 @@ def on_rank0(fn, shared=None):
     if world_size() > 1:
         box = [((shared or (lambda r: r))(result) if rank() == 0 and error is None else None, error)]
         dist.broadcast_object_list(box, src=0)
-        result = result if rank() == 0 else box[0][0]
-        error = box[0][1]
+        result, error = (result if rank() == 0 else box[0][0]), box[0][1]
     if error is not None:
         raise UserError(error)
     return result
@@ -172,11 +163,9 @@ def say(text):
 
 
 def busy_cores(cores, seconds=0.25):
-    """How many of `cores` (CPU numbers) other work keeps busy now: their /proc/stat lines sampled over `seconds` (else
-    the 1-minute load, scaled to them)."""
+    """How many of `cores` (CPU numbers) other work keeps busy: /proc/stat over `seconds`, else the 1-minute load."""
     def sample():
-        with open("/proc/stat") as f:
-            rows = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
+        rows = [r.split() for r in Path("/proc/stat").read_text().splitlines() if r.startswith("cpu") and r[3].isdigit()]
         ticks = [list(map(int, r[1:])) for r in rows if int(r[0][3:]) in cores]
         return sum(map(sum, ticks)), sum(t[3] + t[4] for t in ticks)  # all, idle + iowait
     try:
@@ -187,8 +176,7 @@ def busy_cores(cores, seconds=0.25):
 
 
 def cpu_threads(ranks=1):
-    """Intra-op threads for a CPU process: OMP_NUM_THREADS where set, else the cores this process may use that other
-    work leaves free, shared among the node's `ranks` (at least one)."""
+    """Intra-op threads: OMP_NUM_THREADS's, else the free cores this process may use, shared among `ranks` (>= 1)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
@@ -206,13 +194,11 @@ def utc_now():
 def git_commit():
     """This checkout's commit, "+dirty" where a tracked file differs from it; None outside git."""
     try:
-        run = [subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
-               for args in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])]
+        head, status = (subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
+                        for args in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"]))
     except (OSError, subprocess.SubprocessError):
         return None
-    if run[0].returncode != 0:
-        return None
-    return run[0].stdout.strip() + ("+dirty" if run[1].stdout.strip() else "")
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "") if head.returncode == 0 else None
 
 
 def provenance(before=None):
