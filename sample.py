@@ -1,11 +1,7 @@
-"""
-Sample text from a checkpoint, with a key/value cache (docs/sampling.md).
+"""Sample text from a checkpoint, with a key/value cache (docs/sampling.md). Exit status 0, or 2 after one `error:` line.
 
     python sample.py --ckpt runs/demo --prompt "ROMEO:" --num_samples 3 --max_new_tokens 200
     python sample.py --ckpt runs/demo/ckpt.pt --temperature 0   # greedy, unconditional
-
-Depth routing works per position, so keys and values are all a variant needs cached. Each sample
-has its own seeded generator. Exit status 0, or 2 after one `error:` line.
 """
 
 import argparse
@@ -45,27 +41,24 @@ class Window:
 
     def __init__(self, model, prompts, use_cache=True):
         self.model, self.use_cache = model, use_cache
-        self.block_size = model.cfg.block_size
-        self.tokens = torch.tensor([list(p)[-self.block_size:] for p in prompts], device=model.wte.weight.device)
+        self.tokens = torch.tensor([list(p)[-model.cfg.block_size:] for p in prompts], device=model.wte.weight.device)
         self.cache = None  # created on first use, dropped when the window slides
 
     def append(self, tokens):
         """tokens [B]: the next token of every row."""
         self.tokens = torch.cat([self.tokens, tokens.view(-1, 1).to(self.tokens.device)], 1)
-        if self.tokens.size(1) > self.block_size:  # slide: the last half starts a fresh window
-            self.tokens = self.tokens[:, -max(1, self.block_size // 2):]
+        if self.tokens.size(1) > self.model.cfg.block_size:  # slide: the last half starts a fresh window
+            self.tokens = self.tokens[:, -max(1, self.model.cfg.block_size // 2):]
             self.cache = None
 
     @torch.no_grad()
     def next_logits(self):
         """Logits [B, vocab] for the token after each row."""
-        weight, new = self.model.wte.weight, self.tokens
-        if self.use_cache:
-            if self.cache is None:
-                self.cache = KVCache(self.model.cfg, len(self.tokens), weight.device, weight.dtype)
-            new = self.tokens[:, self.cache.pos:]  # the whole window after a slide, else the last token
-        logits, _ = self.model(new, kv_cache=self.cache)
-        return logits[:, -1]
+        if self.use_cache and self.cache is None:
+            weight = self.model.wte.weight
+            self.cache = KVCache(self.model.cfg, len(self.tokens), weight.device, weight.dtype)
+        new = self.tokens if self.cache is None else self.tokens[:, self.cache.pos:]  # all after a slide, else the last
+        return self.model(new, kv_cache=self.cache)[0][:, -1]
 
 
 def filter_logits(logits, top_k=None, top_p=None):
