@@ -43,9 +43,9 @@ def stop(signum, frame):
 @contextmanager
 def signal_handlers(handlers, over_ignored=False):
     """{signum: handler} for the block (main thread only); an ignored signal stays ignored unless over_ignored."""
-    main = threading.current_thread() is threading.main_thread()  # the only thread that may set handlers
+    in_main = threading.current_thread() is threading.main_thread()  # the only thread that may set handlers
     previous = {s: signal.signal(s, h) for s, h in handlers.items()
-                if main and (over_ignored or signal.getsignal(s) is not signal.SIG_IGN)}
+                if in_main and (over_ignored or signal.getsignal(s) is not signal.SIG_IGN)}
     try:
         yield
     finally:
