@@ -1,6 +1,6 @@
-"""What the tests share: the tolerances, one tiny model, one routing randomiser, the dtype rule's instrument; fixtures
-(one thread per test process, the tiny byte corpus, one uninterrupted run, a read-only mount, a full disk); and the
-order in which `make test-all` (pytest -n auto --dist loadgroup) hands the tests to its processes."""
+"""What the tests share: tolerances, one tiny model, a routing randomiser, a user's variant, the checks of learning at
+init and of the dtype rule; fixtures (one thread per test process, the tiny byte corpus, one uninterrupted run, a read-only
+mount, a full disk); and the order in which `make test-all` (pytest -n auto --dist loadgroup) hands out the tests."""
 
 import builtins
 import errno
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
-from model import GPTConfig
+from model import GPTConfig, RDAttnRes
 from model_fast import make_model
 from prepare_data import DEFAULT_CORPUS, prepare
 
@@ -38,10 +39,12 @@ F64_EPS = 1e-9  # a reduction through RMSNorm(c h) = RMSNorm(h) (c > 0, uniform 
 BF16_PATHS = 2 ** -8 / 64
 
 
-def zero_grad_at_init(exempt, name):
-    """Whether parameter `name` starts with a zero gradient by construction, as `exempt` (an entry of
-    ZERO_GRAD_AT_INIT) says."""
-    return exempt(name) if callable(exempt) else name.startswith(tuple(exempt))
+def unlearned(model, exempt=()):
+    """After a backward at init: the trainable parameters without a finite gradient, or whose gradient is zero where
+    `exempt` (an entry of ZERO_GRAD_AT_INIT: name prefixes or a predicate) expects none to be, or not zero where it does."""
+    zero = exempt if callable(exempt) else lambda name: name.startswith(tuple(exempt))
+    return [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not torch.isfinite(p.grad).all()
+            or not (p.grad.abs().max() < F64_ZERO if zero(n) else p.grad.abs().max() > 10 * F64_ZERO))]
 
 
 def tiny(seed=0, dtype=torch.float64, **kw):
@@ -63,6 +66,26 @@ def randomize_routing(model, seed=1, scale=1.0, add=False):
         noise = scale * torch.randn(p.shape, generator=g, dtype=torch.float64)
         p.add_(noise) if add else p.copy_(noise)
     return model
+
+
+class ThreeRoutes(RDAttnRes):
+    """A user's variant: RD-AttnRes with a pseudo-query for each of the Q, K and V inputs of every attention sublayer
+    (a 3-tuple h). Only its queries change, so the fast twin serves it (three query rows per attention site)."""
+
+    route_names = ("Q route", "K route", "V route")
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.w_k = nn.Parameter(torch.zeros(cfg.n_layer, cfg.n_embd))
+
+    @torch.no_grad()
+    def reset_parameters(self, rng):
+        super().reset_parameters(rng)
+        self.w_k.zero_()
+
+    def queries(self, j):
+        rows = super().queries(j)
+        return torch.cat([rows[:1], self.w_k[j // 2:j // 2 + 1], rows[1:]]) if len(rows) == 2 else rows
 
 
 def bf16_routing_error(model, monkeypatch):

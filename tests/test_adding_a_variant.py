@@ -14,12 +14,12 @@ import model_fast
 import sample
 import train
 from common import cli
-from conftest import BF16_PATHS, F64, F64_OP, F64_ZERO, bf16_routing_error, randomize_routing, tiny, tokens, zero_grad_at_init
+from conftest import BF16_PATHS, F64, F64_OP, ThreeRoutes, bf16_routing_error, randomize_routing, tiny, tokens, unlearned
 from model import AttnRes, AttnResStream, FullAttnRes, RDAttnRes, SumStream, depth_attention, note, site_name
 from tools import bench, diagnose
 from train import model_config
 
-from runs import CONFIG, run
+from runs import argv, run
 
 
 class ReZero(nn.Module):
@@ -145,17 +145,16 @@ def registered(monkeypatch):
         monkeypatch.setitem(model.RESIDUALS, name, cls)
 
 
-def unlearned(residual, exempt=()):
-    """The parameters of a variant's model that get no gradient at init, or one where `exempt` expects none."""
+def unlearned_at_init(residual, exempt=()):
+    """conftest's unlearned on a variant's model, each name with its variant."""
     net, idx = tiny(residual=residual), tokens()
     net(idx, idx.roll(-1, 1))[1].backward()
-    return [f"{residual}: {name}" for name, p in net.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()
-            or (p.grad.abs().max() < F64_ZERO) != zero_grad_at_init(exempt, name)]
+    return [f"{residual}: {name}" for name in unlearned(net, exempt)]
 
 
 @pytest.mark.parametrize("residual", NEW)
 def test_a_new_variant_learns_and_exempts_only_what_its_init_zeroes(registered, residual):
-    assert unlearned(residual, ZERO_GRAD[residual]) == []
+    assert unlearned_at_init(residual, ZERO_GRAD[residual]) == []
 
 
 def test_a_parameter_a_subclass_adds_keeps_its_init_and_is_named_if_it_never_learns(monkeypatch):
@@ -167,7 +166,7 @@ def test_a_parameter_a_subclass_adds_keeps_its_init_and_is_named_if_it_never_lea
 
     monkeypatch.setitem(model.RESIDUALS, "unused", Unused)
     assert torch.equal(tiny(residual="unused").residual.slope, torch.ones(7, dtype=torch.float64))
-    assert unlearned("unused") == ["unused: residual.slope"]
+    assert unlearned_at_init("unused") == ["unused: residual.slope"]
 
 
 @pytest.mark.parametrize("impl", ["two_phase", "reference"])
@@ -201,21 +200,20 @@ def edited_shared_stream(self, j, sources):
     return self.mod.combine(h)
 
 
-def test_an_edit_to_a_shared_stream_that_its_twin_does_not_follow_is_refused(data_dir, tmp_path, monkeypatch, capsys):
+def test_an_edit_to_a_shared_stream_that_its_twin_does_not_follow_is_refused(data_dir, tmp_path, monkeypatch, capsys,
+                                                                             straight):
     """Every command that builds the fast model (train, sample, diagnose, bench) refuses it in one line, before a step."""
-    run(data_dir, tmp_path, "--residual=block_attnres", "--run_name=before", "--max_steps=2")
     monkeypatch.setattr(AttnResStream, "site", edited_shared_stream)
     model_fast.proved.clear()
-    ckpt = str(tmp_path / "before")
-    commands = [(train.main, [CONFIG, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--residual=block_attnres",
-                              "--run_name=after"]),
-                (sample.main, ["--ckpt", ckpt, "--max_new_tokens", "2"]), (diagnose.main, ["--ckpt", ckpt, "--tokens", "128"]),
+    commands = [(train.main, argv(data_dir, tmp_path, "--run_name=after")),
+                (sample.main, ["--ckpt", str(straight), "--max_new_tokens", "2"]),
+                (diagnose.main, ["--ckpt", str(straight), "--tokens", "128", "--out", str(tmp_path / "diag")]),
                 (bench.main, ["--variants", "block_attnres", "--n_layer", "1", "--n_embd", "16", "--n_head", "1",
                               "--vocab_size", "64", "--seq_len", "8", "--repeats", "1", "--routing_blocks", "",
                               "--out", str(tmp_path / "bench.json")])]
     capsys.readouterr()
-    for command, argv in commands:
-        assert cli(command, argv) == 2, command.__module__
+    for command, args in commands:
+        assert cli(command, args) == 2, command.__module__
         err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning:")]  # (bench: load)
         assert len(err) == 1 and "FastAttnResStream" in err[0] and "depth_impl=reference" in err[0], err
     assert not (tmp_path / "after" / "log.jsonl").exists()
@@ -288,7 +286,6 @@ def test_a_subclass_is_what_its_class_declares_not_what_its_name_says(monkeypatc
 def test_diagnostics_name_the_routes_the_variant_declares(registered, monkeypatch):
     """diagnose takes the route names from the module (route_names) and compares every pair at every site that has
     them all: multihead's at every site and the readout, RD-AttnRes' and ThreeRoutes' at attention sites."""
-    from test_routing import ThreeRoutes
     monkeypatch.setitem(model.RESIDUALS, "three_routes", ThreeRoutes)
     expected = {"multihead": (("head 0", "head 1"), 7), "three_routes": (("Q route", "K route", "V route"), 3),
                 "rd_attnres": (("QK route", "V route"), 3), "block_attnres": (("routing weights",), 0)}

@@ -6,8 +6,8 @@ import torch.nn as nn
 
 import model as model_module
 import model_fast
-from conftest import F64, F64_OP, randomize_routing
-from model import DAR_STREAMS, RESIDUALS, AttnResStream, FullAttnRes, GPTConfig, RDAttnRes
+from conftest import F64, F64_OP, ThreeRoutes, randomize_routing, tiny
+from model import DAR_STREAMS, RESIDUALS, AttnResStream, FullAttnRes, GPTConfig
 from model_fast import TwoPhaseRouter, make_model, rms_inv, transport
 from tools.bench import ReferenceRouter, saved_activation_bytes
 
@@ -110,9 +110,8 @@ MODELS = [  # block and chunk sizes, beyond each name in RESIDUALS at its defaul
 
 def model(**kw):
     """4 layers: 8 sublayers, so most block and chunk sizes leave a short last one."""
-    cfg = GPTConfig(**dict(dict(vocab_size=61, block_size=16, n_layer=4, n_head=2, n_embd=16), **kw))
-    m = randomize_routing(make_model(cfg, seed=0).double())
-    if cfg.dar_routing == "sep_v":
+    m = randomize_routing(tiny(block_size=16, n_layer=4, n_embd=16, **kw))
+    if m.cfg.dar_routing == "sep_v":
         with torch.no_grad():
             m.residual.v_proj.mul_(0.3)
     return m
@@ -123,26 +122,6 @@ def forward_backward(m, idx):
     logits, loss = m(idx, idx.roll(-1, 1))
     loss.backward()
     return logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
-
-
-class ThreeRoutes(RDAttnRes):
-    """RD-AttnRes with a pseudo-query for each of the Q, K and V inputs of every attention sublayer (a 3-tuple h):
-    only its queries change, so the fast twin serves it (three query rows per attention site)."""
-
-    route_names = ("Q route", "K route", "V route")
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.w_k = nn.Parameter(torch.zeros(cfg.n_layer, cfg.n_embd))
-
-    @torch.no_grad()
-    def reset_parameters(self, rng):
-        super().reset_parameters(rng)
-        self.w_k.zero_()
-
-    def queries(self, j):
-        rows = super().queries(j)
-        return torch.cat([rows[:1], self.w_k[j // 2:j // 2 + 1], rows[1:]]) if len(rows) == 2 else rows
 
 
 class StaticStream(AttnResStream):
