@@ -103,22 +103,6 @@ train.command(sys.argv[1:])
 """
 
 
-# a train.py killed (kill -9) in the middle of writing its checkpoint at step 6: after the temporary file's first bytes
-KILLED_IN_THE_LAST_SAVE = """
-import os, signal, sys, torch
-import train
-real = torch.save
-def save(obj, f, *args, **kwargs):
-    if obj["step"] == 6:
-        f.write(b"PK" * 1000)
-        f.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(obj, f, *args, **kwargs)
-torch.save = save
-train.command(sys.argv[1:])
-"""
-
-
 def two_ranks(args, code_of_rank=(None, None), expect=0):
     """Run train.py (or code playing it) with `args` as ranks 0 and 1 of a gloo group (as torchrun starts them); both
     must exit with status `expect`. Their stderr."""
@@ -140,13 +124,6 @@ def two_ranks(args, code_of_rank=(None, None), expect=0):
             p.kill()
     assert [rc for rc, _ in done] == [expect] * 2, "".join(err[-3000:] for _, err in done)
     return [err for _, err in done]
-
-
-def one_process(code, *args):
-    """Run train.py (or `code` playing it) in a process of its own: (exit status, stderr)."""
-    p = subprocess.run([sys.executable, *(["-c", code] if code else ["train.py"]), *map(str, args)], cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
-    return p.returncode, p.stderr
 
 
 class Payload:

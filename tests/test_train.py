@@ -3,6 +3,7 @@ config, the schedules, one synchronisation per step."""
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -11,25 +12,40 @@ import pytest
 import torch
 
 import train
-from common import Stopped, UserError, cli
+from common import ROOT, Stopped, UserError, cli
 from data import TokenLoader, load_meta
 from model_fast import make_model
 
-from runs import (
-    CONFIG,
-    KILLED_IN_THE_LAST_SAVE,
-    argv,
-    assert_close_runs,
-    assert_same_run,
-    ckpt,
-    interrupt_step,
-    one_process,
-    records,
-    run,
-    signal_in_step,
-    steps,
-    two_ranks,
-)
+from runs import argv, assert_close_runs, assert_same_run, ckpt, interrupt_step, records, run, signal_in_step, steps, two_ranks
+
+# a train.py killed (kill -9) in the middle of writing its checkpoint at step 6: after the temporary file's first bytes
+KILLED_IN_THE_LAST_SAVE = """
+import os, signal, sys, torch
+import train
+real = torch.save
+def save(obj, f, *args, **kwargs):
+    if obj["step"] == 6:
+        f.write(b"PK" * 1000)
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+train.command(sys.argv[1:])
+"""
+
+
+def one_process(code, *args):
+    """Run train.py (or `code` playing it) in a process of its own: (exit status, stderr)."""
+    p = subprocess.run([sys.executable, *(["-c", code] if code else ["train.py"]), *map(str, args)], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stderr
+
+
+def built(data_dir, tmp_path, *overrides):
+    """configs/test.py's config, model and first training loader, as train.py builds them."""
+    tc, settings = train.parse_config(argv(data_dir, tmp_path, *overrides))
+    model = make_model(train.build_model_config(settings, tc, load_meta(data_dir)), seed=tc.seed)
+    return tc, model, TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, seed=tc.data_seed)
 
 
 @pytest.mark.parametrize("ranks_args", [[], pytest.param(["--activation_checkpointing=true"], marks=pytest.mark.slow)],
@@ -82,14 +98,14 @@ def test_sigterm_or_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path,
     assert "SIGTERM: stopping after this step" in capfd.readouterr().err
 
 
-def test_overrides_are_typed_and_checked(tmp_path):
-    tc, model = train.parse_config([CONFIG, "--max_steps=1e5", "--lr=2e-3", "--compile=true", "--rd_mode=none",
-                                    "--residual=rd_attnres", "--n_embd=64"])
+def test_overrides_are_typed_and_checked(data_dir, tmp_path):
+    tc, model = train.parse_config(argv(data_dir, tmp_path, "--max_steps=1e5", "--lr=2e-3", "--compile=true", "--rd_mode=none",
+                                        "--residual=rd_attnres", "--n_embd=64"))
     assert (tc.max_steps, tc.lr, tc.compile, tc.run_name) == (100000, 2e-3, True, "test") and type(tc.max_steps) is int
     assert model == {"residual": "rd_attnres", "rd_mode": None, "n_layer": 2, "n_head": 2, "n_embd": 64}
-    assert train.parse_config([CONFIG, "--max_steps", "50", "--lr=2e-3"])[0].max_steps == 50  # --key value too
+    assert train.parse_config(argv(data_dir, tmp_path, "--max_steps", "50", "--lr=2e-3"))[0].max_steps == 50  # --key value
     for text, value in [("true", True), ("False", False), ("1", True), ("0", False)]:
-        assert train.parse_config([CONFIG, f"--compile={text}"])[0].compile is value
+        assert train.parse_config(argv(data_dir, tmp_path, f"--compile={text}"))[0].compile is value
     typo = tmp_path / "typo.py"
     typo.write_text("import math\nlr = math.pi / 1000\nn_embed = 64\n")  # what it imports is no key
     with pytest.raises(UserError, match="unknown key 'n_embed'.*did you mean n_embd"):
@@ -127,14 +143,9 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last(data_dir, tm
     assert ckpt(tmp_path / "test")["step"] == 3 and not list((tmp_path / "test").glob(".*.tmp"))
 
 
-def test_runs_that_differ_only_in_residual_are_paired(data_dir):
-    built = []
-    for residual in ("standard", "block_attnres"):
-        tc, settings = train.parse_config([CONFIG, f"--data_dir={data_dir}", f"--residual={residual}"])
-        model = make_model(train.build_model_config(settings, tc, load_meta(data_dir)), seed=tc.seed)
-        loader = TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len, seed=tc.data_seed)
-        built.append((model.state_dict(), [loader.next_batch() for _ in range(3)]))
-    (standard, batches_s), (attnres, batches_a) = built
+def test_runs_that_differ_only_in_residual_are_paired(data_dir, tmp_path):
+    pair = [built(data_dir, tmp_path, f"--residual={r}")[1:] for r in ("standard", "block_attnres")]
+    (standard, batches_s), (attnres, batches_a) = [(m.state_dict(), [data.next_batch() for _ in range(3)]) for m, data in pair]
     assert set(standard) < set(attnres)  # block_attnres adds its pseudo-queries
     assert all(torch.equal(standard[k], attnres[k]) for k in standard)
     assert all(torch.equal(u, v) for s, a in zip(batches_s, batches_a) for u, v in zip(s, a))
@@ -151,11 +162,9 @@ def test_lr_schedules():
     assert all(a > b for a, b in zip(lrs[79:], lrs[80:]))
 
 
-def test_a_training_step_synchronises_with_the_device_once(data_dir, monkeypatch):
-    tc, settings = train.parse_config([CONFIG, f"--data_dir={data_dir}"])
-    model = make_model(train.build_model_config(settings, tc, load_meta(data_dir)))
+def test_a_training_step_synchronises_with_the_device_once(data_dir, tmp_path, monkeypatch):
+    tc, model, loader = built(data_dir, tmp_path)
     optimizer = torch.optim.AdamW(model.param_groups(0.1))
-    loader = TokenLoader(tc.data_dir, "train", tc.batch_size, tc.seq_len)
     syncs, counting = [], [True]
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
         def counted(self, *args, _real=getattr(torch.Tensor, name), _name=name):  # noqa: B008 (bound per name)
