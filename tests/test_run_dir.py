@@ -11,7 +11,7 @@ import torch
 
 import sample
 import train
-from common import UserError, write_atomic
+from common import UserError
 from model_fast import load_model
 from tools import diagnose
 
@@ -179,18 +179,6 @@ def test_diagnose_writes_over_no_file_it_did_not_make(copied, tmp_path, capsys):
     assert diagnose.main(["--curves", str(copied), "--out", str(tmp_path / "mine.png")]) == 2  # a PNG, not a tool's
     assert diagnose.main(["--curves", str(copied), "--out", str(tmp_path / "c.png")]) == 0
     assert diagnose.main(["--curves", str(copied), "--out", str(tmp_path / "c.png")]) == 0  # its own PNG: replaced
-
-
-def test_a_failed_write_leaves_the_previous_file(tmp_path):
-    path = tmp_path / "summary.json"
-    write_atomic(path, "old\n")
-
-    def fails(f):
-        f.write(b"half")
-        raise OSError(28, "No space left on device")
-    with pytest.raises(OSError):
-        write_atomic(path, fails)
-    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
 def test_final_eval_tokens_scores_the_whole_split_once_at_the_end(data_dir, tmp_path):
