@@ -44,8 +44,10 @@ def no_compute(monkeypatch):
     (["--residual=rd_attnres", "--rd_mode=shared"], "unknown rd_mode 'shared'"),
     (["--residual=denseformer", "--denseformer_period=5"], "between 1 and n_layer=2"),
     (["--n_layer=0"], "n_layer must be >= 1"),
+    (["--wandb_log=true"], "wandb_log=true needs the wandb package"),
 ])
-def test_bad_keys_are_one_line_before_any_compute(data_dir, tmp_path, capsys, no_compute, args, message):
+def test_bad_keys_are_one_line_before_any_compute(data_dir, tmp_path, monkeypatch, capsys, no_compute, args, message):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     assert cli(train.main, argv(data_dir, tmp_path, *args)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err

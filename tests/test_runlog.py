@@ -5,10 +5,7 @@ import re
 import sys
 import types
 
-import train
-from common import cli
-
-from runs import argv, records, run
+from runs import records, run
 
 
 def test_log_lines_say_how_far_the_run_is_and_wandb_gets_every_record_at_its_step(data_dir, tmp_path, monkeypatch,
@@ -41,14 +38,6 @@ def test_log_lines_say_how_far_the_run_is_and_wandb_gets_every_record_at_its_ste
     assert [(s, m["train/loss"]) for s, m in logged if "train/loss" in m] == \
         [(r["step"], r["loss"]) for r in records(tmp_path / "test")]
     assert {"val/loss", "test/loss"} <= {k for _, m in logged for k in m}
-
-
-def test_wandb_log_without_wandb_is_one_line_before_compute(data_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    monkeypatch.setattr(train, "make_model", None)  # never reached
-    assert cli(train.main, argv(data_dir, tmp_path, "--wandb_log=true")) == 2
-    assert "wandb_log=true needs the wandb package" in capsys.readouterr().err
-    assert not (tmp_path / "test").exists()
 
 
 def test_cpu_threads_take_the_free_cores_shared_among_ranks_unless_omp_num_threads_says(monkeypatch):
