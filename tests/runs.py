@@ -30,11 +30,6 @@ def records(run_dir, kind="train"):
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def untimed(run_dir, kind="eval"):
-    """The records without their clock readings, which no two runs share."""
-    return [{k: v for k, v in r.items() if k not in ("elapsed_s", "eta_s")} for r in records(run_dir, kind)]
-
-
 def losses(run_dir):
     return [(r["step"], r["loss"]) for r in records(run_dir)]
 
@@ -51,7 +46,9 @@ def assert_same_run(run_dir, reference):
     """Bit for bit: the losses, the evaluations at the reference's steps, the weights and AdamW state."""
     assert losses(run_dir) == losses(reference)
     at = {(r["split"], r["step"]) for r in records(reference, "eval")}
-    assert [r for r in untimed(run_dir) if (r["split"], r["step"]) in at] == untimed(reference)
+    mine, theirs = ([{k: v for k, v in r.items() if k not in ("elapsed_s", "eta_s")} for r in records(d, "eval")]
+                    for d in (run_dir, reference))  # without the clock readings, which no two runs share
+    assert [r for r in mine if (r["split"], r["step"]) in at] == theirs
     a, b = ckpt(reference), ckpt(run_dir)
     assert a["step"] == b["step"] and a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
