@@ -259,17 +259,8 @@ def test_a_variant_with_several_rows_at_the_readout_matches_its_textbook_definit
 def test_a_subclass_is_what_its_class_declares_not_what_its_name_says(monkeypatch):
     """Block size, routes and flags come from the class: a subclass of FullAttnRes is Full AttnRes (S = 1), one of
     RDAttnRes takes rd_mode (tied: Block AttnRes), one of AttnRes is Block; a name not registered is refused."""
-    class MyFull(FullAttnRes):
-        pass
-
-    class MyRD(RDAttnRes):
-        pass
-
-    class MyBlock(AttnRes):
-        pass
-
-    for name, cls in (("my_full", MyFull), ("my_rd", MyRD), ("my_block", MyBlock)):
-        monkeypatch.setitem(model.RESIDUALS, name, cls)
+    for name, base in (("my_full", FullAttnRes), ("my_rd", RDAttnRes), ("my_block", AttnRes)):
+        monkeypatch.setitem(model.RESIDUALS, name, type(name, (base,), {}))  # a subclass that adds nothing
     assert tiny(residual="my_full").residual.S == 1 and tiny(residual="my_block").residual.S == 4
     idx = tokens()
     for mine, theirs, kw in (("my_full", "full_attnres", {}), ("my_rd", "block_attnres", dict(rd_mode="tied")),
