@@ -9,7 +9,7 @@ import torch.utils.checkpoint
 
 import model as model_module
 import model_fast
-from conftest import F64_OP, F64_ZERO, randomize_routing, tiny
+from conftest import F64_OP, F64_ZERO, randomize_routing, tiny, tokens
 from model import norm
 from model_fast import norm_project
 from tools.bench import saved_activation_bytes
@@ -108,9 +108,7 @@ def test_norm_project_under_plain_compile_equals_eager(plain_compile, backend):
 # --- the whole model: RD-AttnRes' h_V, MUDDFormer's h_K and h_V -------------------------------------
 
 Bm, Tm, dm, n_layer = 2, 12, 32, 4
-
-
-IDX = torch.randint(0, 61, (Bm, Tm), generator=torch.Generator().manual_seed(0))
+IDX = tokens(Bm, Tm)
 
 
 def run(m):
