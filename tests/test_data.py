@@ -143,7 +143,7 @@ def test_num_proc_parquet_streaming_or_not_and_a_hub_dataset_give_the_same_shard
     assert files_of(tmp_path / "hub", but="meta.json") == files_of(data_dir, but="meta.json")
 
 
-def test_rerun_is_up_to_date_or_refused(tmp_path, capsys):
+def test_a_rerun_is_up_to_date_or_refused_and_never_deletes_an_input(tmp_path, capsys):
     src, out = write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "out"
     assert prep(src, out) == 0
     before = files_of(out)
@@ -152,6 +152,10 @@ def test_rerun_is_up_to_date_or_refused(tmp_path, capsys):
     assert prep(src, out, "--val_fraction", 0.5) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert files_of(out) == before
+    kept = write_jsonl(out / "mine.jsonl", DOCS)  # a corpus file inside --out_dir
+    assert prep(kept, out, "--overwrite") == 2
+    assert main(["--dataset", str(out), "--data_files", "mine.jsonl", "--out_dir", str(out), "--overwrite"]) == 2
+    assert capsys.readouterr().err.count("inside --out_dir") == 2 and Path(kept).exists() and load_meta(out)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("a user's file")
     assert prep(src, tmp_path / "mine", "--overwrite") == 2  # not a preparation: never replaced
@@ -245,15 +249,6 @@ def test_a_preparation_killed_after_its_exchange_leaves_the_new_data(tmp_path):
                             "'byte', '--shard_tokens', '500', '--overwrite'])"], cwd=ROOT, capture_output=True)
     assert child.returncode == -signal.SIGKILL
     assert load_meta(out)["shard_tokens"] == 500 and TokenData(out).splits["train"]  # the new data, whole
-
-
-def test_an_input_inside_out_dir_is_never_deleted_with_it(tmp_path, capsys):
-    out = tmp_path / "out"
-    assert prep(write_jsonl(tmp_path / "c.jsonl", DOCS), out) == 0
-    kept = write_jsonl(out / "mine.jsonl", DOCS)
-    assert prep(kept, out, "--overwrite") == 2
-    assert main(["--dataset", str(out), "--data_files", "mine.jsonl", "--out_dir", str(out), "--overwrite"]) == 2
-    assert capsys.readouterr().err.count("inside --out_dir") == 2 and Path(kept).exists() and load_meta(out)
 
 
 def test_ids_beyond_the_tokenizer_s_vocabulary_are_one_line(data_dir, tmp_path):
