@@ -146,7 +146,8 @@ ONLY_A_RESUME_READS = "damaged|another run|does not fit"
     ("rng", "RNG state"), ("no loader", "KeyError"), (-5, "position -5"), ("x", "position 'x'"),
     (dict(val_loss="bad"), ONLY_A_RESUME_READS), (dict(val_loss=float("nan")), ONLY_A_RESUME_READS),
     (dict(segments="x"), ONLY_A_RESUME_READS), (dict(segments={"speeds": 5}), ONLY_A_RESUME_READS),
-    (dict(model_config={}), ONLY_A_RESUME_READS), ("no AdamW state", ONLY_A_RESUME_READS)])
+    (dict(model_config={}), ONLY_A_RESUME_READS), ("no AdamW state", ONLY_A_RESUME_READS),
+    (dict(tokenizer="gpt2"), "was trained on gpt2 tokens, but .* holds byte tokens")])
 def test_a_checkpoint_that_does_not_fit_is_one_line_before_any_step(data_dir, tmp_path, copied, straight, what, named):
     torch.save(spoil(ckpt(copied), what), copied / "ckpt.pt")
     with pytest.raises(UserError, match=named):
