@@ -231,10 +231,11 @@ def test_activation_checkpointing_recomputes_the_sublayers_and_changes_no_gradie
         block.attn.register_forward_pre_hook(
             lambda _, args: separate.append(isinstance(args[0], tuple) and any(h is not args[0][0] for h in args[0])))
     idx = tokens()
-    (logits_p, grads_p), (logits_c, grads_c) = loss_and_grads(plain, idx), loss_and_grads(ckpt, idx)
+    (logits_p, grads_p), plain_calls = loss_and_grads(plain, idx), len(own_input)
+    logits_c, grads_c = loss_and_grads(ckpt, idx)
     assert len(calls) == 2 * (2 * ckpt.cfg.n_layer)  # each sublayer: forward, then again in backward
     assert torch.equal(logits_c, logits_p) and grads_c.keys() == grads_p.keys()
-    assert bool(own_input) == any(separate)
+    assert bool(own_input) == any(separate) and len(own_input) == plain_calls  # checkpointed: no norm_project
     assert_grads_equal(grads_c, grads_p, atol=F64_OP if own_input else 0)
     assert saved_activation_bytes(ckpt, idx) < saved_activation_bytes(plain, idx)
     with torch.no_grad():  # nothing to recompute without gradients
