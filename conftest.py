@@ -187,9 +187,8 @@ def read_only(monkeypatch):
 
 @pytest.fixture
 def full_disk(monkeypatch):
-    """full_disk(directory, free): files opened for writing under `directory` (open(), Path.open) share
-    `free` bytes, as on a disk with that much room: a write takes what is left, then fails with ENOSPC
-    (a partial write, as the kernel gives, then the error)."""
+    """full_disk(directory, free): files opened for writing under `directory` (open(), Path.open) share `free` bytes: a
+    write takes what is left (a partial write, as the kernel's), then fails with ENOSPC, as on a disk that full."""
     roots, room = [], {}
     real_open = builtins.open
 

@@ -70,8 +70,7 @@ def assert_close_runs(a, b, atol=1e-5):
 
 
 def interrupt_step(monkeypatch, n, signum=None):
-    """In this process, train.train_step sends it `signum` before its n-th step (None: raises KeyboardInterrupt there,
-    as a crash mid-step would end it)."""
+    """train.train_step sends this process `signum` before its n-th step (None: raises KeyboardInterrupt, as a crash)."""
     real, calls = train.train_step, []
 
     def step(*args, **kwargs):
@@ -101,8 +100,7 @@ train.command(sys.argv[1:])
 
 
 def two_ranks(args, code_of_rank=(None, None), expect=0):
-    """Run train.py (or code playing it) with `args` as ranks 0 and 1 of a gloo group (as torchrun starts them); both
-    must exit with status `expect`. Their stderr."""
+    """train.py (or code playing it) with `args` as torchrun's ranks 0 and 1 of a gloo group, both exiting `expect`: stderrs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

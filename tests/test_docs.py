@@ -17,8 +17,7 @@ STARTS = ("python", "python3", "torchrun", "make", ".venv/bin/python")
 
 
 def commands(text):
-    """The command lines of a page: fenced blocks (continuations joined, comments dropped) and
-    inline code that starts like a command."""
+    """A page's command lines: fenced blocks (continuations joined, comments dropped), inline code that starts like one."""
     found = []
     for lang, block in re.findall(r"^```(.*)\n((?:(?!```).*\n)*?)```", text, re.M):  # a fenced block: its language, lines
         if lang.strip() not in ("", "bash", "sh", "console"):

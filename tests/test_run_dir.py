@@ -51,8 +51,7 @@ def test_a_second_process_on_a_live_run_is_refused(data_dir, tmp_path):
 
 
 def test_resume_true_without_a_checkpoint_starts_the_run_unless_the_run_had_one(data_dir, tmp_path, copied, capsys):
-    """A requeue may always pass --resume=true; a run whose checkpoint is gone (deleted, an older FSDP ckpt/) is refused
-    and nothing in it changes."""
+    """A requeue may always pass --resume=true; a run whose checkpoint is gone (deleted, an older FSDP ckpt/) is refused."""
     run(data_dir, tmp_path, "--run_name=new", "--resume=true", "--max_steps=1")
     assert "holds no checkpoint yet: starting the run from step 0" in capsys.readouterr().err
     assert steps(tmp_path / "new") == [1]

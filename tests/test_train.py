@@ -114,9 +114,8 @@ def test_overrides_are_typed_and_checked(data_dir, tmp_path):
 
 def test_a_checkpoint_far_worse_than_the_last_or_diverged_never_replaces_it(data_dir, tmp_path):
     """After a checkpoint, one step at lr 1: a finite val loss above a uniform guess's (ln V) stops the run, the good
-    checkpoint kept. At lr=1e10, a checkpoint every step: a checkpoint replaces the last one only after a finite
-    evaluation at its step, the divergence line names the step it kept and says so, and the run can be continued (at a
-    sane lr)."""
+    checkpoint kept. At lr=1e10, a checkpoint every step: one replaces the last only after a finite evaluation at its
+    step, the divergence line names the step it kept and the one it did not save, and the run goes on at a sane lr."""
     run(data_dir, tmp_path, "--max_steps=3")
     good = ckpt(tmp_path / "test")
     with pytest.raises(UserError, match="at step 4 is more than ln 2 above the last checkpoint.*checkpoint of step 3"):
