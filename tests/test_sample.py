@@ -122,18 +122,13 @@ def test_filter_keeps_exactly_the_top_k_and_the_nucleus(top_k, top_p, kept):
     assert all(out[i] == logits[i] for i in kept)
 
 
-def test_samples_follow_the_filtered_distribution():
+def test_samples_follow_the_filtered_distribution_and_generate_draws_only_below_vocab_size():
     logits, g = PROBS.log().expand(4000, 5), torch.Generator().manual_seed(0)
     assert sample_logits(logits, temperature=0).tolist() == [1] * 4000
     draws = sample_logits(logits, 1.0, top_k=2, generators=[g] * 4000)
     assert set(draws.tolist()) == {1, 3}
     assert abs((draws == 1).double().mean().item() - 0.4 / 0.7) < 0.03
-
-
-def test_generate_draws_only_below_vocab_size():
-    model = tiny()
-    g = torch.Generator().manual_seed(0)
-    assert max(steps(model, tokens(1, 3).tolist(), 50, generators=[g], vocab_size=7)[0]) < 7
+    assert max(steps(tiny(), tokens(1, 3).tolist(), 50, generators=[g], vocab_size=7)[0]) < 7
 
 
 # --- the command line ---------------------------------------------------------------------------------
