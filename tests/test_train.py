@@ -98,7 +98,7 @@ def test_sigterm_or_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path,
     assert "SIGTERM: stopping after this step" in capfd.readouterr().err
 
 
-def test_overrides_are_typed_and_checked(data_dir, tmp_path):
+def test_overrides_are_typed_and_checked_and_help_gives_every_key_a_meaning(data_dir, tmp_path, capsys):
     tc, model = train.parse_config(argv(data_dir, tmp_path, "--max_steps=1e5", "--lr=2e-3", "--compile=true", "--rd_mode=none",
                                         "--residual=rd_attnres", "--n_embd=64"))
     assert (tc.max_steps, tc.lr, tc.compile, tc.run_name) == (100000, 2e-3, True, "test") and type(tc.max_steps) is int
@@ -110,6 +110,9 @@ def test_overrides_are_typed_and_checked(data_dir, tmp_path):
     typo.write_text("import math\nlr = math.pi / 1000\nn_embed = 64\n")  # what it imports is no key
     with pytest.raises(UserError, match="unknown key 'n_embed'.*did you mean n_embd"):
         train.parse_config([str(typo)])
+    assert cli(train.main, ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "dar_block_size" in out and "K, in transformer layers" in out and "one of standard, full_attnres" in out
 
 
 def test_a_checkpoint_far_worse_than_the_last_or_diverged_never_replaces_it(data_dir, tmp_path):
@@ -180,12 +183,6 @@ def test_a_training_step_synchronises_with_the_device_once(data_dir, tmp_path, m
     monkeypatch.setattr(optimizer, "step", uncounted_step)
     train.train_step(model, optimizer, loader, 2, 1e-3, tc, torch.device("cpu"), train.nullcontext, 100.0)
     assert syncs == ["tolist"]
-
-
-def test_help_gives_every_key_a_meaning_and_lists_the_residuals(capsys):
-    assert cli(train.main, ["--help"]) == 0
-    out = capsys.readouterr().out
-    assert "dar_block_size" in out and "K, in transformer layers" in out and "one of standard, full_attnres" in out
 
 
 @pytest.mark.slow
