@@ -222,8 +222,7 @@ def test_an_edit_to_a_shared_stream_that_its_twin_does_not_follow_is_refused(dat
 def test_rezero_starts_as_the_embedding_alone(registered):
     """alpha = 0: every sublayer's output is hidden, the logits are lm_head(norm(x0))."""
     net, idx = tiny(residual="rezero"), tokens()
-    expected = net.lm_head(model.norm(net.wte(idx)))
-    torch.testing.assert_close(net(idx)[0], expected, rtol=0, atol=F64_OP)
+    torch.testing.assert_close(net(idx)[0], net.lm_head(model.norm(net.wte(idx))), rtol=0, atol=F64_OP)
 
 
 def test_a_temperature_of_one_is_block_attnres_on_both_paths(registered):

@@ -16,7 +16,6 @@ from sample import Window, filter_logits, generate, main, sample_logits
 
 VARIANTS = [dict(residual=r) for r in RESIDUALS if r != "rd_attnres"]
 VARIANTS += [dict(residual="rd_attnres", rd_mode=m) for m in RD_MODES]
-IDS = ["-".join(v.values()) for v in VARIANTS]
 
 
 def tiny(**kw):
@@ -44,7 +43,7 @@ def test_window_crops_the_prompt_and_slides_to_half_the_context():
     assert window.tokens.tolist() == [list(range(10, 16)), list(range(110, 116))]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v.values()))
 def test_cached_logits_and_greedy_tokens_equal_full_forward_passes(variant):
     model = tiny(**variant)
     seqs = tokens(2, 25).tolist()  # a batch of two rows
@@ -62,11 +61,8 @@ def test_cached_logits_and_greedy_tokens_equal_full_forward_passes(variant):
 
 # --- batches -----------------------------------------------------------------------------------------
 
-BATCH_VARIANTS = [dict(residual="standard"), dict(residual="rd_attnres"), dict(residual="dar"),
-                  dict(residual="mhc", hc_streams=2)]
-
-
-@pytest.mark.parametrize("variant", BATCH_VARIANTS, ids=[v["residual"] for v in BATCH_VARIANTS])
+@pytest.mark.parametrize("variant", [dict(residual="standard"), dict(residual="rd_attnres"), dict(residual="dar"),
+                                     dict(residual="mhc", hc_streams=2)], ids=lambda v: v["residual"])
 def test_a_batch_equals_its_rows_decoded_one_at_a_time(variant):
     """Greedy, three prompts of one length: 20 tokens through a context of 8 slide the window four times. Seeded, four
     samples of one prompt, each its own random stream. A batch is one forward pass per token, with or without the cache
