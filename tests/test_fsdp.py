@@ -58,12 +58,10 @@ def test_fsdp_equals_one_process_for_dar(data_dir, tmp_path):
     assert len(summary["peak_memory_bytes_per_rank"]) == 2
 
 
-# RD-AttnRes with activation checkpointing and 2 micro-steps per rank (no reduce-scatter on the first)
-MODEL = ["--residual=rd_attnres", "--activation_checkpointing=true", "--batch_tokens=512"]
-
-
 def fsdp_args(data_dir, out_dir, name, *more):
-    return argv(data_dir, out_dir, f"--run_name={name}", *MODEL, "--fsdp=true", *more)
+    """RD-AttnRes with activation checkpointing and 2 micro-steps per rank (no reduce-scatter on the first), sharded."""
+    return argv(data_dir, out_dir, f"--run_name={name}", "--residual=rd_attnres", "--activation_checkpointing=true",
+                "--batch_tokens=512", "--fsdp=true", *more)
 
 
 @pytest.mark.slow
