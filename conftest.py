@@ -1,6 +1,5 @@
-"""What the tests share: tolerances, one tiny model, a routing randomiser, a user's variant, the checks of learning at
-init and of the dtype rule; fixtures (one thread per test process, the tiny byte corpus, one uninterrupted run, a read-only
-mount, a full disk); and the order in which `make test-all` (pytest -n auto --dist loadgroup) hands out the tests."""
+"""What the tests share: tolerances, a tiny model, a routing randomiser, a user's variant, the learning and dtype checks;
+fixtures (one thread, the byte corpus, one straight run, a read-only mount, a full disk); make test-all's test order."""
 
 import builtins
 import errno
@@ -204,10 +203,6 @@ def full_disk(monkeypatch):
             if n < len(data):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return n
-
-        def writelines(self, lines):
-            for line in lines:
-                self.write(line)
 
         def __enter__(self):
             return self

@@ -27,8 +27,7 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sIIQ16s8s16x")  # magic, version, vocab size, tokens, tokenizer name, fingerprint
 
 
-# -----------------------------------------------------------------------------
-# tokenizers
+# --- tokenizers ---------------------------------------------------------------------------------------------
 
 def _fingerprint(*parts):
     return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:16]
@@ -80,8 +79,7 @@ def get_tokenizer(name):
     return TOKENIZERS[name]()
 
 
-# -----------------------------------------------------------------------------
-# shards and meta.json
+# --- shards and meta.json -----------------------------------------------------------------------------------
 
 def write_shard(path, tokens, tokenizer):
     """Write `tokens` as one shard at `path` (fsynced); the blake2b digest of its bytes (meta.json keeps it)."""
@@ -227,8 +225,7 @@ def check_data(data, seq_len):
     TokenLoader(data, "train", 1, seq_len)  # a training window of seq_len + 1 in some shard
 
 
-# -----------------------------------------------------------------------------
-# batches
+# --- batches ------------------------------------------------------------------------------------------------
 
 class TokenLoader:
     """Seeded, resumable training batches of a split: windows of seq_len + 1 tokens, shuffled per epoch by (seed, epoch);

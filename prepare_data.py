@@ -50,8 +50,7 @@ def split_of(index, val_fraction, test_fraction):
     return "val" if u < val_fraction else "test" if u < val_fraction + test_fraction else "train"
 
 
-# -----------------------------------------------------------------------------
-# reading
+# --- reading ------------------------------------------------------------------------------------------------
 
 def local_files(patterns):
     """Local source files, each pattern's matches sorted."""
@@ -132,8 +131,7 @@ def encoded(units, tokenizer_name, num_proc):
             yield from pool.imap(partial(encode, tokenizer_name), block, chunksize=16)
 
 
-# -----------------------------------------------------------------------------
-# writing
+# --- writing ------------------------------------------------------------------------------------------------
 
 class SplitWriter:
     """One split's token stream, cut into shards, and its unigram counts."""
@@ -258,8 +256,7 @@ def prepare(dataset=None, name=None, data_files=None, source_split="train", text
     return meta
 
 
-# -----------------------------------------------------------------------------
-# command line
+# --- command line -------------------------------------------------------------------------------------------
 
 def _count(text):
     """A positive integer, also written like 1e8."""

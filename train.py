@@ -64,8 +64,7 @@ from data import TokenData, TokenLoader, check_data, eval_batches
 from model import RESIDUALS, GPTConfig, InitialWeights, key
 from model_fast import checkpoint_problem, compile_model, make_model, read_checkpoint
 
-# ----------------------------------------------------------------------------------------------
-# Config: the training keys (TrainConfig), the model keys (model.GPTConfig), a config file, --key=value.
+# --- Config: the training keys (TrainConfig), the model keys (model.GPTConfig), a config file, --key=value ---
 
 
 @dataclass
@@ -244,8 +243,7 @@ def usage():
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# Ranks and the model: DDP, or FSDP2 (fully_shard) from the meta device.
+# --- Ranks and the model: DDP, or FSDP2 (fully_shard) from the meta device ----------------------------------
 
 
 def setup_ranks(tc):
@@ -299,8 +297,7 @@ def gradient_sync(model, on):
     return model.no_sync() if isinstance(model, DistributedDataParallel) and not on else nullcontext()
 
 
-# ----------------------------------------------------------------------------------------------
-# The loop: lr_at, train_step, evaluate.
+# --- The loop: lr_at, train_step, evaluate ------------------------------------------------------------------
 
 
 def lr_at(it, tc, max_steps):
@@ -369,8 +366,7 @@ def evaluate(model, data, split, batch_size, seq_len, max_tokens=None, device="c
     return loss_sum / tokens, int(tokens)
 
 
-# ----------------------------------------------------------------------------------------------
-# The run directory: its lock, its checkpoint, its log.
+# --- The run directory: its lock, its checkpoint, its log ---------------------------------------------------
 
 
 def claim_run_dir(tc, run_dir, mc, data):
@@ -552,8 +548,7 @@ class GracefulStop:
             raise Stopped("interrupted; the last checkpoint, if any, is kept (--resume=true continues from it)", signum)
 
 
-# ----------------------------------------------------------------------------------------------
-# The run, top to bottom.
+# --- The run, top to bottom ---------------------------------------------------------------------------------
 
 
 def autocast(device):

@@ -1,6 +1,5 @@
 """Helpers the training tests share: run train.py in-process or as ranks, read its log and checkpoint."""
 
-import json
 import os
 import signal
 import socket
@@ -11,7 +10,7 @@ from pathlib import Path
 import torch
 
 import train
-from common import ROOT
+from common import ROOT, log_records
 
 CONFIG = str(ROOT / "configs" / "test.py")  # 2 layers of width 32, 6 steps of 256 byte tokens, checkpoints at 3 and 6
 
@@ -26,8 +25,7 @@ def run(data_dir, out_dir, *overrides):
 
 
 def records(run_dir, kind="train"):
-    lines = (Path(run_dir) / "log.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+    return [r for r in log_records(run_dir) if r["kind"] == kind]
 
 
 def losses(run_dir):

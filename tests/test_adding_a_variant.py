@@ -130,9 +130,8 @@ def textbook_logits(net, idx, heads=1, slope=None):
     return net.lm_head(model.norm(site(L)))
 
 
-# Parameters that start with a zero gradient by construction (the guide's exemptions, by predicate):
-#   rezero: alpha = 0 hides every sublayer's output, so no sublayer weight gets a gradient;
-#   tempered: with zero queries, w / tau = 0 whatever tau, so log_tau gets none.
+# Zero gradients at init by construction (the guide's exemptions): rezero's alpha = 0 hides every sublayer's output, so
+# no sublayer weight gets one; tempered: with zero queries, w / tau = 0 whatever tau, so log_tau gets none.
 ZERO_GRAD = {"rezero": lambda name: name.startswith("blocks."), "tempered": ("residual.log_tau",), "multihead": (),
              "depth_alibi": ()}
 NEW = {"rezero": ReZero, "tempered": TemperedAttnRes, "multihead": MultiHeadAttnRes, "depth_alibi": DepthALiBi}

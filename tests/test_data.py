@@ -60,8 +60,7 @@ def files_of(d, but=None):
     return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.name != but}
 
 
-# -----------------------------------------------------------------------------
-# tokenizers
+# --- tokenizers ---------------------------------------------------------------------------------------------
 
 def test_tokenizers_known_ids_and_the_gpt2_vocabulary_checksum(tmp_path):
     tok, byte = get_tokenizer("gpt2"), get_tokenizer("byte")
@@ -75,8 +74,7 @@ def test_tokenizers_known_ids_and_the_gpt2_vocabulary_checksum(tmp_path):
         data.GPT2Tokenizer(tmp_path / "gpt2.tiktoken")
 
 
-# -----------------------------------------------------------------------------
-# preparing
+# --- preparing ----------------------------------------------------------------------------------------------
 
 def test_round_trip(data_dir):
     tok, meta = get_tokenizer("byte"), load_meta(data_dir)
@@ -263,8 +261,7 @@ def test_ids_beyond_the_tokenizer_s_vocabulary_are_one_line(data_dir, tmp_path):
         run(d, tmp_path, "--max_steps=1")
 
 
-# -----------------------------------------------------------------------------
-# loaders
+# --- loaders ------------------------------------------------------------------------------------------------
 
 def rows(x, y):
     return [tuple(r) for r in torch.cat([x, y[:, -1:]], 1).tolist()]
@@ -334,8 +331,7 @@ def test_eval_batches(data_dir):
         eval_batches(data_dir, "val", 4, 8, max_tokens=7)
 
 
-# -----------------------------------------------------------------------------
-# bad input: one clear line
+# --- bad input: one clear line ------------------------------------------------------------------------------
 
 def test_bad_sources_are_one_line_naming_them(tmp_path, capsys):
     (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))

@@ -105,6 +105,14 @@ def test_the_reading_order_names_what_its_files_hold():
         assert body and re.search(pattern, body[0], re.M), f"README links {name} in {path}, which holds no such name"
 
 
+def test_the_tests_the_docs_cite_exist():
+    """A test the pages cite by name (`test_...`, docs/reliability.md's table) is defined: a renamed test renames it there."""
+    files = [ROOT / "test_equivalence.py", *ROOT.glob("tests/*.py"), *ROOT.glob("experiments/tests/*.py")]
+    defined = set(re.findall(r"^def (test_\w+)", "".join(f.read_text() for f in files), re.M))
+    cited = {name for page in PAGES for name in re.findall(r"`(test_\w+)`", page.read_text())}
+    assert len(cited) > 20 and cited - defined == set()
+
+
 def test_tools_docstring_lists_every_module():
     """tools/__init__.py names each of its modules, one a line."""
     listed = set(re.findall(r"^ {4}(\w+(?:, \w+)*)\s", (ROOT / "tools" / "__init__.py").read_text(), re.M))

@@ -47,8 +47,7 @@ def test_fsdp_initial_weights_equal_one_process_for_every_family():
 
 @pytest.mark.slow
 def test_fsdp_equals_one_process_for_dar(data_dir, tmp_path):
-    # 9 evaluation windows: rank 0 gets 5 (2 batches of up to 4), rank 1 gets 4 (1 batch); under FSDP every forward
-    # is collective, so both ranks must run 2 forwards or the evaluation hangs
+    # 9 evaluation windows: rank 0 runs 2 batches, rank 1 one; FSDP's forwards are collective: both must run 2 (or hang)
     dar = ["--residual=dar", "--eval_tokens=288"]
     run(data_dir, tmp_path, "--run_name=one", *dar)
     two_ranks(argv(data_dir, tmp_path, "--run_name=fsdp", "--fsdp=true", *dar))

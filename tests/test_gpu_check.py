@@ -7,8 +7,7 @@ from tools import gpu_check
 
 @pytest.mark.slow
 def test_the_gpu_check_passes_at_toy_size(tmp_path, capsys, monkeypatch):
-    # the toy's training in 40 steps instead of 150 (about a fifth of the check's time): the SIGTERM, sent at
-    # the first logged step, still stops the run far from its end
+    # the toy's training in 40 steps, not 150: the SIGTERM at the first logged step still stops it far from its end
     monkeypatch.setattr(gpu_check, "TOY_TRAIN", [kv if not kv.startswith("max_steps=") else "max_steps=40"
                                                  for kv in gpu_check.TOY_TRAIN])
     assert gpu_check.main(["--toy", "--variants", "block_attnres", "--out", str(tmp_path)]) == 0

@@ -133,10 +133,8 @@ USES = {"rd_attnres": n_layer, "muddformer": 2 * (n_layer - 1)}  # MUDDFormer's 
 
 @pytest.mark.parametrize("residual", USES)
 def test_model_equals_the_plain_path_and_the_checkpoint_path(residual, monkeypatch):
-    """The same logits bit for bit and every gradient to float64 rounding as the plain ops and the checkpoint; saved for
-    backward, per separate input: the plain ops' normalised copy and its 1 / rms less (a [B, T, d] activation and one float
-    per token), and against the checkpoint a reference to the projection's weight (a parameter, resident anyway) and no
-    activation more."""
+    """The plain ops' and the checkpoint's logits bit for bit, gradients to float64 rounding; saved, per separate input:
+    the plain ops' normalised copy and 1 / rms less, against the checkpoint only a reference to the projection's weight."""
     calls = []
     monkeypatch.setattr(model_fast.FastGPT, "norm_project", staticmethod(lambda h, W: calls.append(1) or norm_project(h, W)))
     logits, grads, saved = run(randomize_routing(tiny(residual=residual, n_layer=n_layer)))

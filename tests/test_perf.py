@@ -125,9 +125,8 @@ def test_activation_checkpointing_compiles_whole_and_equals_eager():
     (loss_p, grads_p), (loss_c, grads_c) = step(plain, plain, autocast), step(model, model, autocast)
     assert torch.equal(loss_c, loss_p) and grads_c.keys() == grads_p.keys()
     for n in grads_p:
-        # Each gradient is a bf16 matmul's output (unit roundoff u = 2^-8) summed in float32: the two graphs
-        # may round an entry differently by one ulp of the tensor's scale, 2u * max|g|. A wrong recomputation
-        # (another input, a missed sublayer) is off by the gradient's own size.
+        # bf16 matmul outputs (u = 2^-8) summed in float32: the graphs may round an entry apart by one ulp of the
+        # tensor's scale, 2u * max|g|; a wrong recomputation (another input, a missed sublayer) is off by |g| itself
         bound = 2 * 2.0**-8 * grads_p[n].abs().max()
         assert (grads_c[n] - grads_p[n]).abs().max() <= bound, n
 

@@ -51,8 +51,7 @@ def built(data_dir, tmp_path, *overrides):
 @pytest.mark.parametrize("ranks_args", [[], pytest.param(["--activation_checkpointing=true"], marks=pytest.mark.slow)],
                          ids=["plain", "checkpointing"])
 def test_two_ddp_ranks_reach_the_parameters_of_one_process(data_dir, tmp_path, ranks_args):
-    # one process accumulates 2 micro-batches of 4 sequences; two ranks take one each (and recompute their sublayers
-    # in backward, in the second case: the same numbers)
+    # one process accumulates 2 micro-batches of 4 sequences; two ranks take one each (checkpointing: the same numbers)
     run(data_dir, tmp_path, "--run_name=one", "--max_steps=3")
     two_ranks(argv(data_dir, tmp_path, "--run_name=two", "--max_steps=3", *ranks_args))
     assert_close_runs(tmp_path / "one", tmp_path / "two")
