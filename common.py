@@ -63,12 +63,17 @@ def cli(main, argv=None):
         discard_stdout()
         return 0
     except (UserError, OSError) as e:  # bad input; a full disk, a path the OS refuses
-        print(f"error: {e if isinstance(e, UserError) else os_error_message(e)}", file=sys.stderr, flush=True)
+        print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt as e:
         if rank() == 0:
             print(str(e) or "interrupted", file=sys.stderr, flush=True)
         return 128 + getattr(e, "signum", 2)
+
+
+def error_line(e):
+    """The one line a UserError (its message) or an OSError (os_error_message) gets."""
+    return str(e) if isinstance(e, UserError) else os_error_message(e)
 
 
 def os_error_message(e, path=None, verb="write"):
@@ -139,7 +144,7 @@ def on_rank0(fn, shared=None):
         try:
             result = fn()
         except (UserError, OSError) as e:
-            error = str(e) if isinstance(e, UserError) else os_error_message(e)
+            error = error_line(e)
     if world_size() > 1:
         box = [((shared or (lambda r: r))(result) if rank() == 0 and error is None else None, error)]
         dist.broadcast_object_list(box, src=0)

@@ -58,6 +58,7 @@ from common import (
     say,
     signal_handlers,
     utc_now,
+    world_size,
     write_atomic,
 )
 from data import TokenData, TokenLoader, check_data, eval_batches
@@ -329,7 +330,7 @@ def train_step(model, optimizer, loader, accum, lr, tc, device, autocast, max_lo
             (loss / accum).backward()
         total += loss.detach()
     stop = torch.full((), float(signals.signum if signals else 0), device=device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world_size()
     if world > 1:
         dist.all_reduce(total)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal to any rank stops them all
@@ -347,7 +348,8 @@ def train_step(model, optimizer, loader, accum, lr, tc, device, autocast, max_lo
 def evaluate(model, data, split, batch_size, seq_len, max_tokens=None, device="cpu", autocast=None, lockstep=False):
     """(mean loss over a split's first max_tokens targets, summed in float64 over the ranks; tokens). lockstep
     (FSDP, whose forwards gather from every rank): every rank runs as many batches as the busiest one."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    world = world_size()
+    rank = dist.get_rank() if world > 1 else 0
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
     batches = eval_batches(data, split, batch_size, seq_len, max_tokens, rank, world)
     while True:
@@ -465,7 +467,7 @@ def misfit(ckpt, mc):
     if not isinstance(ckpt["loader"], dict):
         return f"the loader state: {shape(ckpt['loader'])}"
     try:
-        set_rng_state(ckpt["rng"], torch.device("cpu"))  # (run() seeds afterwards)
+        set_rng_state(ckpt["rng"], torch.device("cpu"))  # (main seeds afterwards)
     except (ValueError, RuntimeError, IndexError) as e:
         return f"the RNG state: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     return None
